@@ -1,0 +1,155 @@
+"""``OffloadHooks`` and ``offload()``: the public entry points.
+
+``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``);
+the work lives in :mod:`tensorstore_hooks._pipeline` and the store.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from ._pipeline import OffloadSession, PipelineOptions
+from ._registry import open_store
+from ._stats import OffloadStats
+from ._store import TensorStore
+
+__all__ = ["OffloadHooks", "offload"]
+
+
+class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that offload what autograd saves into a :class:`TensorStore`.
+
+    Use as a context manager around forward; backward may run after the block has
+    exited. Nests like the torch original (the innermost active hooks win) and
+    composes with ``torch.utils.checkpoint(use_reentrant=False)``. Made by
+    :func:`offload`; the object can be entered again for the next step.
+    """
+
+    def __init__(self, session: OffloadSession) -> None:
+        self._session = session
+        self._scope = session.scope
+        self._models: list[torch.nn.Module] = []
+        super().__init__(session.pack, session.unpack)
+        # An owned store is closed when this object is collected and nothing is live.
+        self._finalizer = weakref.finalize(self, session.close)
+        self._finalizer.atexit = False
+
+    # ------------------------------------------------------------ context
+    def __enter__(self) -> OffloadHooks:  # type: ignore[override]
+        if self._session.closed:
+            raise RuntimeError(
+                "these OffloadHooks were closed; make new ones with tsh.offload(...)"
+            )
+        if self._scope is not None:
+            for model in self._models:
+                self._scope.attach(model)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self._scope is not None:
+            self._scope.detach()
+
+    # ------------------------------------------------------------- public
+    @property
+    def stats(self) -> OffloadStats:
+        """Counters of this session (live; readable during and after backward)."""
+        return self._session.stats
+
+    @property
+    def store(self) -> TensorStore:
+        """The store saved tensors go to."""
+        return self._session.store
+
+    @property
+    def policy(self) -> Any:
+        """The :class:`~tensorstore_hooks.Policy` in force."""
+        return self._session.policy
+
+    def flush(self) -> None:
+        """Block until every pending write has reached the store.
+
+        Leaving the ``with`` block does not wait: backward wants the newest tensors
+        first and may take them straight from memory.
+        """
+        self._session.flush()
+
+    def attach(self, model: torch.nn.Module) -> OffloadHooks:
+        """Track ``model``'s module paths for ``module`` rules while the hooks are active.
+
+        Forward hooks are added on entering the ``with`` block and removed on leaving it.
+        """
+        if self._scope is None:
+            from ._scope import ModuleScope
+
+            self._scope = self._session.scope = ModuleScope()
+        self._models.append(model)
+        if self._is_active():
+            self._scope.attach(model)
+        return self
+
+    def _is_active(self) -> bool:
+        stack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return stack is not None and stack[0] is self.pack_hook
+
+    def close(self) -> None:
+        """Stop offloading; an owned store is closed once backward has freed every key."""
+        self._session.close()
+
+    def __repr__(self) -> str:
+        return f"OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"
+
+
+def _store_options(url: str | None, store_cfg: Any) -> dict[str, Any]:
+    if url is not None and str(url).startswith("tsh"):
+        return dict(store_cfg.storage_options)
+    opts: dict[str, Any] = {"codec": store_cfg.codec, "chunk_bytes": store_cfg.chunk_bytes}
+    if store_cfg.storage_options:
+        opts["storage_options"] = dict(store_cfg.storage_options)
+    return opts
+
+
+def offload(
+    store: str | os.PathLike[str] | TensorStore | None = None,
+    *,
+    config: Any = None,
+    model: torch.nn.Module | None = None,
+    **overrides: Any,
+) -> OffloadHooks:
+    """Offload the tensors autograd saves during forward into a store.
+
+    ``store``: a URL (``"file:///scratch/acts"``, ``"memory://"``, ``"s3://b/p"``,
+    ``"tsh://127.0.0.1:7077"``), a :class:`TensorStore`, or ``None`` for the config's
+    store, else a fresh temporary local Zarr store removed at close/exit.
+    ``config``: a YAML file (or ``tsh.load_config(...)`` result); the ``TSH_CONFIG``
+    environment variable names a default. Keyword overrides win over the file:
+    ``min_bytes``, ``skip_parameters``, ``prefetch``, ``max_inflight``, ``rules``,
+    ``default``, ``writer_threads``, ``codec``, ``chunk_bytes``, ``storage_options``.
+    ``model``: track its module paths for ``module`` rules (or ``hooks.attach(model)``).
+
+    Raises :class:`ConfigError` for bad options, before anything is changed.
+    """
+    from ._config import resolve_config
+
+    cfg = resolve_config(config, overrides)
+    if isinstance(store, TensorStore):
+        st, owned = store, False
+    else:
+        url = store if store is not None else cfg.store.url
+        url_s = os.fspath(url) if url is not None else None
+        st, owned = open_store(url_s, **_store_options(url_s, cfg.store)), True
+    options = PipelineOptions(
+        max_inflight=cfg.pipeline.max_inflight,
+        prefetch=cfg.pipeline.prefetch,
+        writer_threads=cfg.pipeline.writer_threads,
+    )
+    session = OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
+    hooks = OffloadHooks(session)
+    if model is not None:
+        hooks.attach(model)
+    return hooks

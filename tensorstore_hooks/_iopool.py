@@ -1,0 +1,117 @@
+"""Background I/O threads shared by every offload session on one store.
+
+A small priority pool: reads (backward is waiting) go before writes. Threads start on
+first use and stop on :meth:`IOPool.shutdown`, which runs when the owning store is
+closed and at interpreter exit. A task's exception is delivered through its Future,
+never lost in the thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["READ", "WRITE", "IOPool", "pool_for", "shutdown_pool"]
+
+READ = 0
+WRITE = 1
+_STOP = 99
+
+
+class IOPool:
+    """A fixed number of daemon threads draining a priority queue of callables."""
+
+    def __init__(self, threads: int, name: str = "tsh-io") -> None:
+        self.threads = max(1, threads)
+        self._name = name
+        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._counter = itertools.count()
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on a pool thread; lower ``priority`` runs first."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("tensorstore-hooks I/O pool is shut down")
+            if len(self._workers) < self.threads:
+                self._start_worker()
+        self._queue.put((priority, next(self._counter), (fut, fn, args)))
+        return fut
+
+    def _start_worker(self) -> None:
+        t = threading.Thread(
+            target=self._run, name=f"{self._name}-{len(self._workers)}", daemon=True
+        )
+        self._workers.append(t)
+        t.start()
+
+    def _run(self) -> None:
+        while True:
+            priority, _, item = self._queue.get()
+            if priority == _STOP:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # delivered to whoever waits on the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            del fut, fn, args, item  # drop references to tensors promptly
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Finish queued tasks, then stop the threads (waits up to ``timeout_s``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+        for _ in workers:
+            self._queue.put((_STOP, next(self._counter), None))
+        for t in workers:
+            if t is not threading.current_thread():
+                t.join(timeout_s)
+
+    @property
+    def alive_threads(self) -> int:
+        return sum(t.is_alive() for t in self._workers)
+
+
+_POOLS: weakref.WeakKeyDictionary[Any, IOPool] = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def pool_for(store: Any, threads: int) -> IOPool:
+    """The pool shared by all sessions on ``store`` (made on first use)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(store)
+        if pool is None or pool._closed:
+            pool = _POOLS[store] = IOPool(threads)
+        return pool
+
+
+def shutdown_pool(store: Any) -> None:
+    with _POOLS_LOCK:
+        pool = _POOLS.pop(store, None)
+    if pool is not None:
+        pool.shutdown()
+
+
+@atexit.register
+def _shutdown_all() -> None:  # pragma: no cover - exercised by subprocess tests
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.shutdown(timeout_s=5.0)
