@@ -147,6 +147,7 @@ def offload(
         max_inflight=cfg.pipeline.max_inflight,
         prefetch=cfg.pipeline.prefetch,
         writer_threads=cfg.pipeline.writer_threads,
+        read_deadline_s=cfg.pipeline.read_deadline_s,
     )
     session = OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
     hooks = OffloadHooks(session)

@@ -1,0 +1,734 @@
+"""Configuration: the YAML schema, its validation, and the effective settings.
+
+A config file has three optional sections, ``store``, ``pipeline`` and ``policy``
+(see ``docs/config.md`` and ``configs/``). It is parsed with a safe YAML loader,
+validated by pydantic models (strict types, unknown keys forbidden), and turned
+into plain frozen dataclasses (:class:`EffectiveConfig`) that the hooks read on the
+hot path without pydantic. Every problem is a :class:`ConfigError` naming the
+source (file and line, or the ``offload()`` keyword), the field path such as
+``policy.rules[2].action``, the bad value and what is allowed. Validation happens
+completely before anything is returned: nothing half-applies.
+
+Precedence: ``offload()`` keywords > the file given as ``config=`` > the file named
+by ``TSH_CONFIG`` (only when ``config=`` is not given) > built-in defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import ValidationError as _PydanticValidationError
+
+from ._policy import (
+    Action,
+    Policy,
+    Rule,
+    compile_module_glob,
+    dtype_name,
+    exact_size,
+    parse_dtype,
+)
+from ._units import DURATION_HELP, SIZE_HELP, parse_bytes, parse_duration
+from .errors import ConfigError
+
+__all__ = [
+    "CONFIG_ENV",
+    "OVERRIDE_KEYS",
+    "Duration",
+    "EffectiveConfig",
+    "PipelineSettings",
+    "Size",
+    "StoreSettings",
+    "config_from_dict",
+    "dump_config",
+    "format_validation_error",
+    "load_config",
+    "resolve_config",
+]
+
+CONFIG_ENV = "TSH_CONFIG"
+"""Environment variable naming the config file used when ``offload()`` gets no ``config=``."""
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+_MIN_CHUNK_BYTES = 4 << 10
+
+
+# ---------------------------------------------------------------------------------------
+# Settings: what the rest of the library reads (plain dataclasses, no pydantic)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The ``store:`` section: where offloaded tensors go."""
+
+    url: str | None = None
+    """Store URL (bare path, ``file://``, ``memory://``, ``s3://...``, ``tsh://HOST:PORT``);
+    ``None``: a temporary local directory removed at exit."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed through to fsspec (credentials, endpoint_url, ...)."""
+    codec: str = "none"
+    """``none``, ``lz4``, ``zstd`` or ``zstd:LEVEL`` (-7..22)."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Zarr chunk size in bytes: a power of two >= 4 KiB."""
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The ``pipeline:`` section: background writing and read-ahead."""
+
+    max_inflight: int = 512 << 20
+    """Bytes written behind before pack blocks (0: every write finishes before pack returns)."""
+    prefetch: int = 256 << 20
+    """Bytes read ahead during backward (0: no read-ahead)."""
+    writer_threads: int = 2
+    """Background writer threads (1..64)."""
+    read_deadline_s: float = 30.0
+    """How long a failing read is retried before its error is raised."""
+
+
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """A validated configuration with every default filled in (``tsh.load_config`` returns one)."""
+
+    store: StoreSettings = field(default_factory=StoreSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    policy: Policy = field(default_factory=Policy)
+    source: str | None = None
+    """The file it came from (``None``: defaults, a dict, or keywords only)."""
+
+    def to_dict(self, *, redact: bool = False) -> dict[str, Any]:
+        """The config as plain YAML-ready data, loadable again by ``config_from_dict``.
+
+        Sizes are written with the largest exact binary unit (``"8MiB"``). With
+        ``redact``, ``storage_options`` values whose key looks secret are masked.
+        """
+        options = dict(self.store.storage_options)
+        if redact:
+            options = {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+        return {
+            "store": {
+                "url": self.store.url,
+                "storage_options": options,
+                "codec": self.store.codec,
+                "chunk_bytes": exact_size(self.store.chunk_bytes),
+            },
+            "pipeline": {
+                "max_inflight": exact_size(self.pipeline.max_inflight),
+                "prefetch": exact_size(self.pipeline.prefetch),
+                "writer_threads": self.pipeline.writer_threads,
+                "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
+            },
+            "policy": {
+                "min_bytes": exact_size(self.policy.min_bytes),
+                "skip_parameters": self.policy.skip_parameters,
+                "rules": [_rule_to_dict(r, sizes_as_str=True) for r in self.policy.rules],
+                "default": self.policy.default,
+            },
+        }
+
+
+_SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _duration_str(s: float) -> str:
+    return f"{int(s)}s" if float(s).is_integer() else f"{s}s"
+
+
+def _rule_to_dict(rule: Rule, *, sizes_as_str: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rule.name is not None:
+        out["name"] = rule.name
+    if rule.module is not None:
+        out["module"] = rule.module
+    if rule.dtype is not None:
+        names = [dtype_name(d) for d in rule.dtype]
+        out["dtype"] = names[0] if len(names) == 1 else names
+    for key in ("min_bytes", "max_bytes"):
+        value = getattr(rule, key)
+        if value is not None:
+            out[key] = exact_size(value) if sizes_as_str else value
+    if rule.ndim is not None:
+        out["ndim"] = rule.ndim[0] if len(rule.ndim) == 1 else list(rule.ndim)
+    out["action"] = rule.action
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Field types (reusable, e.g. by the daemon's server config)
+# ---------------------------------------------------------------------------------------
+
+
+def _size(value: Any) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        # parse_bytes's own message repeats the value; the error formatter adds it once.
+        raise ValueError(f"expected {SIZE_HELP}") from None
+
+
+def _opt_size(value: Any) -> int | None:
+    return None if value is None else _size(value)
+
+
+def _duration(value: Any) -> float:
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        raise ValueError(f"expected {DURATION_HELP}") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected {DURATION_HELP}")
+    return seconds
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+"""Bytes: a non-negative int or a string like ``"512KiB"``, ``"8MiB"``, ``"1GiB"``."""
+Duration = Annotated[float, BeforeValidator(_duration)]
+"""Seconds: a non-negative number or a string like ``"500ms"``, ``"30s"``, ``"5m"``."""
+
+
+def _chunk_size(value: Any) -> int:
+    n = _size(value)
+    if n < _MIN_CHUNK_BYTES or n & (n - 1):
+        raise ValueError("expected a power of two of at least 4KiB (e.g. 1MiB, 8MiB, 64MiB)")
+    return n
+
+
+_CODEC_RE = re.compile(r"^(none|lz4|zstd)(?::(-?\d+))?$")
+
+
+def _codec(value: str) -> str:
+    m = _CODEC_RE.match(value)
+    ok = m is not None and (
+        m.group(2) is None
+        if m.group(1) != "zstd"
+        else m.group(2) is None or -7 <= int(m.group(2)) <= 22
+    )
+    if not ok:
+        raise ValueError("expected 'none', 'lz4', 'zstd' or 'zstd:LEVEL' with LEVEL in -7..22")
+    return value
+
+
+def _known_url_schemes() -> set[str]:
+    from fsspec.registry import registry as imported_fsspec
+
+    from ._registry import known_schemes
+
+    return set(known_schemes()) | set(imported_fsspec)
+
+
+def _url(value: str | None) -> str | None:
+    """Check a store URL's scheme (not reachability: no package is imported, no I/O)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError("empty URL; leave store.url out (or null) for a temporary directory")
+    if "://" not in value and "::" not in value:
+        return value  # a bare local path
+    head = value.split("://", 1)[0].lower()
+    if head in ("tsh", "tsh+unix"):
+        # Never chained; and "::" may be part of an IPv6 host, e.g. tsh://[::1]:7077.
+        _check_daemon_url(value, head)
+        return value
+    known = _known_url_schemes()
+    links = value.split("::")
+    for link in links:
+        proto = (link.split("://", 1)[0] if "://" in link else link).lower()
+        if proto not in known:
+            ours = "file, memory, tsh, tsh+unix"
+            raise ValueError(
+                f"unknown URL scheme {proto!r}; use a bare path or one of {ours}, or an fsspec "
+                "protocol such as s3, gs, az, http, sftp (chains like 'simplecache::s3://b/p' "
+                "work too)"
+            )
+        if proto in ("tsh", "tsh+unix"):
+            raise ValueError(f"{proto}:// cannot be chained with other protocols")
+    return value
+
+
+def _check_daemon_url(url: str, proto: str) -> None:
+    parts = urlsplit(url)
+    if proto == "tsh+unix":
+        if not parts.path or parts.netloc:
+            raise ValueError("expected tsh+unix:///absolute/path/to/socket")
+        return
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or not 0 < port < 65536:
+        raise ValueError(
+            "expected tsh://HOST:PORT with a port in 1..65535, e.g. tsh://127.0.0.1:7077"
+        )
+
+
+def _glob(value: str | None) -> str | None:
+    if value is not None:
+        compile_module_glob(value)  # raises ValueError with the reason
+    return value
+
+
+def _dtypes(value: Any) -> Any:
+    if value is None:
+        return None
+    items = [value] if not isinstance(value, list | tuple) else list(value)
+    if not items:
+        raise ValueError("expected a dtype name or a non-empty list of them")
+    # Normalised spelling, so the printed effective config reads the same everywhere.
+    return tuple(dtype_name(parse_dtype(v)) for v in items)
+
+
+def _ndims(value: Any) -> Any:
+    if value is None:
+        return None
+    items = [value] if not isinstance(value, list | tuple) else list(value)
+    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items):
+        raise ValueError(
+            "expected a non-negative int or a non-empty list of them, e.g. 4 or [3, 4]"
+        )
+    return tuple(items)
+
+
+# ---------------------------------------------------------------------------------------
+# The schema (pydantic): strict types, unknown keys are errors
+# ---------------------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _StoreModel(_Model):
+    url: Annotated[str | None, AfterValidator(_url)] = None
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    codec: Annotated[str, AfterValidator(_codec)] = "none"
+    chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
+
+
+class _PipelineModel(_Model):
+    max_inflight: Size = PipelineSettings.max_inflight
+    prefetch: Size = PipelineSettings.prefetch
+    writer_threads: Annotated[int, Field(ge=1, le=64)] = PipelineSettings.writer_threads
+    read_deadline_s: Duration = PipelineSettings.read_deadline_s
+
+
+class _RuleModel(_Model):
+    name: str | None = None
+    module: Annotated[str | None, AfterValidator(_glob)] = None
+    dtype: Annotated[tuple[str, ...] | None, BeforeValidator(_dtypes)] = None
+    min_bytes: Annotated[int | None, BeforeValidator(_opt_size)] = None
+    max_bytes: Annotated[int | None, BeforeValidator(_opt_size)] = None
+    ndim: Annotated[tuple[int, ...] | None, BeforeValidator(_ndims)] = None
+    action: Action
+
+    @model_validator(mode="after")
+    def _check(self) -> _RuleModel:
+        if all(
+            getattr(self, k) is None for k in ("module", "dtype", "min_bytes", "max_bytes", "ndim")
+        ):
+            raise ValueError(
+                "a rule needs at least one condition (module, dtype, min_bytes, max_bytes, ndim); "
+                "for everything no rule matches, set policy.default"
+            )
+        lo, hi = self.min_bytes, self.max_bytes
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"min_bytes ({lo}) is larger than max_bytes ({hi}): the rule could never match"
+            )
+        return self
+
+    def build(self) -> Rule:
+        return Rule(
+            action=self.action,
+            module=self.module,
+            dtype=None if self.dtype is None else tuple(parse_dtype(d) for d in self.dtype),
+            min_bytes=self.min_bytes,
+            max_bytes=self.max_bytes,
+            ndim=self.ndim,
+            name=self.name,
+        )
+
+
+_DEFAULT_POLICY = Policy()  # slots dataclass: defaults are read from an instance
+
+
+class _PolicyModel(_Model):
+    min_bytes: Size = _DEFAULT_POLICY.min_bytes
+    skip_parameters: bool = _DEFAULT_POLICY.skip_parameters
+    rules: list[_RuleModel] = Field(default_factory=list)
+    default: Action = _DEFAULT_POLICY.default
+
+
+class _ConfigModel(_Model):
+    store: _StoreModel = Field(default_factory=_StoreModel)
+    pipeline: _PipelineModel = Field(default_factory=_PipelineModel)
+    policy: _PolicyModel = Field(default_factory=_PolicyModel)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        # "policy:" followed only by comments is null in YAML: read it as an empty section.
+        if isinstance(data, dict):
+            return {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
+        return data
+
+    def build(self, source: str | None) -> EffectiveConfig:
+        s, p, pol = self.store, self.pipeline, self.policy
+        return EffectiveConfig(
+            store=StoreSettings(
+                url=s.url,
+                storage_options=dict(s.storage_options),
+                codec=s.codec,
+                chunk_bytes=s.chunk_bytes,
+            ),
+            pipeline=PipelineSettings(
+                max_inflight=p.max_inflight,
+                prefetch=p.prefetch,
+                writer_threads=p.writer_threads,
+                read_deadline_s=p.read_deadline_s,
+            ),
+            policy=Policy(
+                min_bytes=pol.min_bytes,
+                skip_parameters=pol.skip_parameters,
+                rules=tuple(r.build() for r in pol.rules),
+                default=pol.default,
+            ),
+            source=source,
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Error messages
+# ---------------------------------------------------------------------------------------
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that holds the field at ``loc`` (for 'allowed keys' hints)."""
+    model: type[BaseModel] | None = root
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        ann = info.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [ann, *args]
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+    return model
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> str:
+    kind, loc, msg = err["type"], tuple(err["loc"]), str(err["msg"])
+    if kind == "extra_forbidden":
+        parent = _model_at(root, loc[:-1])
+        allowed = ", ".join(parent.model_fields) if parent is not None else "?"
+        return f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "value_error":
+        msg = str(err.get("ctx", {}).get("error", msg))
+    elif kind in ("model_type", "dict_type"):
+        msg = "expected a mapping of key: value"
+    elif kind == "literal_error":
+        msg = f"expected one of {err.get('ctx', {}).get('expected', msg)}"
+    elif msg.startswith("Input should be "):
+        rest = msg.removeprefix("Input should be ")
+        # "greater than or equal to 1" reads as a value bound, not a type.
+        msg = f"expected {'a value ' if rest.startswith(('greater', 'less')) else ''}{rest}"
+    else:
+        msg = msg[0].lower() + msg[1:] if msg else msg
+    return f"{msg}; got {_short(err.get('input'))}"
+
+
+def format_validation_error(
+    error: _PydanticValidationError,
+    *,
+    source: str,
+    root: type[BaseModel],
+    prefix: tuple[int | str, ...] = (),
+    line_of: Any = None,
+) -> str:
+    """One line per problem: ``SOURCE[:LINE]: FIELD.PATH: what is wrong; got VALUE``.
+
+    ``line_of(loc) -> int | None`` maps a field location to a 1-based YAML line.
+    """
+    lines = []
+    for err in error.errors(include_url=False):
+        loc = tuple(err["loc"])
+        where = source
+        line = line_of(loc) if line_of is not None else None
+        if line is not None:
+            where = f"{source}:{line}"
+        path = _path(prefix + loc) or "(top level)"
+        lines.append(f"{where}: {path}: {_describe(err, root)}")
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems in {source}:\n  " + "\n  ".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# YAML loading
+# ---------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, list | dict):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a scalar", key_node.start_mark
+                )
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _line_finder(root: yaml.Node | None) -> Any:
+    """``loc -> 1-based line`` of the deepest YAML node along the pydantic location."""
+
+    def line_of(loc: tuple[int | str, ...]) -> int | None:
+        node = root
+        if node is None:
+            return None
+        for i, part in enumerate(loc):
+            nxt: yaml.Node | None = None
+            if isinstance(node, yaml.MappingNode):
+                for key_node, value_node in node.value:
+                    if getattr(key_node, "value", None) == part:
+                        # The field itself is reported at its key; containers at their value.
+                        nxt = key_node if i == len(loc) - 1 else value_node
+                        break
+            elif (
+                isinstance(node, yaml.SequenceNode)
+                and isinstance(part, int)
+                and 0 <= part < len(node.value)
+            ):
+                nxt = node.value[part]
+            if nxt is None:
+                break
+            node = nxt
+        return int(node.start_mark.line) + 1
+
+    return line_of
+
+
+def _read_yaml(path: str) -> tuple[Any, yaml.Node | None]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{path}: config file not found (cwd {os.getcwd()}); check the path"
+        ) from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a directory, expected a YAML config file") from e
+    except PermissionError as e:
+        raise ConfigError(f"{path}: cannot read config file: permission denied") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: config file is not UTF-8 text ({e.reason})") from e
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        problem = " ".join(p for p in (e.context, e.problem) if p)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {e}") from e
+    finally:
+        loader.dispose()
+    return data, node
+
+
+_SECTIONS_HELP = "a mapping with the optional sections store, pipeline, policy"
+
+
+def load_config(path: str | os.PathLike[str]) -> EffectiveConfig:
+    """Read and validate a YAML config file; return it with defaults filled in.
+
+    Raises :class:`ConfigError` (file and line, field path, bad value, what is
+    allowed) for a missing/unreadable file, YAML syntax errors, an empty file,
+    unknown keys, wrong types and bad values. Public as ``tsh.load_config``.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise ConfigError(f"load_config: expected a file path, got {type(path).__name__}")
+    source = os.fspath(path)
+    data, node = _read_yaml(source)
+    if data is None:
+        raise ConfigError(f"{source}: config file is empty; expected {_SECTIONS_HELP}")
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}:1: top level must be {_SECTIONS_HELP}, got a {type(data).__name__}"
+        )
+    return _validate(data, source=source, line_of=_line_finder(node), file=source)
+
+
+def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> EffectiveConfig:
+    """Validate an already-parsed config (the YAML structure as Python data)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected {_SECTIONS_HELP}, got {type(data).__name__}")
+    return _validate(_plain(data), source=source, line_of=None, file=None)
+
+
+def _validate(data: Any, *, source: str, line_of: Any, file: str | None) -> EffectiveConfig:
+    try:
+        model = _ConfigModel.model_validate(data)
+    except _PydanticValidationError as e:
+        message = format_validation_error(e, source=source, root=_ConfigModel, line_of=line_of)
+        raise ConfigError(message) from None
+    try:
+        return model.build(file)
+    except ConfigError as e:  # the schema should have caught it: still name the source
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def _plain(value: Any) -> Any:
+    """Python containers -> the shapes YAML produces (strict models want lists and dicts)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Rule):
+        return _rule_to_dict(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Effective config: file / env / defaults + keyword overrides
+# ---------------------------------------------------------------------------------------
+
+# offload() keyword -> section it overrides.
+_OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
+    "min_bytes": ("policy", _PolicyModel),
+    "skip_parameters": ("policy", _PolicyModel),
+    "rules": ("policy", _PolicyModel),
+    "default": ("policy", _PolicyModel),
+    "prefetch": ("pipeline", _PipelineModel),
+    "max_inflight": ("pipeline", _PipelineModel),
+    "writer_threads": ("pipeline", _PipelineModel),
+    "read_deadline_s": ("pipeline", _PipelineModel),
+    "storage_options": ("store", _StoreModel),
+    "codec": ("store", _StoreModel),
+    "chunk_bytes": ("store", _StoreModel),
+}
+OVERRIDE_KEYS: tuple[str, ...] = tuple(_OVERRIDES)
+"""The keyword arguments of ``offload()`` that override config fields."""
+
+
+def resolve_config(
+    config: str | os.PathLike[str] | EffectiveConfig | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> EffectiveConfig:
+    """The effective config for ``offload(config=..., **overrides)``.
+
+    ``config``: a YAML path, an :class:`EffectiveConfig`, a dict shaped like the
+    YAML, or ``None`` (then the file named by ``$TSH_CONFIG`` if set, else the
+    defaults). Each override is validated exactly like its YAML field and replaces
+    it (``rules=`` replaces the whole list). Raises :class:`ConfigError` naming the
+    keyword (``offload(min_bytes=...)``) or the file; unknown keywords list the
+    allowed ones. All overrides are checked before any is applied.
+    """
+    base = _base_config(config)
+    if not overrides:
+        return base
+    unknown = sorted(k for k in overrides if k not in _OVERRIDES)
+    if unknown:
+        raise ConfigError(
+            f"offload(): unknown keyword argument(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(OVERRIDE_KEYS)} (and store, config, model)"
+        )
+    problems: list[str] = []
+    changes: dict[str, dict[str, Any]] = {"store": {}, "pipeline": {}, "policy": {}}
+    for key, value in overrides.items():
+        section, model_cls = _OVERRIDES[key]
+        try:
+            model = model_cls.model_validate({key: _plain(value)})
+        except _PydanticValidationError as e:
+            problems.append(
+                format_validation_error(e, source=f"offload({key}=...)", root=model_cls)
+            )
+            continue
+        validated = getattr(model, key)
+        if key == "rules":
+            validated = tuple(r.build() for r in validated)
+        elif key == "storage_options":
+            validated = dict(validated)
+        changes[section][key] = validated
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return replace(
+        base,
+        store=replace(base.store, **changes["store"]),
+        pipeline=replace(base.pipeline, **changes["pipeline"]),
+        policy=replace(base.policy, **changes["policy"]),
+    )
+
+
+def _base_config(
+    config: str | os.PathLike[str] | EffectiveConfig | Mapping[str, Any] | None,
+) -> EffectiveConfig:
+    if isinstance(config, EffectiveConfig):
+        return config
+    if isinstance(config, str | os.PathLike):
+        return load_config(config)
+    if isinstance(config, Mapping):
+        return config_from_dict(config, source="offload(config={...})")
+    if config is not None:
+        raise ConfigError(
+            "offload(config=...): expected a YAML file path, a dict, an EffectiveConfig or None, "
+            f"got {type(config).__name__}"
+        )
+    env = os.environ.get(CONFIG_ENV, "").strip()
+    if not env:
+        return EffectiveConfig()
+    try:
+        return load_config(env)
+    except ConfigError as e:
+        raise ConfigError(f"{e}\n(the file named by the environment variable {CONFIG_ENV})") from e
+
+
+def dump_config(config: EffectiveConfig, *, redact: bool = True) -> str:
+    """The effective config as YAML text (what ``check-config`` prints); loadable again."""
+    header = f"# effective config from {config.source}\n" if config.source else ""
+    labels = "".join(f"#   {label}\n" for label in config.policy.labels)
+    body = yaml.safe_dump(config.to_dict(redact=redact), sort_keys=False, default_flow_style=False)
+    return f"{header}# defaults filled in; stats labels:\n{labels}{body}"

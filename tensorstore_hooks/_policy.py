@@ -1,0 +1,344 @@
+"""Where a saved tensor goes: :class:`Policy`, its :class:`Rule` list, and the :class:`Decision`.
+
+``Policy.decide`` runs once for every tensor autograd saves, on the training hot
+path, so everything it needs (compiled globs, dtype sets, the ``Decision`` objects
+it returns) is built once at construction; ``decide`` only compares and returns.
+
+Validation of user input (YAML, ``offload()`` keywords) lives in ``_config``; the
+constructors here only normalise and compile, and raise :class:`ConfigError` for
+what cannot be compiled at all.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+from ._units import parse_bytes
+from .errors import ConfigError
+
+__all__ = [
+    "ACTIONS",
+    "Action",
+    "Decision",
+    "Policy",
+    "Rule",
+    "compile_module_glob",
+    "dtype_name",
+    "exact_size",
+    "parse_dtype",
+]
+
+Action = Literal["keep", "host", "store"]
+"""``keep``: leave the tensor where it is · ``host``: a (pinned) CPU copy, like
+``save_on_cpu`` · ``store``: write it to the configured store."""
+
+ACTIONS: tuple[str, ...] = get_args(Action)
+
+_PATH_CACHE_LIMIT = 65536  # module paths remembered per rule (models have far fewer)
+
+DTypeLike = torch.dtype | str
+"""A ``torch.dtype`` or its name: ``"bool"``, ``"bfloat16"``, ``"torch.float16"``, ``"half"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What ``Policy.decide`` chose for one saved tensor."""
+
+    action: Action
+    """``keep``, ``host`` or ``store``."""
+    label: str
+    """Stats key naming why: ``"rules[0] module=*.lm_head"``, ``"parameter"``,
+    ``"min_bytes"`` or ``"default"``."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bool"``, ``"float16"``, ``"torch.bfloat16"``, ``"half"`` or a ``torch.dtype`` -> dtype.
+
+    Raises ``ValueError`` (not ConfigError: the config layer adds the field path).
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    if isinstance(name, str):
+        attr = name.strip().removeprefix("torch.")
+        dtype = getattr(torch, attr, None) if attr.isidentifier() else None
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise ValueError(
+        f"unknown dtype {name!r}; use a torch dtype name such as bool, float16, bfloat16, "
+        "float32, int64, uint8, complex64, float8_e4m3fn"
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the spelling the YAML uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def exact_size(n: int) -> int | str:
+    """``8388608`` -> ``"8MiB"``: the largest binary unit that divides ``n`` exactly, else ``n``."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return n
+
+
+def compile_module_glob(pattern: str) -> re.Pattern[str]:
+    """Compile an fnmatch pattern on dotted module paths (case-sensitive).
+
+    Raises ``ValueError`` for an empty pattern, whitespace, or an unclosed ``[``
+    (which fnmatch would silently take literally, so the rule would never match).
+    """
+    if not pattern:
+        raise ValueError("empty module pattern; use e.g. 'blocks.*' or '*.lm_head'")
+    if any(c.isspace() for c in pattern):
+        raise ValueError(f"module pattern {pattern!r} contains whitespace; module paths never do")
+    unclosed = False
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":
+            # fnmatch: "]" right after "[" or "[!" is a literal member of the set.
+            j = i + 1
+            if j < len(pattern) and pattern[j] == "!":
+                j += 1
+            if j < len(pattern) and pattern[j] == "]":
+                j += 1
+            close = pattern.find("]", j)
+            if close < 0:
+                unclosed = True
+                break
+            i = close
+        i += 1
+    if unclosed:
+        raise ValueError(
+            f"module pattern {pattern!r} has an unclosed '['; fnmatch sets look like "
+            "'blocks.[0-3].*' (use '[[]' for a literal '[')"
+        )
+    try:
+        return re.compile(fnmatch.translate(pattern))
+    except re.error as e:  # e.g. a reversed range "[z-a]"
+        raise ValueError(f"module pattern {pattern!r} is not a valid fnmatch glob: {e}") from e
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Rule:
+    """One policy rule: every condition given must hold; ``action`` applies on a match.
+
+    Conditions (``None`` = not checked; at least one must be given):
+
+    * ``module``: fnmatch glob on the dotted path of the innermost module that was
+      running when the tensor was saved (``"blocks.*.attn"``, ``"*.lm_head"``). The
+      pattern is tried against the path and against ``"." + path``, so
+      ``"*.lm_head"`` also matches a top-level child ``lm_head``. The root module's
+      path is ``""``. Never matches when no module scope is known (no ``model=``).
+    * ``dtype``: one dtype or several (names like ``"bool"`` or ``torch.dtype``).
+    * ``min_bytes`` / ``max_bytes``: inclusive bounds on ``numel * element_size``.
+    * ``ndim``: one number of dimensions or several.
+    """
+
+    action: Action
+    module: str | None
+    dtype: tuple[torch.dtype, ...] | None
+    min_bytes: int | None
+    max_bytes: int | None
+    ndim: tuple[int, ...] | None
+    name: str | None
+    """Optional label for stats (replaces the generated description)."""
+    _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
+    _dtypes: frozenset[torch.dtype] | None = field(init=False, repr=False, compare=False)
+    _ndims: frozenset[int] | None = field(init=False, repr=False, compare=False)
+    _seen: dict[str, bool] = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        action: Action,
+        *,
+        module: str | None = None,
+        dtype: DTypeLike | Iterable[DTypeLike] | None = None,
+        min_bytes: int | str | None = None,
+        max_bytes: int | str | None = None,
+        ndim: int | Iterable[int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        # Inputs are normalised here (one dtype -> a tuple, "4MiB" -> 4194304), so the
+        # stored fields always have the narrow types above.
+        if action not in ACTIONS:
+            raise ConfigError(f"Rule: action {action!r} is not one of {', '.join(ACTIONS)}")
+        dtypes: tuple[torch.dtype, ...] | None = None
+        if dtype is not None:
+            items = (dtype,) if isinstance(dtype, str | torch.dtype) else tuple(dtype)
+            try:
+                dtypes = tuple(parse_dtype(d) for d in items)
+            except ValueError as e:
+                raise ConfigError(f"Rule: dtype: {e}") from e
+        ndims = None if ndim is None else (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if ndims is not None and (
+            not ndims or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in ndims)
+        ):
+            raise ConfigError(f"Rule: ndim must be a non-negative int or several, got {ndim!r}")
+        try:
+            lo = None if min_bytes is None else parse_bytes(min_bytes, what="Rule: min_bytes")
+            hi = None if max_bytes is None else parse_bytes(max_bytes, what="Rule: max_bytes")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if lo is not None and hi is not None and lo > hi:
+            raise ConfigError(f"Rule: min_bytes ({lo}) > max_bytes ({hi}): it could never match")
+        glob = None
+        if module is not None:
+            try:
+                glob = compile_module_glob(module)
+            except ValueError as e:
+                raise ConfigError(f"Rule: module: {e}") from e
+        if module is None and dtypes is None and lo is None and hi is None and ndims is None:
+            raise ConfigError(
+                "Rule: give at least one condition (module, dtype, min_bytes, max_bytes, "
+                "ndim); for tensors no rule matches, set the policy's default"
+            )
+        values: dict[str, object] = {
+            "action": action,
+            "module": module,
+            "dtype": dtypes,
+            "min_bytes": lo,
+            "max_bytes": hi,
+            "ndim": ndims,
+            "name": name,
+            "_glob": glob,
+            "_dtypes": None if dtypes is None else frozenset(dtypes),
+            "_ndims": None if ndims is None else frozenset(ndims),
+            "_seen": {},
+        }
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def describe(self) -> str:
+        """The conditions as ``key=value`` words, e.g. ``"module=*.lm_head dtype=bool"``."""
+        if self.name is not None:
+            return self.name
+        parts: list[str] = []
+        if self.module is not None:
+            parts.append(f"module={self.module}")
+        if self.dtype is not None:
+            parts.append("dtype=" + ",".join(dtype_name(d) for d in self.dtype))
+        if self.min_bytes is not None:
+            parts.append(f"min_bytes={exact_size(self.min_bytes)}")
+        if self.max_bytes is not None:
+            parts.append(f"max_bytes={exact_size(self.max_bytes)}")
+        if self.ndim is not None:
+            parts.append("ndim=" + ",".join(str(n) for n in self.ndim))
+        return " ".join(parts)
+
+    def matches(self, t: torch.Tensor, nbytes: int, module_path: str | None) -> bool:
+        """Whether every given condition holds for ``t`` (``nbytes`` precomputed by the caller)."""
+        if self._dtypes is not None and t.dtype not in self._dtypes:
+            return False
+        if self.min_bytes is not None and nbytes < self.min_bytes:
+            return False
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            return False
+        if self._ndims is not None and t.dim() not in self._ndims:
+            return False
+        if self._glob is not None:
+            if module_path is None:
+                return False
+            hit = self._seen.get(module_path)
+            if hit is None:
+                hit = self._match_path(self._glob, module_path)
+            if not hit:
+                return False
+        return True
+
+    def _match_path(self, glob: re.Pattern[str], path: str) -> bool:
+        match = glob.match
+        hit = match(path) is not None or match("." + path) is not None
+        # A model has a fixed, small set of module paths: remember each answer. A
+        # racing thread at worst computes the same bool twice (dict writes are atomic).
+        if len(self._seen) < _PATH_CACHE_LIMIT:
+            self._seen[path] = hit
+        return hit
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Decides, for each tensor autograd saves, whether to keep, host or store it.
+
+    Immutable and thread-safe. ``decide`` checks, in order: parameters (with
+    ``skip_parameters``), then ``rules`` (first match wins), then ``min_bytes``
+    (smaller tensors are kept), then ``default``. Rules therefore see small tensors
+    too: a rule can send a 1 KiB bool mask to ``host`` even below ``min_bytes``.
+    """
+
+    min_bytes: int = 65536
+    """Tensors smaller than this (payload bytes) stay where they are, unless a rule matches."""
+    skip_parameters: bool = True
+    """Keep ``nn.Parameter`` s and views of them: they live on anyway, storing them only costs."""
+    rules: tuple[Rule, ...] = ()
+    """Checked in order; the first that matches decides."""
+    default: Action = "store"
+    """The action for tensors no rule matched (and at least ``min_bytes`` large)."""
+    _table: tuple[tuple[Rule, Decision], ...] = field(
+        default=(), init=False, repr=False, compare=False
+    )
+    _param: Decision = field(
+        default=Decision("keep", "parameter"), init=False, repr=False, compare=False
+    )
+    _small: Decision = field(
+        default=Decision("keep", "min_bytes"), init=False, repr=False, compare=False
+    )
+    _default: Decision = field(
+        default=Decision("store", "default"), init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if self.default not in ACTIONS:
+            raise ConfigError(
+                f"Policy: default {self.default!r} is not one of {', '.join(ACTIONS)}"
+            )
+        if (
+            isinstance(self.min_bytes, bool)
+            or not isinstance(self.min_bytes, int)
+            or self.min_bytes < 0
+        ):
+            raise ConfigError(
+                f"Policy: min_bytes must be a non-negative int, got {self.min_bytes!r}"
+            )
+        rules = tuple(self.rules)
+        for i, r in enumerate(rules):
+            if not isinstance(r, Rule):
+                raise ConfigError(f"Policy: rules[{i}] is a {type(r).__name__}, expected a Rule")
+        object.__setattr__(self, "rules", rules)
+        # Decisions are built once: decide() returns shared immutable objects.
+        object.__setattr__(
+            self,
+            "_table",
+            tuple(
+                (r, Decision(r.action, f"rules[{i}] {r.describe()}")) for i, r in enumerate(rules)
+            ),
+        )
+        object.__setattr__(self, "_default", Decision(self.default, "default"))
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Every label ``decide`` can return, in rule order (for stats tables)."""
+        return ("parameter", *(d.label for _, d in self._table), "min_bytes", "default")
+
+    def decide(self, t: torch.Tensor, module_path: str | None) -> Decision:
+        """Route one saved tensor. ``module_path`` is ``ModuleScope.current()`` (or None).
+
+        Cheap and allocation-free apart from the glob match on module rules.
+        """
+        if self.skip_parameters and (
+            isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+        ):
+            return self._param
+        nbytes = t.numel() * t.element_size()
+        for rule, decision in self._table:
+            if rule.matches(t, nbytes, module_path):
+                return decision
+        if nbytes < self.min_bytes:
+            return self._small
+        return self._default
