@@ -267,6 +267,7 @@ def encode(t: torch.Tensor) -> tuple[TensorMeta, np.ndarray]:
     tensors come to host). Raises :class:`UnsupportedTensorError`.
     """
     check_supported(t)
+    requires_grad = t.requires_grad  # before detach(), which clears it
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
@@ -289,7 +290,7 @@ def encode(t: torch.Tensor) -> tuple[TensorMeta, np.ndarray]:
         storage_offset=offset,
         compact=compact,
         device=str(t.device),
-        requires_grad=t.requires_grad,
+        requires_grad=requires_grad,
         nbytes=payload.nbytes,
     )
     return meta, payload

@@ -44,10 +44,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
+        super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing then
         if self._scope is not None:
             for model in self._models:
                 self._scope.attach(model)
-        super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,6 +49,8 @@ class IndexLog:
         self._append = io.supports_append
         self._journal: Any = None
         self._records = 0
+        self.retired_keys: set[str] = set()
+        """Keys whose last replayed record is a delete (set by :meth:`load`)."""
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Replay snapshot then journal; returns the live entries."""
@@ -93,8 +95,10 @@ class IndexLog:
             self._records += 1
             if op == "put" and isinstance(key, str) and isinstance(entry, dict):
                 entries[key] = entry
-            elif op == "del":
+                self.retired_keys.discard(key)
+            elif op == "del" and isinstance(key, str):
                 entries.pop(key, None)
+                self.retired_keys.add(key)
         return entries
 
     def record_put(self, key: str, entry: dict[str, Any]) -> None:

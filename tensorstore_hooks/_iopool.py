@@ -98,6 +98,9 @@ def pool_for(store: Any, threads: int) -> IOPool:
         pool = _POOLS.get(store)
         if pool is None or pool._closed:
             pool = _POOLS[store] = IOPool(threads)
+            # Idle workers hold no reference to the store: once it is collected, stop
+            # them (without joining: a finalizer may run on any thread, even a worker).
+            weakref.finalize(store, pool.shutdown, 0.0).atexit = False
         return pool
 
 

@@ -31,6 +31,15 @@ checks it before copying and again after (a version bump happens on the host bef
 the in-place kernel runs, so an overlapping write is always seen by the second
 check); kept tensors are checked at unpack. A modified tensor makes unpack raise
 torch's usual error rather than return later values.
+
+NOTE [ Detached aliases ]
+The pack hook receives the saved tensor with its ``grad_fn``; for ops that save their
+own output (ReLU, attention) that ``grad_fn`` is the very node that holds our handle.
+Anything we keep that references the tensor itself closes a cycle through C++ that
+Python's collector cannot see: the graph would outlive ``del loss`` (forever for a
+kept tensor, until its write ends for a stored one). So records and kept handles hold
+``t.detach()``: the same storage and the same version counter, no autograd history.
+Unpack returns it as is; autograd re-attaches the history it saved itself.
 """
 
 from __future__ import annotations
@@ -111,11 +120,13 @@ class _Record:
         "source",
         "state",
         "version",
+        "write_started",
         "writing_done",
     )
 
     def __init__(self, t: torch.Tensor, nbytes: int, pos: int) -> None:
-        self.source: torch.Tensor | None = t  # the saved tensor, until its bytes are stored
+        # The saved tensor until its bytes are stored, detached: NOTE [ Detached aliases ].
+        self.source: torch.Tensor | None = t.detach()
         self.version = t._version
         self.nbytes = nbytes
         self.device = t.device
@@ -130,6 +141,7 @@ class _Record:
         self.copy_event: Any = None
         self.dedup_key: tuple[Any, ...] | None = None
         self.error: BaseException | None = None
+        self.write_started = False
         self.writing_done = threading.Event()  # set when the writer is finished with it
 
 
@@ -143,12 +155,15 @@ class _Handle:
 
 
 class _Kept:
-    """A tensor left in place, with its version at pack (see NOTE [ In-place checks ])."""
+    """A tensor left in place, with its version at pack (see NOTE [ In-place checks ]).
+
+    Holds ``t.detach()``: see NOTE [ Detached aliases ].
+    """
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
+        self.tensor = t.detach()
         self.version = t._version
 
 
@@ -369,10 +384,12 @@ class OffloadSession:
                 rec.writing_done.set()
                 return
             rec.state = _State.WRITING
+            rec.write_started = True
             event = rec.copy_event
             src = rec.host if rec.host is not None else rec.source
         key: str | None = None
         error: BaseException | None = None
+        orig: torch.Tensor | None = None
         try:
             if event is not None:
                 event.synchronize()
@@ -380,7 +397,7 @@ class OffloadSession:
                     self._device_copy_done(rec)
             if src is None or rec.state == _State.DIRTY:
                 raise _Dirty()
-            orig = rec.source
+            orig = rec.source  # the saved tensor (``src`` is its pinned copy for CUDA)
             if orig is not None and orig._version != rec.version:
                 raise _Dirty()
             key = self.store.put(src)
@@ -393,7 +410,7 @@ class OffloadSession:
                     rec.source = None
         except BaseException as e:
             error = e
-        del src
+        del src, orig  # the record alone decides how long the tensor lives
         with self._lock:
             if error is not None:
                 if rec.state == _State.WRITING:
@@ -404,10 +421,12 @@ class OffloadSession:
                 rec.source = None
                 key = None
                 self._release_host_buffer(rec)
-            self._write_finished(rec)
         if key is not None:
-            # Freed or served from memory while writing: the bytes are not wanted.
+            # Freed or served from memory while writing: the bytes are not wanted. Delete
+            # them before the write counts as finished, so flush() covers the delete too.
             self._delete_key(key)
+        with self._lock:
+            self._write_finished(rec)
         rec.writing_done.set()
 
     def _write_finished(self, rec: _Record) -> None:
@@ -531,21 +550,20 @@ class OffloadSession:
                 break
             except (KeyNotFoundError, IntegrityError, UnsupportedTensorError):
                 raise
-            except TensorStoreError as e:
-                if not isinstance(e, StoreUnavailableError) or time.monotonic() + delay > deadline:
-                    raise
-                last: BaseException = e
             except Exception as e:
+                if isinstance(e, TensorStoreError) and not isinstance(e, StoreUnavailableError):
+                    raise  # not transient
                 if time.monotonic() + delay > deadline:
                     raise StoreUnavailableError(
                         f"offload: reading key {key!r} from {self.store.url} failed for "
-                        f"{self.options.read_deadline_s:.0f}s: {e}"
+                        f"{self.options.read_deadline_s:g}s: {e}"
                     ) from e
-                last = e
+                last: BaseException = e
             log.debug("read of %r failed (%r), retrying", key, last)
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
-        self.stats.bytes_read += rec.nbytes
+        with self._lock:  # reader threads run this concurrently
+            self.stats.bytes_read += rec.nbytes
         t = t.detach()
         if rec.device.type == "cuda":
             from ._staging import copy_to_device
@@ -620,6 +638,15 @@ class OffloadSession:
             del source  # may free graph pieces; outside the lock
             if key is not None:
                 self._delete_key(key)
+            elif (
+                rec.write_started
+                and not rec.writing_done.is_set()
+                and not threading.current_thread().name.startswith("tsh-io")
+            ):
+                # A write in progress (freed mid-write, or served from memory by the tail
+                # shortcut) deletes what it wrote once it sees the record unwanted; wait
+                # for that so "graph freed => every key gone" holds when `del loss` returns.
+                rec.writing_done.wait(self.options.read_deadline_s)
             if idle and self._closing:
                 self._close_now()
         except Exception:  # pragma: no cover - a finalizer must never raise

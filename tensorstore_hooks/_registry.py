@@ -77,7 +77,11 @@ def _check_fsspec_protocol(protocol: str, url: str) -> None:
     try:
         get_filesystem_class(protocol)
     except ImportError as e:
-        hint = known_implementations[protocol].get("err") or str(e)
+        impl = known_implementations[protocol]
+        hint = impl.get("err") or str(e)
+        package = impl["class"].split(".", 1)[0]
+        if package != "fsspec":  # fsspec's own classes name their extra package in "err"
+            hint = f"{hint} (pip install {package})"
         raise ConfigError(
             f"open_store: scheme {protocol!r} in {url!r} needs a package that is not "
             f"installed: {hint}"

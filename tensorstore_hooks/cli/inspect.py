@@ -1,0 +1,201 @@
+"""``tensorstore-hooks inspect URL``: list what a ZarrStore root holds, without changing it.
+
+Reads the root's ``zarr.json``, finds the namespaces (one per writer) and replays each
+namespace's index (``index/snapshot`` + ``index/journal``) to list every key with its
+dtype, shape and size. Nothing is written: the store is not opened as a
+:class:`~tensorstore_hooks.ZarrStore` (which would create its layout and a namespace
+of its own); the index is read through the same I/O layer instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["inspect_root", "register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``inspect`` subcommand."""
+    parser = subparsers.add_parser(
+        "inspect",
+        help="list the namespaces and tensors a store holds (read-only)",
+        description=(
+            "List every namespace of a ZarrStore root (a local path, file://, or an fsspec "
+            "URL such as s3://bucket/prefix) and every key in it with dtype, shape and "
+            "bytes, with totals. Read-only. For the storage daemon (tsh://) use "
+            "`tensorstore-hooks stats URL`."
+        ),
+    )
+    parser.add_argument(
+        "url", metavar="URL", help="store root: PATH, file://PATH, s3://bucket/prefix, ..."
+    )
+    parser.add_argument("--json", action="store_true", help="print the listing as JSON")
+    parser.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help="fsspec storage options as JSON, e.g. '{\"anon\": true}'",
+    )
+    parser.set_defaults(func=run)
+
+
+def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Describe the ZarrStore root at ``url`` without writing to it.
+
+    Returns ``{"url", "format", "namespaces": [{"name", "chunk_bytes", "codec",
+    "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
+    "device", "nbytes", "stored_bytes"}]}], "totals": {...}}``. ``stored_bytes`` counts
+    whole chunks (payload plus padding, before the codec). Raises
+    :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root
+    and :class:`~tensorstore_hooks.IntegrityError` if an index is corrupt.
+    """
+    from .._index import IndexLog
+    from .._zarr_store import ZarrStore, _Entry, split_url
+    from ..errors import ConfigError
+
+    kind, location = split_url(url)
+    # The store's own I/O layer (local files, or fsspec with its retries), without the
+    # store: ZarrStore.__init__ would write the root layout and a namespace.
+    io = ZarrStore._make_io(kind, location, storage_options or {}, retry_deadline_s=30.0)
+    try:
+        root_doc = json.loads(bytes(io.read("zarr.json")))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"inspect: {io.url} has no zarr.json: not a tensorstore-hooks store root "
+            "(pass the directory given to tsh.open_store / tsh.offload)"
+        ) from None
+    fmt = (root_doc.get("attributes") or {}).get("tensorstore_hooks", {}).get("format")
+    if fmt is None:
+        raise ConfigError(
+            f"inspect: {io.url}/zarr.json is a Zarr node but not a tensorstore-hooks root "
+            "(no 'tensorstore_hooks' attribute)"
+        )
+    namespaces: list[dict[str, Any]] = []
+    for name in io.listdir(""):
+        attrs = _namespace_attrs(io, name)
+        if attrs is None and not io.exists(f"{name}/index"):
+            continue  # not a namespace (e.g. a stray file or someone else's data)
+        records = IndexLog(io, f"{name}/index").load()
+        keys: list[dict[str, Any]] = []
+        for key, rec in records.items():
+            entry = _Entry.from_record(rec)
+            m = entry.meta
+            keys.append(
+                {
+                    "key": key,
+                    "dtype": m.dtype,
+                    "shape": list(m.shape),
+                    "stride": list(m.stride),
+                    "device": m.device,
+                    "nbytes": m.nbytes,
+                    "stored_bytes": entry.chunk * entry.count,
+                }
+            )
+        keys.sort(key=lambda k: _key_order(k["key"]))
+        attrs = attrs or {}
+        namespaces.append(
+            {
+                "name": name,
+                "chunk_bytes": attrs.get("chunk_bytes"),
+                "codec": attrs.get("codec"),
+                "tensors": len(keys),
+                "bytes": sum(k["nbytes"] for k in keys),
+                "stored_bytes": sum(k["stored_bytes"] for k in keys),
+                "keys": keys,
+            }
+        )
+    totals: dict[str, int] = {
+        "namespaces": len(namespaces),
+        "tensors": sum(n["tensors"] for n in namespaces),
+        "bytes": sum(n["bytes"] for n in namespaces),
+        "stored_bytes": sum(n["stored_bytes"] for n in namespaces),
+    }
+    return {"url": io.url, "format": fmt, "namespaces": namespaces, "totals": totals}
+
+
+def _namespace_attrs(io: Any, name: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(bytes(io.read(f"{name}/zarr.json")))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError):
+        return None
+    attrs = (doc.get("attributes") or {}).get("tensorstore_hooks")
+    return attrs if isinstance(attrs, dict) else None
+
+
+def _key_order(key: str) -> tuple[int, str]:
+    # Keys are hex counters: sort numerically (so "a" follows "9"), others after them.
+    try:
+        return int(key, 16), ""
+    except ValueError:
+        return 1 << 62, key
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _format(listing: dict[str, Any]) -> str:
+    from .._units import format_bytes as fb
+
+    lines = [f"store {listing['url']}  (tensorstore-hooks format {listing['format']})"]
+    for ns in listing["namespaces"]:
+        chunk = fb(ns["chunk_bytes"]) if isinstance(ns["chunk_bytes"], int) else "?"
+        lines.append("")
+        lines.append(
+            f"namespace {ns['name']}  (chunk {chunk}, codec {ns['codec'] or '?'}): "
+            f"{_count(ns['tensors'], 'tensor')}, {fb(ns['bytes'])}"
+        )
+        if not ns["keys"]:
+            continue
+        rows = [("key", "dtype", "shape", "bytes", "device")]
+        rows += [
+            (k["key"], k["dtype"], str(tuple(k["shape"])), fb(k["nbytes"]), k["device"])
+            for k in ns["keys"]
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        for r in rows:
+            lines.append(
+                f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  "
+                f"{r[3]:>{widths[3]}}  {r[4]}"
+            )
+    t = listing["totals"]
+    lines.append("")
+    lines.append(
+        f"total: {_count(t['namespaces'], 'namespace')}, {_count(t['tensors'], 'tensor')}, "
+        f"{fb(t['bytes'])} "
+        f"({fb(t['stored_bytes'])} in whole chunks)"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """List the store at ``args.url``; exit 0, or 1 with the reason on stderr."""
+    url: str = args.url
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("tsh", "tsh+unix"):
+        print(
+            f"inspect: {url} is a storage daemon; its sessions and tiers are shown by "
+            f"`tensorstore-hooks stats {url}`",
+            file=sys.stderr,
+        )
+        return 1
+    if scheme == "memory":
+        print(
+            "inspect: a memory:// store is private to the process that opened it; "
+            "there is nothing to inspect from outside",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        options = json.loads(args.storage_options) if args.storage_options else None
+    except json.JSONDecodeError as e:
+        print(f"inspect: --storage-options is not valid JSON: {e}", file=sys.stderr)
+        return 1
+    listing = inspect_root(url, options)  # TensorStoreError -> exit 1 via cli.main
+    if args.json:
+        print(json.dumps(listing, indent=1))
+    else:
+        print(_format(listing))
+    return 0

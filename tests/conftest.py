@@ -1,0 +1,55 @@
+"""Shared fixtures: seeds, temporary store URLs, and the ``cuda`` marker.
+
+Keep this small. Store-specific fixtures live next to the tests that use them
+(``store`` for :class:`tests.store_conformance.StoreConformance` is defined by each
+subclass's module).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+# The daemon engineer's fixtures go here once tests/daemon_fixtures.py exists and is
+# wanted by every test module: ``from .daemon_fixtures import *``.
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+"""Use together with ``@pytest.mark.cuda``; see :func:`pytest_collection_modifyitems`."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test marked ``cuda`` is skipped, visibly, where no device exists, even if its
+    # author forgot ``requires_cuda``: never a silent pass on CPU.
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(requires_cuda)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same RNG state (equivalence tests seed again)."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+
+
+@pytest.fixture
+def file_url(tmp_path: Path) -> str:
+    """A ``file://`` URL of an empty directory, removed by pytest."""
+    return f"file://{tmp_path / 'store'}"
+
+
+@pytest.fixture(params=["file", "memory"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A store URL: a temporary directory, then ``memory://``."""
+    if request.param == "file":
+        yield f"file://{tmp_path / 'store'}"
+    else:
+        yield "memory://"

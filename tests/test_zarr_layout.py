@@ -1,0 +1,400 @@
+"""ZarrStore specifics: checksums, plain-zarr readability, namespaces, cleanup, URLs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import tensorstore_hooks as tsh
+from tensorstore_hooks import ConfigError, IntegrityError, KeyNotFoundError, ZarrStore
+from tensorstore_hooks._codec import TensorMeta, decode
+
+from .store_conformance import assert_same_tensor
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.parent.name == "c")
+
+
+def _namespaces(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def _journal_entries(ns_dir: Path) -> dict[str, dict[str, Any]]:
+    """Replay ``index/snapshot`` + ``index/journal`` as docs/layout.md describes."""
+    entries: dict[str, dict[str, Any]] = {}
+    snap = ns_dir / "index" / "snapshot"
+    if snap.exists():
+        entries.update(msgpack.unpackb(snap.read_bytes(), raw=False))
+    journal = ns_dir / "index" / "journal"
+    raw = journal.read_bytes() if journal.exists() else b""
+    pos = 0
+    while pos + 4 <= len(raw):
+        (n,) = struct.unpack_from("<I", raw, pos)
+        op, key, entry = msgpack.unpackb(raw[pos + 4 : pos + 4 + n], raw=False)
+        pos += 4 + n
+        if op == "put":
+            entries[key] = entry
+        else:
+            entries.pop(key, None)
+    return entries
+
+
+# ---------------------------------------------------------------- integrity
+@pytest.mark.parametrize("codec", ["none", "lz4", "zstd:1"])
+def test_flipped_byte_is_detected(tmp_path: Path, codec: str) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, chunk_bytes="64KiB", codec=codec) as store:
+        t = torch.randn(50_000)  # 200 KB: several chunks
+        key = store.put(t)
+        other = store.put(torch.ones(10))
+        files = _chunk_files(root)
+        assert files
+        victim = files[1] if len(files) > 1 else files[0]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        victim.write_bytes(bytes(data))
+        bad = [k for k in (key, other) if _raises_integrity(store, k)]
+        assert len(bad) == 1  # exactly the tensor whose chunk was hit
+        with pytest.raises(IntegrityError, match=repr(bad[0])):
+            store.get(bad[0])
+
+
+def _raises_integrity(store: ZarrStore, key: str) -> bool:
+    try:
+        store.get(key)
+    except IntegrityError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd:1"])
+@pytest.mark.parametrize("cut", [1, 4, "half", "all"])
+def test_truncated_chunk_is_detected(tmp_path: Path, codec: str, cut: int | str) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, chunk_bytes="16KiB", codec=codec) as store:
+        key = store.put(torch.randn(10_000))
+        victim = _chunk_files(root)[-1]
+        data = victim.read_bytes()
+        keep = len(data) // 2 if cut == "half" else 0 if cut == "all" else len(data) - int(cut)
+        victim.write_bytes(data[:keep])
+        with pytest.raises(IntegrityError, match=repr(key)):
+            store.get(key)
+
+
+def test_missing_chunk_is_detected(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, chunk_bytes="16KiB") as store:
+        key = store.put(torch.randn(10_000))
+        _chunk_files(root)[0].unlink()
+        with pytest.raises(IntegrityError, match=repr(key)):
+            store.get(key)
+
+
+def test_corrupted_memory_store_is_detected() -> None:
+    with ZarrStore("memory://", chunk_bytes="16KiB") as store:
+        key = store.put(torch.randn(10_000))
+        objects = store._io._objects  # type: ignore[attr-defined]
+        path = next(p for p in objects if "/c/" in p)
+        data = bytearray(objects[path])
+        data[3] ^= 1
+        objects[path] = bytes(data)
+        with pytest.raises(IntegrityError, match=repr(key)):
+            store.get(key)
+
+
+# ------------------------------------------------------- plain zarr readers
+@pytest.mark.parametrize("codec", ["none", "lz4", "zstd:1"])
+def test_readable_with_plain_zarr(tmp_path: Path, codec: str) -> None:
+    root = tmp_path / "root"
+    tensors = {
+        "big": torch.randn(20_000),  # spans several chunks, last one padded
+        "small": torch.arange(7, dtype=torch.int16),
+        "bf16": torch.randn(33, 3).to(torch.bfloat16),
+        "transposed": torch.randn(40, 50).t(),
+        "gapped": torch.randn(30, 40)[:, ::3],
+        "empty": torch.empty(0, 3),
+    }
+    with ZarrStore(root, chunk_bytes="16KiB", codec=codec, namespace="run") as store:
+        keys = {name: store.put(t) for name, t in tensors.items()}
+        doomed = store.put(torch.randn(5000))
+        store.delete(doomed)
+
+        # The hierarchy opens as plain zarr groups.
+        group = zarr.open_group(str(root), mode="r")
+        assert group.attrs["tensorstore_hooks"]["format"] == 1
+        assert "run" in list(group.group_keys())
+
+        entries = _journal_entries(root / "run")
+        assert set(entries) == set(keys.values())
+        for name, t in tensors.items():
+            e = entries[keys[name]]
+            meta = TensorMeta.from_dict(e["meta"])
+            if meta.nbytes == 0:
+                assert e["count"] == 0
+                raw = np.empty(0, dtype=np.uint8)
+            else:
+                seg = zarr.open_array(str(root / "run" / f"seg-{e['seg']}"), mode="r")
+                assert seg.dtype == np.uint8 and seg.chunks == (e["seg"],)
+                lo = e["start"] * e["seg"]
+                raw = seg[lo : lo + meta.nbytes]
+            assert raw.nbytes == meta.nbytes
+            # The bytes are exactly the codec's payload ...
+            assert_same_tensor(decode(meta, raw.copy()), t)
+            # ... and for a dense view numpy reads them without our code.
+            if not meta.compact and meta.nbytes:
+                item = np.dtype(meta.storage_dtype).itemsize
+                arr = np.lib.stride_tricks.as_strided(
+                    raw.view(meta.storage_dtype),
+                    meta.shape,
+                    [s * item for s in meta.stride],
+                )
+                want = t.contiguous()
+                want = want.view(torch.int16) if t.dtype is torch.bfloat16 else want
+                np.testing.assert_array_equal(arr.view(want.numpy().dtype), want.numpy())
+        assert store.get(keys["big"]).shape == (20_000,)
+
+
+def test_deleted_chunks_read_as_fill_value(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns") as store:
+        key = store.put(torch.full((8192,), 7, dtype=torch.uint8))
+        e = _journal_entries(root / "ns")[key]
+        store.delete(key)
+        assert not _chunk_files(root)
+        seg = zarr.open_array(str(root / "ns" / f"seg-{e['seg']}"), mode="r")
+        lo = e["start"] * e["seg"]
+        assert not seg[lo : lo + 8192].any()
+
+
+# ------------------------------------------------------------- namespaces
+def test_namespace_resume(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    tensors = [torch.randn(100), torch.randn(5000, 3).t(), torch.arange(10)[::2]]
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="job-1") as store:
+        keys = [store.put(t) for t in tensors]
+        gone = store.put(torch.ones(4))
+        store.delete(gone)
+        nbytes = store.nbytes
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="job-1") as store:
+        assert sorted(store.keys()) == sorted(keys)
+        assert store.nbytes == nbytes
+        assert gone not in store
+        for key, t in zip(keys, tensors, strict=True):
+            assert_same_tensor(store.get(key), t)
+        # New writes never reuse a resumed key or clobber resumed bytes.
+        fresh = [store.put(torch.full((4000,), float(i))) for i in range(5)]
+        assert not set(fresh) & set(keys) and gone not in fresh
+        for key, t in zip(keys, tensors, strict=True):
+            assert_same_tensor(store.get(key), t)
+        store.delete(keys[0])
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="job-1") as store:
+        assert keys[0] not in store and keys[1] in store and len(store) == 2 + 5
+    # Another namespace under the same root sees none of it.
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="job-2") as other:
+        assert len(other) == 0
+        with pytest.raises(KeyNotFoundError):
+            other.get(keys[1])
+
+
+def test_default_namespaces_are_distinct(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root) as a, ZarrStore(root) as b:
+        assert a.namespace != b.namespace
+        ka = a.put(torch.ones(3))
+        assert len(b) == 0
+        kb = b.put(torch.zeros(3))
+        assert torch.equal(a.get(ka), torch.ones(3)) and torch.equal(b.get(kb), torch.zeros(3))
+        assert set(_namespaces(root)) == {a.namespace, b.namespace}
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../up", "x" * 129, "sp ace"])
+def test_bad_namespace(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ConfigError, match="namespace"):
+        ZarrStore(tmp_path, namespace=bad)
+
+
+def test_empty_namespace_removed_at_close(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store = ZarrStore(root)
+    key = store.put(torch.ones(1000))
+    assert store.namespace in _namespaces(root)
+    store.delete(key)
+    store.close()
+    assert root.exists() and store.namespace not in _namespaces(root)
+    # A namespace still holding keys stays.
+    with ZarrStore(root, namespace="keep") as kept:
+        kept.put(torch.ones(3))
+    assert "keep" in _namespaces(root)
+
+
+def test_temporary_store_removed_at_close() -> None:
+    store = tsh.open_store()
+    assert isinstance(store, ZarrStore) and store.temporary
+    root = Path(store.url.removeprefix("file://"))
+    store.put(torch.randn(10_000))
+    assert root.is_dir() and _chunk_files(root)
+    store.close()
+    assert not root.exists()
+    with tsh.open_store() as s2:
+        root2 = Path(s2.url.removeprefix("file://"))
+        s2.put(torch.ones(3))
+    assert not root2.exists()
+
+
+def test_temporary_store_removed_when_collected() -> None:
+    store = tsh.open_store()
+    root = Path(store.url.removeprefix("file://"))
+    store.put(torch.ones(3))
+    del store
+    import gc
+
+    gc.collect()
+    assert not root.exists()
+
+
+# ---------------------------------------------------------------- registry
+def test_unknown_scheme_lists_known() -> None:
+    with pytest.raises(ConfigError) as info:
+        tsh.open_store("nosuchscheme://bucket/x")
+    msg = str(info.value)
+    assert "nosuchscheme" in msg
+    for scheme in ("file", "memory", "tsh"):
+        assert scheme in msg
+    assert isinstance(info.value, ValueError)
+
+
+_MISSING_FSSPEC = [
+    (scheme, package)
+    for scheme, package in (
+        ("gs", "gcsfs"),
+        ("az", "adlfs"),
+        ("oci", "ocifs"),
+        ("webdav", "webdav4"),
+    )
+    if importlib.util.find_spec(package) is None
+]
+
+
+@pytest.mark.skipif(not _MISSING_FSSPEC, reason="every candidate fsspec backend is installed")
+def test_known_scheme_missing_package() -> None:
+    scheme, package = _MISSING_FSSPEC[0]
+    with pytest.raises(ConfigError) as info:
+        tsh.open_store(f"{scheme}://bucket/prefix")
+    msg = str(info.value)
+    assert scheme in msg and f"pip install {package}" in msg
+
+
+def test_existing_store_object_passes_through() -> None:
+    with tsh.open_store("memory://") as store:
+        assert tsh.open_store(store) is store
+        with pytest.raises(ConfigError):
+            tsh.open_store(store, codec="lz4")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"codec": "gzip"},
+        {"codec": "zstd:99"},
+        {"chunk_bytes": 3000},
+        {"chunk_bytes": "1KiB"},
+        {"chunk_bytes": "lots"},
+        {"bogus_option": 1},
+    ],
+)
+def test_bad_options(tmp_path: Path, options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        tsh.open_store(str(tmp_path / "x"), **options)
+
+
+def test_bare_path_and_file_url_are_the_same_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with tsh.open_store(str(root)) as a:
+        a.put(torch.ones(2))
+        assert a.url == f"file://{root}"
+    with tsh.open_store(f"file://{root}") as b:
+        assert b.url == f"file://{root}"
+
+
+# ---------------------------------------------------------------- journal
+def test_journal_compaction_keeps_things_correct(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    gen = torch.Generator().manual_seed(1)
+    live: dict[str, torch.Tensor] = {}
+    issued: set[str] = set()
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="churn") as store:
+        for i in range(10):
+            t = torch.randn(100 + i, generator=gen)
+            live[store.put(t)] = t
+        journal = root / "churn" / "index" / "journal"
+        peak = 0
+        for i in range(2600):  # > 4096 records: at least one compaction
+            t = torch.randn(int(torch.randint(1, 3000, (1,), generator=gen)), generator=gen)
+            key = store.put(t)
+            issued.add(key)
+            if i % 97 == 0:
+                live[key] = t  # a few survive the churn
+            else:
+                assert_same_tensor(store.get(key), t)
+                store.delete(key)
+            peak = max(peak, journal.stat().st_size if journal.exists() else 0)
+        assert (root / "churn" / "index" / "snapshot").exists()
+        assert journal.stat().st_size < peak  # it was truncated
+        assert sorted(store.keys()) == sorted(live)
+        for key, t in live.items():
+            assert_same_tensor(store.get(key), t)
+        # Free chunk runs are reused: the segment files did not grow with the churn.
+        assert len(_chunk_files(root)) <= sum(-(-t.numel() * 4 // 4096) for t in live.values()) + 4
+    assert set(_journal_entries(root / "churn")) == set(live)
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="churn") as store:
+        assert sorted(store.keys()) == sorted(live)
+        for key, t in live.items():
+            assert_same_tensor(store.get(key), t)
+        assert store.nbytes == sum(t.numel() * 4 for t in live.values())
+        # Keys are never reused, not even deleted ones (a stale key must miss).
+        assert store.put(torch.ones(1)) not in issued | set(live)
+
+
+def test_torn_journal_tail_is_ignored(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, namespace="torn") as store:
+        key = store.put(torch.arange(10.0))
+    journal = root / "torn" / "index" / "journal"
+    with open(journal, "ab") as f:
+        f.write(struct.pack("<I", 1000) + b"\x93partial")  # a crash mid-append
+    with ZarrStore(root, namespace="torn") as store:
+        assert list(store.keys()) == [key]
+        assert torch.equal(store.get(key), torch.arange(10.0))
+
+
+def test_index_entries_are_validated(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, namespace="evil") as store:
+        store.put(torch.ones(4))
+    journal = root / "evil" / "index" / "journal"
+    rec = msgpack.packb(
+        ["put", "ff", {"seg": 4096, "start": 0, "count": 1, "meta": {"dtype": "object"}}]
+    )
+    with open(journal, "ab") as f:
+        f.write(struct.pack("<I", len(rec)) + rec)
+    with pytest.raises(IntegrityError):
+        ZarrStore(root, namespace="evil")
+
+
+def test_store_files_stay_under_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root) as store:
+        store.put(torch.randn(3000))
+    outside = [p for p in tmp_path.rglob("*") if root not in p.parents and p != root]
+    assert outside == []
+    assert os.listdir(root)
