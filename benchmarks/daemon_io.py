@@ -1,0 +1,397 @@
+"""Daemon I/O over loopback: throughput against a raw socket, and many clients under quota.
+
+Part 1 (single client): put+get of ``--size`` tensors (default 8 MiB) through a real
+``tensorstore-hooks serve`` process, against a raw-socket echo process moving the same
+bytes the same way (the client sends N bytes, the server receives them into a
+preallocated buffer and sends them back). Both report bytes moved per second (put
+bytes + get bytes); the ratio is what the design's figure is about (target: daemon
+>= 1 GB/s where the raw socket does about 2 GB/s).
+
+Part 2 (pressure): ``--procs`` client processes (default 8), each doing ``--ops`` PUTs
+(default 200) of ``--pressure-size`` tensors in training-like steps (``--step``
+puts, then the step's gets newest first, then deletes), against a daemon whose RAM
+and disk quotas are far smaller than what the clients want to hold at once: PUTs
+spill to disk and some are refused (QUOTA_EXCEEDED: the client keeps those). Reports
+aggregate throughput, p50/p99 latency of put and get, refusals, spills, and checks
+that every acknowledged tensor read back equal.
+
+    python benchmarks/daemon_io.py                 # both parts, a table on stdout
+    python benchmarks/daemon_io.py --json out.json # also the numbers as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------- processes
+def _start_daemon(*args: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorstore_hooks.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--log-level",
+                "WARNING",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=f,
+            stdin=subprocess.DEVNULL,
+        )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline().decode() if ready else ""
+    if not line.startswith("listening on "):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"daemon did not start:\n{log.read_text()}")
+    return proc, line.strip().removeprefix("listening on ")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+# ----------------------------------------------------------- raw socket baseline
+def _echo_server() -> None:
+    """Hidden mode: receive length-prefixed blobs into one buffer and send them back."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray()
+    head = bytearray(8)
+    with conn, srv:
+        while _recv_exact(conn, memoryview(head)):
+            n = int.from_bytes(head, "little")
+            if len(buf) < n:
+                buf = bytearray(n)
+            view = memoryview(buf)[:n]
+            _recv_exact(conn, view)
+            conn.sendall(view)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            return False
+        view = view[n:]
+    return True
+
+
+def bench_raw(size: int, iters: int) -> float:
+    """Bytes per second of send+receive of ``size`` bytes through a raw echo process."""
+    import numpy as np
+
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--echo-server"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    try:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+        back = np.empty(size, dtype=np.uint8)
+        with sock:
+            for i in range(iters + 3):
+                if i == 3:
+                    t0 = time.perf_counter()
+                sock.sendmsg([size.to_bytes(8, "little"), payload.data])
+                _recv_exact(sock, back.data)
+            dt = time.perf_counter() - t0
+        assert np.array_equal(back, payload)
+        return 2 * size * iters / dt
+    finally:
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
+def bench_daemon(url: str, size: int, iters: int) -> dict[str, float]:
+    """Bytes per second of put+get of ``size``-byte float32 tensors through the daemon."""
+    import torch
+
+    from tensorstore_hooks._daemon_client import DaemonStore
+
+    x = torch.randn(size // 4)
+    put_s = get_s = 0.0
+    with DaemonStore(url) as store:
+        for i in range(iters + 3):
+            t0 = time.perf_counter()
+            key = store.put(x)
+            t1 = time.perf_counter()
+            y = store.get(key)
+            t2 = time.perf_counter()
+            if i >= 3:
+                put_s += t1 - t0
+                get_s += t2 - t1
+            store.delete(key)
+        assert torch.equal(x, y)
+    return {
+        "put_get_bytes_per_s": 2 * size * iters / (put_s + get_s),
+        "put_bytes_per_s": size * iters / put_s,
+        "get_bytes_per_s": size * iters / get_s,
+    }
+
+
+# --------------------------------------------------------- many clients, pressure
+def _worker(url: str, ops: int, size: int, step: int, seed: int) -> None:
+    """Hidden mode: one client process; prints one JSON line of its measurements."""
+    import torch
+
+    from tensorstore_hooks import KeyNotFoundError, QuotaExceededError
+    from tensorstore_hooks._daemon_client import DaemonStore
+
+    # Many client processes share few cores: torch's intra-op thread pool would only
+    # make clone/equal spin (milliseconds each) and hide the daemon's numbers.
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    pool = [torch.randn(size // 4, generator=gen) for _ in range(8)]
+    put_lat: list[float] = []
+    get_lat: list[float] = []
+    acked = refused = mismatched = lost = 0
+    moved = 0
+    store = DaemonStore(url)
+    store.put(torch.ones(1))  # connect before the start signal
+    print("ready", flush=True)
+    sys.stdin.readline()  # wait for "go": every worker starts at once
+    t_start = time.perf_counter()
+    done = 0
+    while done < ops:
+        batch: list[tuple[str | None, torch.Tensor]] = []
+        for _ in range(min(step, ops - done)):
+            # Distinct contents per PUT without paying for fresh random numbers each time.
+            t = pool[done % len(pool)].clone()
+            t[0] = float(done)
+            t0 = time.perf_counter()
+            try:
+                key: str | None = store.put(t)
+                acked += 1
+                moved += size
+            except QuotaExceededError:
+                key = None  # the hooks would keep this one in memory
+                refused += 1
+            put_lat.append(time.perf_counter() - t0)
+            batch.append((key, t))
+            done += 1
+        for key, t in reversed(batch):  # backward: newest first
+            if key is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                got = store.get(key)
+            except KeyNotFoundError:
+                lost += 1
+                continue
+            get_lat.append(time.perf_counter() - t0)
+            moved += size
+            if not torch.equal(got, t):
+                mismatched += 1
+        store.delete_many([k for k, _ in batch if k is not None])
+    wall = time.perf_counter() - t_start
+    store.close()
+    print(
+        json.dumps(
+            {
+                "put_lat": put_lat,
+                "get_lat": get_lat,
+                "acked": acked,
+                "refused": refused,
+                "mismatched": mismatched,
+                "lost": lost,
+                "bytes": moved,
+                "wall_s": wall,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_pressure(url: str, procs: int, ops: int, size: int, step: int) -> dict[str, Any]:
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", url, str(ops), str(size), str(step), str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(procs)
+    ]
+    for w in workers:
+        assert w.stdout is not None and w.stdout.readline().strip() == "ready"
+    for w in workers:
+        assert w.stdin is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    results = []
+    for w in workers:
+        out, _ = w.communicate(timeout=600)
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    # Each worker times its own run (they start together); process start-up and
+    # exit (interpreter teardown) are not daemon work.
+    wall = max(r["wall_s"] for r in results)
+    put_lat = [x for r in results for x in r["put_lat"]]
+    get_lat = [x for r in results for x in r["get_lat"]]
+    total = {
+        k: sum(r[k] for r in results) for k in ("acked", "refused", "mismatched", "lost", "bytes")
+    }
+    return {
+        "procs": procs,
+        "ops_per_proc": ops,
+        "tensor_bytes": size,
+        "wall_s": wall,
+        "bytes_per_s": total["bytes"] / wall,
+        "put_p50_ms": 1e3 * _pct(put_lat, 0.50),
+        "put_p99_ms": 1e3 * _pct(put_lat, 0.99),
+        "get_p50_ms": 1e3 * _pct(get_lat, 0.50),
+        "get_p99_ms": 1e3 * _pct(get_lat, 0.99),
+        **total,
+        "all_acknowledged_equal": total["mismatched"] == 0 and total["lost"] == 0,
+    }
+
+
+# ------------------------------------------------------------------------ main
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--echo-server":
+        _echo_server()
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        w_url, w_ops, w_size, w_step, w_seed = sys.argv[2:7]
+        _worker(w_url, int(w_ops), int(w_size), int(w_step), int(w_seed))
+        return 0
+    from tensorstore_hooks._units import format_bytes, parse_bytes
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="8MiB", help="tensor size of part 1 (8MiB)")
+    p.add_argument("--iters", type=int, default=60, help="put+get pairs in part 1 (60)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating daemon/raw rounds (3)")
+    p.add_argument("--procs", type=int, default=8, help="client processes in part 2 (8)")
+    p.add_argument("--ops", type=int, default=200, help="PUTs per client process (200)")
+    p.add_argument("--pressure-size", default="1MiB", help="tensor size of part 2 (1MiB)")
+    p.add_argument("--step", type=int, default=25, help="PUTs per simulated step (25)")
+    p.add_argument("--memory-quota", default="64MiB", help="daemon RAM quota in part 2")
+    p.add_argument("--disk-quota", default="64MiB", help="daemon disk quota in part 2")
+    p.add_argument("--skip-pressure", action="store_true")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args()
+    size = parse_bytes(args.size)
+    results: dict[str, Any] = {"python": sys.version.split()[0], "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="tsh-bench-") as tmp:
+        proc, url = _start_daemon("--memory-quota", "1GiB", log=Path(tmp) / "d1.log")
+        try:
+            daemon_runs, raw_runs = [], []
+            for _ in range(args.rounds):  # interleaved: this machine's speed drifts
+                daemon_runs.append(bench_daemon(url, size, args.iters))
+                raw_runs.append(bench_raw(size, args.iters))
+        finally:
+            _stop(proc)
+        d_best = max(r["put_get_bytes_per_s"] for r in daemon_runs)
+        raw_best = max(raw_runs)
+        ratio = statistics.median(
+            d["put_get_bytes_per_s"] / r for d, r in zip(daemon_runs, raw_runs, strict=True)
+        )
+        results["single_client"] = {
+            "tensor_bytes": size,
+            "iters": args.iters,
+            "daemon_put_get_bytes_per_s": d_best,
+            "daemon_put_bytes_per_s": max(r["put_bytes_per_s"] for r in daemon_runs),
+            "daemon_get_bytes_per_s": max(r["get_bytes_per_s"] for r in daemon_runs),
+            "raw_socket_bytes_per_s": raw_best,
+            "ratio_median": ratio,
+            "rounds": {"daemon": daemon_runs, "raw": raw_runs},
+        }
+        print(
+            f"single client, {format_bytes(size)} tensors, {args.iters} put+get, best of "
+            f"{args.rounds}:"
+        )
+        put_best = max(r["put_bytes_per_s"] for r in daemon_runs)
+        get_best = max(r["get_bytes_per_s"] for r in daemon_runs)
+        print(
+            f"  daemon put+get  {d_best / 1e9:6.2f} GB/s   (put {put_best / 1e9:.2f}, "
+            f"get {get_best / 1e9:.2f})"
+        )
+        print(f"  raw socket      {raw_best / 1e9:6.2f} GB/s")
+        print(f"  ratio (median of rounds) {ratio:.2f}")
+        if not args.skip_pressure:
+            psize = parse_bytes(args.pressure_size)
+            proc, url = _start_daemon(
+                "--memory-quota",
+                args.memory_quota,
+                "--disk-quota",
+                args.disk_quota,
+                "--root",
+                str(Path(tmp) / "root"),
+                log=Path(tmp) / "d2.log",
+            )
+            try:
+                pres = bench_pressure(url, args.procs, args.ops, psize, args.step)
+                from tensorstore_hooks._daemon_client import fetch_stats
+
+                counters = fetch_stats(url)["counters"]
+                pres["spills"] = counters["spills"]
+                pres["quota_rejected"] = counters["quota_rejected"]
+            finally:
+                _stop(proc)
+            pres["memory_quota"] = args.memory_quota
+            pres["disk_quota"] = args.disk_quota
+            results["pressure"] = pres
+            print(
+                f"{args.procs} client processes x {args.ops} PUTs of {format_bytes(psize)} "
+                f"(steps of {args.step}), RAM {args.memory_quota} + disk {args.disk_quota}:"
+            )
+            print(
+                f"  throughput {pres['bytes_per_s'] / 1e9:.2f} GB/s (put+get bytes), "
+                f"wall {pres['wall_s']:.1f}s"
+            )
+            print(
+                f"  put p50 {pres['put_p50_ms']:.2f} ms  p99 {pres['put_p99_ms']:.2f} ms   "
+                f"get p50 {pres['get_p50_ms']:.2f} ms  p99 {pres['get_p99_ms']:.2f} ms"
+            )
+            print(
+                f"  acknowledged {pres['acked']}, refused {pres['refused']} (fallbacks), "
+                f"spills {pres['spills']}"
+            )
+            print(f"  every acknowledged tensor read back equal: {pres['all_acknowledged_equal']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    ok = results.get("pressure", {}).get("all_acknowledged_equal", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The tensorstore-hooks storage daemon (installed as ``tensorstore_hooks.server``).
+
+Run it with ``tensorstore-hooks serve`` (see ``docs/daemon.md``); embed it with::
+
+    from tensorstore_hooks.server import load_config, serve
+    serve(load_config("configs/server.yaml", listen="127.0.0.1:0"), on_ready=print)
+
+The library never imports this package; it imports the library (codec, stores,
+protocol). Modules: ``_config`` (settings), ``_wire`` (framed socket I/O), ``_tiers``
+(RAM/disk placement and quotas), ``_sessions`` (ownership and leases), ``_journal``
+(what survives a crash), ``_app`` (connections and dispatch), ``_metrics``
+(Prometheus).
+"""
+
+from __future__ import annotations
+
+from ._app import Daemon, serve
+from ._config import LimitsConfig, ServerConfig, load_config
+
+__all__ = ["Daemon", "LimitsConfig", "ServerConfig", "load_config", "serve"]

@@ -1,0 +1,222 @@
+"""The daemon's configuration: a pydantic model, loaded from YAML and command-line flags.
+
+YAML keys are the long flag names with ``_`` (``memory_quota``, ``lease``); the
+model's attributes carry their unit (``memory_quota_bytes``, ``lease_s``). Every
+problem is a :class:`~tensorstore_hooks.errors.ConfigError` naming the source (the
+file, or "command line") and the field path.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Annotated, Any, NamedTuple
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from tensorstore_hooks._units import parse_bytes, parse_duration
+from tensorstore_hooks.errors import ConfigError
+
+__all__ = [
+    "Address",
+    "LimitsConfig",
+    "ServerConfig",
+    "is_loopback",
+    "load_config",
+    "parse_address",
+    "read_token",
+]
+
+DEFAULT_PORT = 7077
+
+
+def _size(v: Any) -> int:
+    return parse_bytes(v, what="size")
+
+
+def _duration(v: Any) -> float:
+    return parse_duration(v, what="duration")
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+Seconds = Annotated[float, BeforeValidator(_duration)]
+
+
+class LimitsConfig(BaseModel):
+    """Resource limits; the defaults suit one training job per daemon."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    max_connections: int = Field(256, ge=1, le=65536)
+    handshake_timeout_s: Seconds = Field(10.0, alias="handshake_timeout", gt=0)
+    """A connection must send HELLO within this time."""
+    idle_timeout_s: Seconds = Field(600.0, alias="idle_timeout", gt=0)
+    """An authenticated connection silent this long is closed (its session lives on)."""
+    read_timeout_s: Seconds = Field(30.0, alias="read_timeout", gt=0)
+    """Once a frame starts, all of it (at most 16 MiB) must arrive within this time."""
+    max_tensor_bytes: Size = Field(4 << 30, alias="max_tensor")
+    """Larger PUTs are refused with TOO_LARGE before their payload is read."""
+    staging_bytes: Size = Field(256 << 20, alias="staging")
+    """Transient buffers of PUTs that go straight to disk (at least one always fits)."""
+    drain_timeout_s: Seconds = Field(10.0, alias="drain_timeout", ge=0)
+    """On SIGTERM, in-flight requests get this long to finish."""
+
+
+class ServerConfig(BaseModel):
+    """Everything ``tensorstore-hooks serve`` needs. Build with :func:`load_config`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    listen: str | None = "127.0.0.1:7077"
+    """``HOST:PORT`` (port 0 picks a free one). Ignored when ``unix`` is set."""
+    unix: str | None = None
+    """Path of a Unix socket to listen on instead of TCP."""
+    root: str | None = None
+    """Disk tier URL (``file:///path`` or a bare path). None: RAM tier only."""
+    memory_quota_bytes: Size = Field(1 << 30, alias="memory_quota")
+    disk_quota_bytes: Size = Field(16 << 30, alias="disk_quota")
+    token_file: str | None = None
+    lease_s: Seconds = Field(60.0, alias="lease", gt=0)
+    """A session without traffic for this long is ended and its tensors freed."""
+    metrics: str | None = None
+    """``HOST:PORT`` for a Prometheus text endpoint (needs prometheus-client)."""
+    log_level: str = "INFO"
+    limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig.model_validate({}))
+
+    @field_validator("listen", "metrics")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_address(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerConfig:
+        if self.listen is None and self.unix is None:
+            raise ValueError("one of 'listen' or 'unix' is required")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(
+                f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}"
+            )
+        if self.root is None and self.memory_quota_bytes == 0:
+            raise ValueError(
+                "memory_quota is 0 and there is no 'root': the daemon could store nothing"
+            )
+        return self
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.root is not None and self.disk_quota_bytes > 0
+
+
+class Address(NamedTuple):
+    """``(host, port)`` parsed from ``HOST:PORT`` / ``[v6]:PORT``."""
+
+    host: str
+    port: int
+
+
+def parse_address(text: str) -> Address:
+    """Parse ``HOST:PORT``; raises ``ValueError`` with the expected form."""
+    host, sep, port_s = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:7077), got {text!r}")
+    return Address(host, int(port_s))
+
+
+def is_loopback(host: str) -> bool:
+    """True if every address ``host`` resolves to is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def read_token(path: str) -> str:
+    """Read a token file (surrounding whitespace stripped). Raises ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"daemon config: token_file {path!r} cannot be read: {e}") from e
+    if not token:
+        raise ConfigError(f"daemon config: token_file {path!r} is empty; put a secret in it")
+    return token
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServerConfig:
+    """Build a :class:`ServerConfig` from a YAML file and keyword overrides.
+
+    ``overrides`` use YAML key names (``memory_quota="2GiB"``); ``None`` values are
+    ignored, so argparse results can be passed straight through. Setting ``unix``
+    clears a ``listen`` from the file and vice versa. Also refuses, with a
+    ConfigError saying so, a non-loopback ``listen`` without a ``token_file``.
+    """
+    source = str(path) if path is not None else "command line"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"daemon config {source}: cannot read: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"daemon config {source}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"daemon config {source}: expected a mapping of settings at the top")
+        data = dict(loaded or {})
+        if "unix" in data and data.get("unix") is not None and "listen" not in data:
+            data["listen"] = None
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.get("unix") is not None:
+        data["listen"] = None
+    if given.get("listen") is not None:
+        data["unix"] = None
+    cli_fields = set(given)
+    limits = given.pop("limits", None)
+    data.update(given)
+    if limits:
+        merged = dict(data.get("limits") or {})
+        merged.update(limits)
+        data["limits"] = merged
+    try:
+        cfg = ServerConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = _loc(tuple(err["loc"]))
+        where = "command line" if field.split(".")[0] in cli_fields else source
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        raise ConfigError(f"daemon config {where}: field {field}: {msg}") from e
+    if cfg.unix is None and cfg.listen is not None and cfg.token_file is None:
+        host = parse_address(cfg.listen).host
+        if not is_loopback(host):
+            raise ConfigError(
+                f"daemon config {source}: refusing to listen on non-loopback address "
+                f"{cfg.listen!r} without a token: pass --token-file FILE (token_file:) "
+                "or listen on 127.0.0.1"
+            )
+    return cfg

@@ -1,0 +1,101 @@
+"""Prometheus text endpoint (``--metrics HOST:PORT``), via prometheus-client.
+
+The HTTP server runs on prometheus-client's own thread. It never touches the
+daemon's live state: it reads the latest immutable snapshot, which the event loop
+replaces a few times a second.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tensorstore_hooks.errors import ConfigError
+
+from ._config import is_loopback, parse_address
+
+__all__ = ["start_metrics_server"]
+
+log = logging.getLogger("tensorstore_hooks.server")
+
+Snapshot = Callable[[], dict[str, Any]]
+
+
+def _families(snap: dict[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if not snap:
+        return
+    tiers = snap["tiers"]
+    for name, field, doc in (
+        ("tsh_tier_used_bytes", "used", "Payload bytes stored in the tier."),
+        ("tsh_tier_reserved_bytes", "reserved", "Bytes reserved by PUTs and spills in flight."),
+        ("tsh_tier_quota_bytes", "quota", "The tier's quota."),
+        ("tsh_tier_tensors", "tensors", "Tensors stored in the tier."),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["tier"])
+        for tier in ("ram", "disk"):
+            g.add_metric([tier], float(tiers[tier][field]))
+        yield g
+    yield GaugeMetricFamily("tsh_sessions", "Open sessions.", value=snap["sessions_total"])
+    yield GaugeMetricFamily("tsh_connections", "Open connections.", value=snap["connections"])
+    yield GaugeMetricFamily("tsh_uptime_seconds", "Seconds since start.", value=snap["uptime_s"])
+    counters = snap["counters"]
+    req = CounterMetricFamily("tsh_requests", "Requests served, by op.", labels=["op"])
+    for op in ("hello", "put", "get", "delete", "list", "ping", "stats", "bye"):
+        req.add_metric([op], float(counters[op]))
+    yield req
+    for name, key, doc in (
+        ("tsh_received_bytes", "bytes_in", "Bytes received from clients."),
+        ("tsh_sent_bytes", "bytes_out", "Bytes sent to clients."),
+        ("tsh_spills", "spills", "Tensors spilled from RAM to disk."),
+        ("tsh_spilled_bytes", "spill_bytes", "Bytes spilled from RAM to disk."),
+        ("tsh_quota_rejections", "quota_rejected", "PUTs refused with QUOTA_EXCEEDED."),
+        ("tsh_sessions_expired", "sessions_expired", "Sessions ended by their lease."),
+        ("tsh_expired_bytes", "expired_bytes", "Bytes freed by expired leases."),
+        ("tsh_errors", "errors", "Error answers and dropped connections."),
+        ("tsh_connections_accepted", "connections", "Connections accepted."),
+        ("tsh_connections_refused", "refused", "Connections refused at the cap."),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(counters[key]))
+
+
+class _Collector:
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        return _families(self._snapshot())
+
+    def describe(self) -> list[Any]:
+        return []  # values come from a snapshot; nothing to describe up front
+
+
+def start_metrics_server(address: str, snapshot: Snapshot) -> Callable[[], None]:
+    """Serve ``/metrics`` on ``address``; returns a function that stops the server."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as e:
+        raise ConfigError(
+            "daemon config: --metrics needs prometheus-client: "
+            "pip install 'tensorstore-hooks[metrics]'"
+        ) from e
+    host, port = parse_address(address)
+    if not is_loopback(host):
+        log.warning(
+            "metrics endpoint %s is reachable from the network and has no authentication", address
+        )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(snapshot))
+    result: Any = start_http_server(port, addr=host, registry=registry)
+    httpd = result[0] if isinstance(result, tuple) else None
+    bound = httpd.server_port if httpd is not None else port
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+
+    def stop() -> None:
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+
+    return stop

@@ -1,0 +1,294 @@
+"""Framed, zero-copy message I/O on one non-blocking socket, for asyncio.
+
+The daemon does not use asyncio streams: ``StreamReader.readexactly`` copies every
+byte through an internal buffer and, on Python < 3.12, ``writelines`` copies what
+the kernel did not take at once. Here payloads are received with ``recv_into``
+straight into the buffer the tensor will live in, and sent with ``sendmsg`` of
+the header and payload memoryviews. Waiting for readiness uses the selector
+(``add_reader``/``add_writer``), so this needs a selector event loop (the default
+on Linux and macOS; uvloop works too).
+
+Every read of a frame runs under a deadline, so a peer that stops mid-frame (or
+sends one byte a minute) is dropped after ``read_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from tensorstore_hooks.protocol import (
+    MAX_FRAME_PAYLOAD,
+    PREFIX_BYTES,
+    ErrorCode,
+    ProtocolError,
+    body_size,
+    frame_chunks,
+    message_head,
+    pack_prefix,
+    parse_prefix,
+    unpack_header,
+)
+
+__all__ = ["ConnectionClosed", "FrameConn", "Head", "with_timeout"]
+
+T = TypeVar("T")
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the connection (or reset it)."""
+
+
+if sys.version_info >= (3, 11):
+
+    async def with_timeout(aw: Awaitable[T], seconds: float) -> T:
+        """Await ``aw`` or raise ``TimeoutError`` (a timer, no extra task on 3.11+)."""
+        async with asyncio.timeout(seconds):
+            return await aw
+
+else:  # pragma: no cover - Python 3.10
+
+    async def with_timeout(aw: Awaitable[T], seconds: float) -> T:
+        try:
+            return await asyncio.wait_for(aw, seconds)
+        except asyncio.TimeoutError as e:
+            raise TimeoutError from e
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Head:
+    """The first frame of a message: its header and how its payload is split."""
+
+    __slots__ = ("first_len", "header", "size")
+
+    def __init__(self, header: dict[str, Any], first_len: int, size: int) -> None:
+        self.header = header
+        self.first_len = first_len
+        """Payload bytes carried by the first frame."""
+        self.size = size
+        """Total payload bytes of the message (``header['size']``, default 0)."""
+
+
+class FrameConn:
+    """One peer. Not shared between tasks: the connection's handler owns it."""
+
+    def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.read_timeout_s = read_timeout_s
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._prefix = bytearray(PREFIX_BYTES)
+        self._scratch: bytearray | None = None
+
+    # ------------------------------------------------------------ readiness
+    async def _wait(self, add: Callable[..., Any], remove: Callable[[int], Any]) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        add(self._fd, _wake, fut)
+        try:
+            await fut
+        finally:
+            remove(self._fd)
+
+    def _readable(self) -> Coroutine[Any, Any, None]:
+        return self._wait(self._loop.add_reader, self._loop.remove_reader)
+
+    def _writable(self) -> Coroutine[Any, Any, None]:
+        return self._wait(self._loop.add_writer, self._loop.remove_writer)
+
+    # ---------------------------------------------------------------- reads
+    async def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` completely; raise :class:`ConnectionClosed` on EOF."""
+        sock = self.sock
+        while view:
+            try:
+                n = sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            except OSError as e:
+                raise ConnectionClosed(str(e)) from e
+            if n == 0:
+                raise ConnectionClosed("peer closed the connection")
+            self.bytes_in += n
+            view = view[n:]
+
+    async def read_head(self, idle_timeout_s: float) -> Head:
+        """Wait up to ``idle_timeout_s`` for a message, then read its prefix and header.
+
+        Raises ``TimeoutError``, :class:`ConnectionClosed` or a fatal :class:`ProtocolError`.
+        """
+        view = memoryview(self._prefix)
+        try:
+            got = self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            got = -1
+        except OSError as e:
+            raise ConnectionClosed(str(e)) from e
+        if got == 0:
+            raise ConnectionClosed("peer closed the connection")
+        if got < 0:
+            await with_timeout(self._readable(), idle_timeout_s)
+            got = 0
+        else:
+            self.bytes_in += got
+        return await with_timeout(self._read_head_rest(view, got), self.read_timeout_s)
+
+    async def _read_head_rest(self, view: memoryview, got: int) -> Head:
+        await self.recv_into(view[got:])
+        header_len, payload_len = parse_prefix(self._prefix)
+        if header_len == 0:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "continuation frame without a message", fatal=True
+            )
+        raw = bytearray(header_len)
+        await self.recv_into(memoryview(raw))
+        header = unpack_header(raw)
+        size = body_size(header)
+        if payload_len > size:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"frame carries {payload_len} payload bytes but the message announces {size}",
+                fatal=True,
+            )
+        return Head(header, payload_len, size)
+
+    async def read_body(self, head: Head, dest: memoryview | None) -> None:
+        """Receive the message's payload into ``dest`` (``None``: read and discard).
+
+        ``dest`` must be exactly ``head.size`` bytes. Each frame has its own deadline.
+        """
+        if dest is not None and len(dest) != head.size:
+            raise ValueError("destination does not match the message size")
+        pos = 0
+        frame_len = head.first_len
+        while True:
+            if frame_len:
+                await with_timeout(self._recv_part(dest, pos, frame_len), self.read_timeout_s)
+                pos += frame_len
+            if pos >= head.size:
+                return
+            frame_len = await with_timeout(
+                self._read_continuation(head.size - pos), self.read_timeout_s
+            )
+
+    async def _recv_part(self, dest: memoryview | None, pos: int, n: int) -> None:
+        if dest is not None:
+            await self.recv_into(dest[pos : pos + n])
+            return
+        if self._scratch is None:
+            self._scratch = bytearray(1 << 20)
+        scratch = memoryview(self._scratch)
+        while n:
+            k = min(n, len(scratch))
+            await self.recv_into(scratch[:k])
+            n -= k
+
+    async def _read_continuation(self, remaining: int) -> int:
+        await self.recv_into(memoryview(self._prefix))
+        header_len, payload_len = parse_prefix(self._prefix)
+        if header_len != 0:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"new message while {remaining} payload bytes of the previous one are due",
+                fatal=True,
+            )
+        if payload_len == 0 or payload_len > remaining:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"continuation frame of {payload_len} bytes, {remaining} expected at most",
+                fatal=True,
+            )
+        return payload_len
+
+    # --------------------------------------------------------------- writes
+    async def send(self, header: dict[str, Any], payload: Any = None) -> None:
+        """Send one message: ``header`` (its ``size`` is set here) and an optional payload.
+
+        The payload (any buffer) is split into frames of at most 16 MiB and handed
+        to ``sendmsg`` without copying. Deadline: ``read_timeout_s`` per frame.
+        """
+        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        size = len(view)
+        if size:
+            header["size"] = size
+        buffers: list[Any] = []
+        for i, (start, stop) in enumerate(frame_chunks(size)):
+            buffers.append(
+                message_head(header, stop - start) if i == 0 else pack_prefix(0, stop - start)
+            )
+            if stop > start:
+                buffers.append(view[start:stop])
+        frames = -(-size // MAX_FRAME_PAYLOAD) or 1
+        await with_timeout(self._sendmsg_all(buffers), self.read_timeout_s * frames)
+
+    async def _sendmsg_all(self, buffers: list[Any]) -> None:
+        sock = self.sock
+        bufs = [memoryview(b).cast("B") for b in buffers]
+        while bufs:
+            try:
+                n = sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            except OSError as e:
+                raise ConnectionClosed(str(e)) from e
+            self.bytes_out += n
+            while n:
+                first = bufs[0]
+                if n >= len(first):
+                    n -= len(first)
+                    bufs.pop(0)
+                else:
+                    bufs[0] = first[n:]
+                    n = 0
+            while bufs and not bufs[0]:
+                bufs.pop(0)
+
+    def send_nowait(self, header: dict[str, Any]) -> None:
+        """Best effort, never blocks: used for a last error frame before closing."""
+        with contextlib.suppress(OSError, ProtocolError):
+            self.sock.send(message_head(header, 0))
+
+    async def linger_close(self, timeout_s: float = 0.5, max_bytes: int = 1 << 20) -> None:
+        """Close after a fatal error frame so that the peer can read it.
+
+        Closing a socket with unread input makes the kernel send a reset, and the
+        peer then loses the error frame still queued for it. So: stop writing, read
+        and discard what the peer already sent (bounded in time and bytes), close.
+        """
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            await with_timeout(self._drain(max_bytes), timeout_s)
+        except (OSError, TimeoutError, ConnectionClosed):
+            pass
+        finally:
+            self.close()
+
+    async def _drain(self, max_bytes: int) -> None:
+        if self._scratch is None:
+            self._scratch = bytearray(1 << 16)
+        view = memoryview(self._scratch)
+        while max_bytes > 0:
+            try:
+                n = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            if n == 0:
+                return
+            max_bytes -= n
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()

@@ -1,0 +1,102 @@
+"""``tensorstore-hooks serve``: run the storage daemon until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["add_arguments", "register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    parser = subparsers.add_parser(
+        "serve", help="run the storage daemon (tsh:// stores)", description=DESCRIPTION
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+DESCRIPTION = (
+    "Serve tensors to DaemonStore clients: a RAM tier up to --memory-quota, "
+    "spilling the oldest tensors to a Zarr disk tier at --root up to --disk-quota. "
+    "Prints one line 'listening on tsh://HOST:PORT' once it accepts connections, "
+    "then serves until SIGTERM/SIGINT, drains and exits 0. Flags override --config. "
+    "See docs/daemon.md."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The daemon's flags (shared with ``python -m tensorstore_hooks.server``)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML settings (configs/server.yaml)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="TCP address (default 127.0.0.1:7077; port 0 picks one)",
+    )
+    where.add_argument("--unix", metavar="PATH", help="listen on a Unix socket instead")
+    parser.add_argument(
+        "--root", metavar="URL", help="disk tier: file:///path or a path (default: none)"
+    )
+    parser.add_argument(
+        "--memory-quota", metavar="SIZE", help='RAM tier size, e.g. "4GiB"; 0 = disk only'
+    )
+    parser.add_argument("--disk-quota", metavar="SIZE", help='disk tier size, e.g. "64GiB"')
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="clients must present this token (required off loopback)",
+    )
+    parser.add_argument(
+        "--lease",
+        metavar="SECONDS",
+        help="free a session's tensors after this long without traffic",
+    )
+    parser.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus text on /metrics")
+    parser.add_argument(
+        "--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="daemon log level (INFO)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the settings, start the daemon, print the listening line; exit 0 after a drain."""
+    from ..errors import ConfigError
+    from ..server import load_config, serve
+
+    try:
+        config = load_config(
+            args.config,
+            listen=args.listen,
+            unix=args.unix,
+            root=args.root,
+            memory_quota=args.memory_quota,
+            disk_quota=args.disk_quota,
+            token_file=args.token_file,
+            lease=args.lease,
+            metrics=args.metrics,
+            log_level=args.log_level,
+        )
+    except ConfigError as e:
+        print(f"tensorstore-hooks serve: {e}", file=sys.stderr)
+        return 2
+    server_log = logging.getLogger("tensorstore_hooks.server")
+    level = logging.getLevelName(config.log_level.upper())
+    if isinstance(level, int) and (server_log.getEffectiveLevel() > level or args.log_level):
+        server_log.setLevel(level)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def ready(url: str) -> None:
+        print(f"listening on {url}", flush=True)
+
+    try:
+        return serve(config, on_ready=ready)
+    except ConfigError as e:
+        print(f"tensorstore-hooks serve: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = config.unix or config.listen
+        print(f"tensorstore-hooks serve: cannot listen on {where}: {e}", file=sys.stderr)
+        return 1
