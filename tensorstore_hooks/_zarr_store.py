@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
-import fsspec
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
@@ -44,6 +43,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
 from ._index import IndexLog
+from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
 from .errors import (
@@ -132,9 +132,15 @@ class ZarrStore(BlobStore):
     fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
     ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
 
-    Each instance writes into its own *namespace* under the root (``host-pid-random``
-    unless ``namespace`` names one), so several processes can share a root. Opening a
+    Each instance writes into its own *namespace* under the root (``host-pid-random``,
+    prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
+    so several processes and ranks can share a root. Opening a
     named namespace that exists resumes it: its keys are readable again.
+
+    ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
+    transient failures (throttling, 5xx, connection resets) before it raises
+    :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
+    when the store is opened.
 
     Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
     index is guarded by a lock and chunk I/O happens outside it.
@@ -148,9 +154,13 @@ class ZarrStore(BlobStore):
         chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
         codec: str = "none",
         namespace: str | None = None,
+        retry_deadline_s: float = 30.0,
     ) -> None:
         self._closed = True  # until fully constructed: close() must be safe on failure
-        chunk = parse_bytes(chunk_bytes, what="ZarrStore chunk_bytes")
+        try:
+            chunk = parse_bytes(chunk_bytes, what="ZarrStore chunk_bytes")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         if chunk < MIN_CHUNK_BYTES or chunk & (chunk - 1):
             raise ConfigError(
                 f"ZarrStore: chunk_bytes must be a power of two >= 4KiB, got {chunk_bytes!r}"
@@ -164,7 +174,7 @@ class ZarrStore(BlobStore):
         kind, location = split_url(url)
         if self._temporary:
             location = tempfile.mkdtemp(prefix="tensorstore-hooks-")
-        self._io = self._make_io(kind, location, storage_options or {})
+        self._io = self._make_io(kind, location, storage_options or {}, retry_deadline_s)
         self._url = self._io.url
         self.namespace = namespace or _default_namespace()
         self._classes = [
@@ -182,30 +192,38 @@ class ZarrStore(BlobStore):
         try:
             self._init_layout()
             self._log = IndexLog(self._io, f"{self.namespace}/index")
-            self._resume(self._log.load())
+            self._resume(self._log.load(), self._log.retired_keys)
         except TensorStoreError:
             self._cleanup_temp()
+            self._io.close()
             raise
         except Exception as e:
             self._cleanup_temp()
+            self._io.close()
             raise StoreUnavailableError(f"ZarrStore: cannot open {self._url}: {e}") from e
         self._closed = False
-        if self._temporary:
-            self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
-                self, shutil.rmtree, location, True
-            )
-        else:
-            self._finalizer = None
+        # Collected without close(): close the journal quietly (and remove a temp dir).
+        self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
+            self, _finalize, self._log, location if self._temporary else None
+        )
 
     # ------------------------------------------------------------------ setup
     @staticmethod
-    def _make_io(kind: str, location: str, storage_options: dict[str, Any]) -> ChunkIO:
+    def _make_io(
+        kind: str, location: str, storage_options: dict[str, Any], retry_deadline_s: float
+    ) -> ChunkIO:
         if kind == "local":
             return LocalIO(location)
         if kind == "memory":
             return MemoryIO(location)
+        if not (isinstance(retry_deadline_s, int | float) and retry_deadline_s > 0):
+            raise ConfigError(
+                f"ZarrStore: retry_deadline_s must be a number of seconds > 0, "
+                f"got {retry_deadline_s!r}"
+            )
+        retry = RetryPolicy(deadline_s=float(retry_deadline_s))
         try:
-            fs, path = fsspec.core.url_to_fs(location, **storage_options)
+            fs, path, owned = FsspecIO.open_filesystem(location, storage_options, retry)
         except ImportError as e:
             raise ConfigError(f"ZarrStore: cannot open {location!r}: {e}") from e
         except ValueError as e:
@@ -215,7 +233,7 @@ class ZarrStore(BlobStore):
             or type(fs).__name__ == "LocalFileSystem"
         ):
             return LocalIO(path)
-        return FsspecIO(fs, path, location)
+        return FsspecIO(fs, path, location, retry=retry, owns_fs=owned)
 
     def _make_compressor(self) -> Any:
         from numcodecs import Blosc, Zstd
@@ -256,7 +274,12 @@ class ZarrStore(BlobStore):
                 [_zarr_json(lambda s: zarr.create_group(store=s, zarr_format=3, attributes=attrs))],
             )
 
-    def _resume(self, records: dict[str, dict[str, Any]]) -> None:
+    def _resume(self, records: dict[str, dict[str, Any]], retired: set[str]) -> None:
+        # Keys are never reused, not even deleted ones: a stale key must miss, not
+        # return another tensor. ``retired`` holds the deleted keys the journal names.
+        for key in retired:
+            with contextlib.suppress(ValueError):
+                self._next_key = max(self._next_key, int(key, 16) + 1)
         for key, rec in records.items():
             entry = _Entry.from_record(rec)
             self._index[key] = entry
@@ -393,9 +416,9 @@ class ZarrStore(BlobStore):
         return key
 
     def _entry(self, key: str) -> _Entry:
+        self._check_open()
         entry = self._index.get(key) if isinstance(key, str) else None
         if entry is None:
-            self._check_open()
             raise KeyNotFoundError(
                 f"ZarrStore({self._url}): no key {key!r} in namespace {self.namespace!r} "
                 "(never written, already deleted, or written by another store object)"
@@ -521,6 +544,9 @@ class ZarrStore(BlobStore):
     def _maybe_compact(self) -> None:
         if self._log.needs_compaction(len(self._index)):
             self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
+            last = format(self._next_key - 1, "x")
+            if self._next_key and last not in self._index:
+                self._log.record_delete(last)  # keeps the key high-water mark in the journal
 
     def _free_chunks(self, entry: _Entry) -> None:
         if not entry.count:
@@ -584,12 +610,17 @@ class ZarrStore(BlobStore):
                 if not empty and not self._io.supports_append:
                     self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
             self._log.close()
-        if self._temporary:
-            if self._finalizer is not None:
-                self._finalizer()
-        elif empty:
+        self._finalizer()
+        if not self._temporary and empty:
             with contextlib.suppress(Exception):
                 self._io.remove_tree(self.namespace)
+        self._io.close()
+
+
+def _finalize(log: IndexLog, temp_dir: str | None) -> None:
+    log.close()
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _crc(data: Any, crc: int = 0) -> int:
@@ -603,5 +634,22 @@ def _crc(data: Any, crc: int = 0) -> int:
 
 
 def _default_namespace() -> str:
+    """``[r{rank}-]host-pid-random``: unique per process; the rank tells ranks apart at a glance."""
     host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
-    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    rank = _distributed_rank()
+    prefix = f"r{rank}-" if rank is not None else ""
+    return f"{prefix}{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _distributed_rank() -> int | None:
+    """This process's global rank: from ``torch.distributed`` once initialised, else the
+    ``RANK`` a launcher (torchrun, ...) exports before ``init_process_group``."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else None

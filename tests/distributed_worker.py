@@ -1,0 +1,206 @@
+"""The rank processes of ``tests/test_distributed.py`` (spawned; no pytest in here).
+
+Each rank joins a gloo process group on 127.0.0.1, runs every check in
+:data:`CHECKS` in order, and writes ``{check: "ok" | traceback}`` to
+``OUT/rank{R}.json``; the parent turns each entry into a test result. A check that
+fails on one rank must not leave the other blocked in a collective: every check
+ends with the same collectives on both ranks whatever happened, and the process
+group has a short timeout as a last resort.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tensorstore_hooks as tsh
+
+__all__ = ["CHECKS", "run_rank"]
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank
+    return nn.Sequential(nn.Linear(16, 32), _Block(32), _Block(32), nn.Linear(32, 4))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(8, 12, 16, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 gradients are DTensors sharded over ranks; compare this rank's shard.
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if to_local is not None else t).detach().clone()
+
+
+def _step(
+    model: nn.Module, x: torch.Tensor, hooks: tsh.OffloadHooks | None, on_forward: Any = None
+) -> dict[str, torch.Tensor]:
+    if hooks is None:
+        loss = model(x).pow(2).mean()
+    else:
+        with hooks:
+            loss = model(x).pow(2).mean()
+        if on_forward is not None:
+            on_forward(hooks)
+    loss.backward()
+    return {n: _local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys() and want, (sorted(got), sorted(want))
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"gradient of {name} differs"
+
+
+def _namespaces_while_live(
+    root: Path, rank: int, problems: list[str]
+) -> Callable[[tsh.OffloadHooks], None]:
+    """After forward: every rank's namespace is under the shared root, all different.
+
+    Problems are collected, not raised: raising here would skip this rank's backward
+    and leave the other rank waiting in DDP's all-reduce.
+    """
+
+    def check(hooks: tsh.OffloadHooks) -> None:
+        hooks.flush()
+        ns = hooks.store.namespace  # type: ignore[attr-defined]
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, ns)
+        dist.barrier()  # every rank has written its namespace
+        present = {p.name for p in root.iterdir() if p.is_dir()}
+        if not ns.startswith(f"r{rank}-"):
+            problems.append(f"namespace {ns!r} does not start with r{rank}-")
+        if len(set(names)) != len(names):
+            problems.append(f"ranks share a namespace: {names}")
+        if not set(names) <= present:
+            problems.append(f"namespaces {names} not all under the root: {sorted(present)}")
+
+    return check
+
+
+def check_ddp(rank: int, work: Path, options: dict[str, Any]) -> None:
+    """DDP: the same gradients with and without offloading to a shared local root."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    root = work / "ddp-root"
+    base = _model()
+    x = _batch(rank)
+    want = _step(DDP(copy.deepcopy(base)), x, None)
+    hooks = tsh.offload(f"file://{root}", min_bytes=0)
+    problems: list[str] = []
+    got = _step(DDP(copy.deepcopy(base)), x, hooks, _namespaces_while_live(root, rank, problems))
+    stats = hooks.stats
+    hooks.close()
+    dist.barrier()  # both ranks have closed their stores (the last collective here)
+    leftovers = sorted(p.name for p in root.iterdir())
+    assert stats.tensors_offloaded > 0 and stats.fallbacks == 0, stats
+    assert not problems, problems
+    _assert_same(got, want)
+    assert leftovers == ["zarr.json"], leftovers  # each rank removed its namespace
+
+
+def check_fsdp2(rank: int, work: Path, options: dict[str, Any]) -> None:
+    """FSDP2 (``fully_shard``) on CPU/gloo: the same gradient shards with offloading."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def sharded() -> nn.Module:
+        model = _model()
+        for module in model.children():
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    root = work / "fsdp-root"
+    x = _batch(rank)
+    want = _step(sharded(), x, None)
+    hooks = tsh.offload(f"file://{root}", min_bytes=0)
+    problems: list[str] = []
+    got = _step(sharded(), x, hooks, _namespaces_while_live(root, rank, problems))
+    stats = hooks.stats
+    hooks.close()
+    assert not problems, problems
+    _assert_same(got, want)
+    # Unsharded parameters stay put (skip_parameters): FSDP frees and regathers them.
+    assert stats.tensors_offloaded > 0 and stats.fallbacks == 0, stats
+
+
+def check_ddp_s3(rank: int, work: Path, options: dict[str, Any]) -> None:
+    """DDP with both ranks offloading under one S3 prefix (the parent's moto server)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    url = options["s3_url"]
+    base = _model()
+    x = _batch(rank)
+    want = _step(DDP(copy.deepcopy(base)), x, None)
+    hooks = tsh.offload(url, storage_options=options["storage_options"], min_bytes=0)
+    namespaces: list[Any] = [None] * dist.get_world_size()
+
+    def gather(h: tsh.OffloadHooks) -> None:
+        h.flush()
+        dist.all_gather_object(namespaces, h.store.namespace)  # type: ignore[attr-defined]
+
+    got = _step(DDP(copy.deepcopy(base)), x, hooks, gather)
+    assert hooks.stats.tensors_offloaded > 0 and hooks.stats.fallbacks == 0
+    hooks.close()
+    _assert_same(got, want)
+    assert [n.split("-", 1)[0] for n in namespaces] == [f"r{r}" for r in range(len(namespaces))]
+
+
+CHECKS: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {
+    "ddp": check_ddp,
+    "fsdp2": check_fsdp2,
+    "ddp_s3": check_ddp_s3,
+}
+
+
+def run_rank(rank: int, world: int, port: int, work: str, options: dict[str, Any]) -> None:
+    """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
+    torch.set_num_threads(1)  # two ranks on two cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    results: dict[str, str] = {}
+    try:
+        for name, check in CHECKS.items():
+            if name not in options["checks"]:
+                continue
+            try:
+                check(rank, Path(work), options)
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            # Line the ranks up again before the next check, whatever happened.
+            dist.barrier()
+    finally:
+        out = Path(work) / f"rank{rank}.json"
+        out.write_text(json.dumps({"pid": os.getpid(), "results": results}))
+        dist.destroy_process_group()
