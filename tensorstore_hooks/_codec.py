@@ -85,6 +85,8 @@ def _build_dtype_table() -> dict[str, tuple[torch.dtype, str]]:
 DTYPES: dict[str, tuple[torch.dtype, str]] = _build_dtype_table()
 _NAME_OF: dict[torch.dtype, str] = {dtype: name for name, (dtype, _) in DTYPES.items()}
 
+FRAMEWORKS = ("torch", "paddle")
+
 # Bounds applied to metadata read back from a store or the wire.
 _MAX_NDIM = 64
 _MAX_NBYTES = 1 << 48
@@ -107,8 +109,12 @@ class TensorMeta:
     device: str
     """Original device, e.g. ``"cpu"`` or ``"cuda:1"``."""
     requires_grad: bool
+    """For paddle tensors: ``not stop_gradient``."""
     nbytes: int
     """Payload length in bytes."""
+    framework: str = "torch"
+    """Whose tensor ``get`` rebuilds: ``"torch"`` or ``"paddle"`` (devices then read
+    ``"cpu"``, ``"gpu:0"``). See NOTE [ Paddle bridge ] in ``_paddle_bridge.py``."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,6 +146,7 @@ class TensorMeta:
             "device": self.device,
             "requires_grad": self.requires_grad,
             "nbytes": self.nbytes,
+            **({} if self.framework == "torch" else {"framework": self.framework}),
         }
 
     @classmethod
@@ -161,6 +168,9 @@ class TensorMeta:
             nbytes = d["nbytes"]
         except KeyError as e:
             raise IntegrityError(f"tensor metadata: missing field {e.args[0]!r}") from e
+        framework = d.get("framework", "torch")
+        if framework not in FRAMEWORKS:
+            raise IntegrityError(f"tensor metadata: unknown framework {framework!r}")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise IntegrityError(f"tensor metadata: unknown dtype {dtype!r}")
         for name, seq in (("shape", shape), ("stride", stride)):
@@ -190,6 +200,7 @@ class TensorMeta:
             device=device,
             requires_grad=requires_grad,
             nbytes=nbytes,
+            framework=framework,
         )
         itemsize = meta.torch_dtype.itemsize
         numel = math.prod(meta.shape)
@@ -246,7 +257,7 @@ def check_supported(t: object) -> torch.Tensor:
     """Return ``t`` if it can be stored, else raise :class:`UnsupportedTensorError`."""
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(
-            f"codec: expected a torch.Tensor, got {type(t).__name__}; "
+            f"codec: expected a torch.Tensor or paddle.Tensor, got {type(t).__name__}; "
             "convert it with torch.as_tensor"
         )
     reason = unsupported_reason(t)
@@ -258,14 +269,20 @@ def check_supported(t: object) -> torch.Tensor:
     return t
 
 
-def encode(t: torch.Tensor) -> tuple[TensorMeta, np.ndarray]:
+def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
     """Serialise ``t``: returns its metadata and a 1-D uint8 numpy payload.
 
     For a CPU tensor whose span is no larger than its element count the payload is a
     zero-copy view of the tensor's storage: the caller must finish with it before the
     tensor is modified. Other tensors are copied (gapped views are compacted, device
-    tensors come to host). Raises :class:`UnsupportedTensorError`.
+    tensors come to host). A ``paddle.Tensor`` goes through the same path (see
+    NOTE [ Paddle bridge ]). Raises :class:`UnsupportedTensorError`.
     """
+    if not isinstance(t, torch.Tensor):
+        from ._paddle_bridge import encode_paddle, is_paddle_tensor
+
+        if is_paddle_tensor(t):
+            return encode_paddle(t)
     check_supported(t)
     requires_grad = t.requires_grad  # before detach(), which clears it
     t = t.detach()
@@ -317,14 +334,20 @@ def decode(
     *,
     device: torch.device | str | None = None,
     requires_grad: bool | None = None,
-) -> torch.Tensor:
+) -> Any:
     """Rebuild the tensor described by ``meta`` from ``payload``.
 
     ``payload`` is any buffer (bytearray, numpy array, uint8 tensor) of ``meta.nbytes``
     bytes; writable buffers are used without a copy, so the caller must not reuse
     them. ``device`` defaults to the original device; ``requires_grad`` to the
-    original flag. Raises :class:`IntegrityError` if the payload length is wrong.
+    original flag. A tensor stored from paddle comes back as a ``paddle.Tensor``
+    (``device`` then takes ``"cpu"``, ``"gpu:0"`` or a paddle place). Raises
+    :class:`IntegrityError` if the payload length is wrong.
     """
+    if meta.framework == "paddle":
+        from ._paddle_bridge import decode_paddle
+
+        return decode_paddle(meta, payload, device=device, requires_grad=requires_grad)
     raw = _as_uint8(payload)
     if raw.numel() != meta.nbytes:
         raise IntegrityError(

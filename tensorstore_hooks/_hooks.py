@@ -17,7 +17,7 @@ from ._registry import open_store
 from ._stats import OffloadStats
 from ._store import TensorStore
 
-__all__ = ["OffloadHooks", "offload"]
+__all__ = ["OffloadHooks", "make_session", "offload"]
 
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -134,6 +134,19 @@ def offload(
 
     Raises :class:`ConfigError` for bad options, before anything is changed.
     """
+    hooks = OffloadHooks(make_session(store, config, overrides))
+    if model is not None:
+        hooks.attach(model)
+    return hooks
+
+
+def make_session(
+    store: str | os.PathLike[str] | TensorStore | None, config: Any, overrides: dict[str, Any]
+) -> OffloadSession:
+    """Resolve the config, open (or adopt) the store and build the session behind the hooks.
+
+    Shared by the torch and paddle ``offload()``; arguments as :func:`offload` takes them.
+    """
     from ._config import resolve_config
 
     cfg = resolve_config(config, overrides)
@@ -149,8 +162,4 @@ def offload(
         writer_threads=cfg.pipeline.writer_threads,
         read_deadline_s=cfg.pipeline.read_deadline_s,
     )
-    session = OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
-    hooks = OffloadHooks(session)
-    if model is not None:
-        hooks.attach(model)
-    return hooks
+    return OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)

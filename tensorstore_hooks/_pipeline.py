@@ -70,7 +70,7 @@ from .errors import (
     UnsupportedTensorError,
 )
 
-__all__ = ["OffloadSession", "PipelineOptions"]
+__all__ = ["OffloadSession", "PipelineOptions", "inplace_error"]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -110,6 +110,7 @@ class _Record:
         "device",
         "error",
         "fetch",
+        "guard",
         "host",
         "host_buf",
         "key",
@@ -124,10 +125,13 @@ class _Record:
         "writing_done",
     )
 
-    def __init__(self, t: torch.Tensor, nbytes: int, pos: int) -> None:
+    def __init__(self, t: torch.Tensor, nbytes: int, pos: int, guard: Any = None) -> None:
         # The saved tensor until its bytes are stored, detached: NOTE [ Detached aliases ].
         self.source: torch.Tensor | None = t.detach()
-        self.version = t._version
+        # What in-place checks read ``_version`` from: the tensor itself, or for another
+        # framework's tensor (seen here through a zero-copy alias) that tensor's counter.
+        self.guard: Any = self.source if guard is None else guard
+        self.version = self.guard._version
         self.nbytes = nbytes
         self.device = t.device
         self.offset = int(t.storage_offset())
@@ -177,7 +181,7 @@ class _Host:
         self.device = device
 
 
-def _inplace_error(what: str) -> RuntimeError:
+def inplace_error(what: str) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an "
         f"inplace operation ({what} was saved for backward by an offloaded op and changed "
@@ -249,25 +253,45 @@ class OffloadSession:
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook. Returns the tensor's stand-in in the autograd graph."""
-        self._emit_warning()
-        stats = self.stats
+        self.emit_warning()
         reason = unsupported_reason(t)
-        nbytes = t.numel() * t.element_size() if reason is None else 0
         if reason is not None:
-            self._count("keep", f"unsupported: {reason}", nbytes)
-            stats.tensors_kept += 1
+            self.keep_unsupported(reason)
             return _Kept(t)
+        nbytes = t.numel() * t.element_size()
+        action = self.route(t, nbytes)
+        if action == "store":
+            return self.pack_store(t, nbytes)
+        if action == "host":
+            return self._pack_host(t)
+        return _Kept(t)
+
+    def keep_unsupported(self, reason: str) -> None:
+        """Count a tensor kept because the codec cannot store it (sparse, subclass, ...)."""
+        self._count("keep", f"unsupported: {reason}", 0)
+        self.stats.tensors_kept += 1
+
+    def route(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> str:
+        """Decide ``keep`` / ``host`` / ``store`` for a supported tensor and count it.
+
+        ``parameter`` overrides the policy's own parameter test (for tensors of another
+        framework). A ``keep`` is counted here; a ``host`` is counted by the caller's
+        packing, a ``store`` by :meth:`pack_store`. Once the session is closing, every
+        tensor is kept.
+        """
         path = self.scope.current() if self.scope is not None else None
-        decision = self.policy.decide(t, path)
+        decision = self.policy.decide(t, path, parameter=parameter)
         action = decision.action
         self._count(action, decision.label, nbytes)
         if action == "host":
-            return self._pack_host(t, nbytes)
+            self.stats.tensors_host += 1
+            self.stats.bytes_host += nbytes
+            return action
         if action != "store" or self._closing:
-            stats.tensors_kept += 1
-            stats.bytes_kept += nbytes
-            return _Kept(t)
-        return self._pack_store(t, nbytes)
+            self.stats.tensors_kept += 1
+            self.stats.bytes_kept += nbytes
+            return "keep"
+        return action
 
     def _count(self, action: str, label: str, nbytes: int) -> None:
         for table, name in ((self.stats.per_action, action), (self.stats.per_rule, label)):
@@ -277,9 +301,8 @@ class OffloadSession:
             route.tensors += 1
             route.bytes += nbytes
 
-    def _pack_host(self, t: torch.Tensor, nbytes: int) -> Any:
-        self.stats.tensors_host += 1
-        self.stats.bytes_host += nbytes
+    @staticmethod
+    def _pack_host(t: torch.Tensor) -> Any:
         if t.device.type == "cpu":
             return _Kept(t)  # already in host memory; a copy would only add memory
         if _is_dense(t):
@@ -289,12 +312,19 @@ class OffloadSession:
         packed.copy_(t.detach(), non_blocking=True)
         return _Host(packed, t.device)
 
-    def _pack_store(self, t: torch.Tensor, nbytes: int) -> Any:
+    def pack_store(self, t: torch.Tensor, nbytes: int, *, guard: Any = None) -> _Handle:
+        """Queue ``t`` for write-behind and return its handle (blocks at ``max_inflight``).
+
+        ``guard``: the object whose ``_version`` tells whether the saved tensor was
+        modified in place (default ``t``; another framework passes its own tensor's
+        counter, since a zero-copy alias has a counter of its own).
+        """
         stats = self.stats
-        dkey = self._dedup_key(t)
+        # Dedup needs torch's version counter in the key; a guarded alias has none.
+        dkey = self._dedup_key(t) if guard is None else None
         with self._lock:
-            hit = self._dedup.get(dkey)
-            if hit is not None:
+            hit = self._dedup.get(dkey) if dkey is not None else None
+            if hit is not None and dkey is not None:
                 ref, rec = hit
                 alive = ref()
                 if (
@@ -311,11 +341,12 @@ class OffloadSession:
                 while self._inflight and self._inflight + nbytes > self.options.max_inflight:
                     self._cond.wait(0.05)
                 stats.pack_stall_s += time.perf_counter() - t0
-            rec = _Record(t, nbytes, len(self._order))
-            rec.dedup_key = dkey
+            rec = _Record(t, nbytes, len(self._order), guard)
             self._order.append(rec)
             self._live += 1
-            self._dedup[dkey] = (weakref.ref(t), rec)
+            if dkey is not None:
+                rec.dedup_key = dkey
+                self._dedup[dkey] = (weakref.ref(t), rec)
             self._inflight += nbytes
             stats.tensors_offloaded += 1
             stats.bytes_offloaded += nbytes
@@ -370,9 +401,9 @@ class OffloadSession:
             and src.device.type == "cuda"
             and rec.state in (_State.QUEUED, _State.WRITING)
         ):
-            if src._version != rec.version:
+            if rec.guard._version != rec.version:
                 rec.state = _State.DIRTY
-            rec.source = None
+            rec.source = rec.guard = None
         rec.copy_event = None
 
     # ----------------------------------------------------------------- write
@@ -397,7 +428,7 @@ class OffloadSession:
                     self._device_copy_done(rec)
             if src is None or rec.state == _State.DIRTY:
                 raise _Dirty()
-            orig = rec.source  # the saved tensor (``src`` is its pinned copy for CUDA)
+            orig = rec.guard  # the saved tensor (``src`` is its pinned copy for CUDA)
             if orig is not None and orig._version != rec.version:
                 raise _Dirty()
             key = self.store.put(src)
@@ -407,7 +438,7 @@ class OffloadSession:
             with self._lock:
                 if rec.state in (_State.WRITING, _State.DIRTY):
                     rec.state = _State.DIRTY
-                    rec.source = None
+                    rec.source = rec.guard = None
         except BaseException as e:
             error = e
         del src, orig  # the record alone decides how long the tensor lives
@@ -418,7 +449,7 @@ class OffloadSession:
             elif key is not None and rec.state == _State.WRITING:
                 rec.state = _State.STORED
                 rec.key = key
-                rec.source = None
+                rec.source = rec.guard = None
                 key = None
                 self._release_host_buffer(rec)
         if key is not None:
@@ -461,7 +492,8 @@ class OffloadSession:
         rec.host_buf = None
         rec.host = None
 
-    def _emit_warning(self) -> None:
+    def emit_warning(self) -> None:
+        """Issue the pending one-time fallback warning (on the caller's thread)."""
         msg = self._pending_warning
         if msg is not None:
             self._pending_warning = None
@@ -470,10 +502,10 @@ class OffloadSession:
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook. May run many times for one handle; never deletes."""
-        self._emit_warning()
+        self.emit_warning()
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
-                raise _inplace_error(f"a tensor of shape {tuple(packed.tensor.shape)}")
+                raise inplace_error(f"a tensor of shape {tuple(packed.tensor.shape)}")
             return packed.tensor
         if isinstance(packed, _Host):
             return packed.tensor.to(packed.device, non_blocking=True)
@@ -486,7 +518,7 @@ class OffloadSession:
                 if state in (_State.QUEUED, _State.WRITING, _State.MEMORY) and src is not None:
                     return self._from_memory(rec, src)
                 if state == _State.DIRTY:
-                    raise _inplace_error("a tensor")
+                    raise inplace_error("a tensor")
                 if state in (_State.MEMORY, _State.FREED):
                     raise StoreUnavailableError(
                         f"offload: a saved tensor is no longer available ({state.name.lower()}); "
@@ -523,8 +555,8 @@ class OffloadSession:
         if rec.state != _State.MEMORY:
             rec.state = _State.MEMORY
             self.stats.tail_hits += 1
-        if src._version != rec.version:
-            raise _inplace_error(f"a tensor of shape {tuple(src.shape)}")
+        if rec.guard is not None and rec.guard._version != rec.version:
+            raise inplace_error(f"a tensor of shape {tuple(src.shape)}")
         return src
 
     def _finish(self, rec: _Record, out: Any) -> torch.Tensor:
@@ -628,6 +660,7 @@ class OffloadSession:
                 if prev in (_State.STORED, _State.MEMORY, _State.DIRTY):
                     self._release_host_buffer(rec)
                 source, rec.source = rec.source, None
+                rec.guard = None
                 idle = self._live == 0
                 if idle:
                     self._order.clear()
@@ -679,7 +712,7 @@ class OffloadSession:
         with self._lock:
             while self._inflight > 0:
                 self._cond.wait(0.1)
-        self._emit_warning()
+        self.emit_warning()
 
     @property
     def live_records(self) -> int:

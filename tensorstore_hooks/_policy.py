@@ -326,13 +326,19 @@ class Policy:
         """Every label ``decide`` can return, in rule order (for stats tables)."""
         return ("parameter", *(d.label for _, d in self._table), "min_bytes", "default")
 
-    def decide(self, t: torch.Tensor, module_path: str | None) -> Decision:
+    def decide(
+        self, t: torch.Tensor, module_path: str | None, *, parameter: bool | None = None
+    ) -> Decision:
         """Route one saved tensor. ``module_path`` is ``ModuleScope.current()`` (or None).
 
+        ``parameter``: whether ``t`` is a parameter (or a view of one); ``None`` tests
+        for ``nn.Parameter``. Other frameworks say it themselves (Paddle: ``persistable``).
         Cheap and allocation-free apart from the glob match on module rules.
         """
         if self.skip_parameters and (
-            isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+            parameter
+            if parameter is not None
+            else isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
         ):
             return self._param
         nbytes = t.numel() * t.element_size()

@@ -11,7 +11,6 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ModuleScope"]
 
@@ -40,7 +39,9 @@ class ModuleScope:
         self._local = _Stack()
         self._lock = threading.Lock()
         # Strong references until detach(): the handles need their module alive anyway.
-        self._handles: dict[torch.nn.Module, tuple[RemovableHandle, RemovableHandle]] = {}
+        # Keys are modules (or paddle Layers, see tensorstore_hooks.paddle); values have
+        # ``remove()``.
+        self._handles: dict[Any, tuple[Any, Any]] = {}
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook every submodule of ``model``; paths are relative to ``model`` (root ``""``)."""
@@ -83,7 +84,7 @@ class ModuleScope:
     def _make_pre(self, path: str) -> Any:
         local = self._local
 
-        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+        def pre_hook(module: Any, args: Any) -> None:
             local.paths.append(path)
 
         return pre_hook
@@ -91,7 +92,7 @@ class ModuleScope:
     def _make_post(self, path: str) -> Any:
         local = self._local
 
-        def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        def post_hook(module: Any, args: Any, output: Any) -> None:
             paths = local.paths
             # Pop only our own entry: with always_call=True this hook also runs when a
             # global pre-hook raised before ours pushed anything.

@@ -58,7 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tiny (default, a few seconds) or small (about 4x the work)",
     )
     parser.add_argument(
-        "--framework", choices=("torch",), default="torch", help="only torch for now"
+        "--framework",
+        choices=("torch", "paddle"),
+        default="torch",
+        help="torch (default) or paddle (needs pip install 'tensorstore-hooks[paddle]'); "
+        "both train the same model from the same weights",
     )
     parser.add_argument(
         "--prefetch",
@@ -166,14 +170,72 @@ def _fmt_times(*secs: float) -> list[str]:
     return [f"{s:.2f} s" for s in secs]
 
 
+class TorchPair:
+    """Two identical torch GPTs trained side by side: ``ref`` plain, ``off`` under hooks."""
+
+    framework = "torch"
+
+    def __init__(self, cfg: Any) -> None:
+        import torch
+
+        from .._demo_model import GPT
+
+        self.cfg = cfg
+        self.models = {"ref": GPT(cfg, seed=0), "off": GPT(cfg, seed=0)}
+        self.opts = {
+            which: torch.optim.SGD(m.parameters(), lr=0.05) for which, m in self.models.items()
+        }
+        self.n_params = sum(1 for _ in self.models["ref"].parameters())
+
+    @staticmethod
+    def offload(store: str | None, **options: Any) -> Any:
+        import tensorstore_hooks as tsh
+
+        return tsh.offload(store, **options)
+
+    def step(self, which: str, step: int, hooks: Any) -> None:
+        from .._demo_model import synthetic_batch
+
+        tokens, targets = synthetic_batch(self.cfg, step)
+        with hooks if hooks is not None else contextlib.nullcontext():
+            loss = self.models[which](tokens, targets)
+        loss.backward()
+
+    def mismatches(self, step: int) -> list[str]:
+        import torch
+
+        out = []
+        ref, off = self.models["ref"], self.models["off"]
+        for (name, p_ref), p_off in zip(ref.named_parameters(), off.parameters(), strict=True):
+            g_ref, g_off = p_ref.grad, p_off.grad
+            if g_ref is None or g_off is None or not torch.equal(g_ref, g_off):
+                out.append(f"step {step}: {name}")
+        return out
+
+    def optimizer_step(self) -> None:
+        for opt in self.opts.values():
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+
+def _make_pair(framework: str, cfg: Any) -> Any:
+    if framework == "paddle":
+        try:
+            from ..paddle._demo_model import PaddlePair
+        except ImportError as e:
+            raise SystemExit(
+                f"demo: --framework paddle needs PaddlePaddle ({e}); "
+                "pip install 'tensorstore-hooks[paddle]'"
+            ) from e
+        return PaddlePair(cfg)
+    return TorchPair(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 if every gradient matched, 1 otherwise."""
-    import torch
     from tqdm import tqdm
 
-    import tensorstore_hooks as tsh
-
-    from .._demo_model import GPT, config_for, synthetic_batch
+    from .._demo_model import config_for
     from .._units import format_bytes
 
     if args.steps < 1:
@@ -184,10 +246,8 @@ def run(args: argparse.Namespace) -> int:
     budgets = _DEMO_BUDGETS[args.size]
     prefetch = args.prefetch or budgets[0]
     max_inflight = args.max_inflight or budgets[1]
-    ref_model, off_model = GPT(cfg, seed=0), GPT(cfg, seed=0)
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05)
-    off_opt = torch.optim.SGD(off_model.parameters(), lr=0.05)
-    hooks = tsh.offload(args.store, prefetch=prefetch, max_inflight=max_inflight)
+    pair = _make_pair(args.framework, cfg)
+    hooks = pair.offload(args.store, prefetch=prefetch, max_inflight=max_inflight)
     store_url = hooks.store.url
     sampler = RssSampler()
     mem: dict[str, list[int]] = {"ref": [], "off": []}
@@ -198,21 +258,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         bar = tqdm(total=2 * args.steps, desc="demo", unit="step", file=sys.stderr, leave=False)
         for step in range(args.steps):
-            tokens, targets = synthetic_batch(cfg, step)
             # Alternate which run goes first so neither always finds a warmer machine.
             order = ("ref", "off") if step % 2 == 0 else ("off", "ref")
             for which in order:
-                model = ref_model if which == "ref" else off_model
                 before = (hooks.stats.tensors_offloaded, hooks.stats.bytes_offloaded)
                 release_free_memory()
                 base = sampler.start()
                 t0 = time.perf_counter()
-                with hooks if which == "off" else contextlib.nullcontext():
-                    loss = model(tokens, targets)
-                loss.backward()
+                pair.step(which, step, hooks if which == "off" else None)
                 secs[which].append(time.perf_counter() - t0)
                 mem[which].append(sampler.stop() - base)
-                del loss
                 if which == "off":
                     offloaded.append(
                         (
@@ -221,17 +276,9 @@ def run(args: argparse.Namespace) -> int:
                         )
                     )
                 bar.update(1)
-            for (name, p_ref), p_off in zip(
-                ref_model.named_parameters(), off_model.parameters(), strict=True
-            ):
-                compared += 1
-                g_ref, g_off = p_ref.grad, p_off.grad
-                if g_ref is None or g_off is None or not torch.equal(g_ref, g_off):
-                    mismatched.append(f"step {step}: {name}")
-            ref_opt.step()
-            off_opt.step()
-            ref_opt.zero_grad(set_to_none=False)
-            off_opt.zero_grad(set_to_none=False)
+            compared += pair.n_params
+            mismatched += pair.mismatches(step)
+            pair.optimizer_step()
             bar.set_postfix(grads="identical" if not mismatched else "DIFFER")
         bar.close()
         stats = hooks.stats
@@ -247,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
 
     m_ref, m_off = med(mem["ref"]), med(mem["off"])
     t_ref, t_off = med(secs["ref"]), med(secs["off"])
-    n_params = sum(1 for _ in ref_model.parameters())
+    n_params = pair.n_params
     hits = f"{stats.prefetch_hits}/{stats.prefetch_hits + stats.prefetch_misses}"
     tail = f"+{stats.tail_hits} served before their write finished" if stats.tail_hits else ""
     rows = [
@@ -266,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     print(
-        f"tensorstore-hooks demo: GPT {args.size} ({cfg.blocks} blocks, d={cfg.d_model}, "
+        f"tensorstore-hooks demo: {pair.framework} GPT {args.size} "
+        f"({cfg.blocks} blocks, d={cfg.d_model}, "
         f"{cfg.batch}x{cfg.seq} tokens), {args.steps} steps, store {store_url}, "
         f"prefetch {prefetch}, max_inflight {max_inflight}"
     )
@@ -281,5 +329,6 @@ def run(args: argparse.Namespace) -> int:
         for m in mismatched[:10]:
             print(f"  {m}")
         return 1
-    print(f"gradients: identical ({args.steps} steps x {n_params} parameters, torch.equal)")
+    how = "torch.equal" if pair.framework == "torch" else "numpy.array_equal"
+    print(f"gradients: identical ({args.steps} steps x {n_params} parameters, {how})")
     return 0

@@ -46,7 +46,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
 
     Returns ``{"url", "format", "namespaces": [{"name", "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
-    "device", "nbytes", "stored_bytes"}]}], "totals": {...}}``. ``stored_bytes`` counts
+    "device", "framework", "nbytes", "stored_bytes"}]}], "totals": {...}}``. ``stored_bytes`` counts
     whole chunks (payload plus padding, before the codec). Raises
     :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root
     and :class:`~tensorstore_hooks.IntegrityError` if an index is corrupt.
@@ -89,6 +89,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
                     "shape": list(m.shape),
                     "stride": list(m.stride),
                     "device": m.device,
+                    "framework": m.framework,
                     "nbytes": m.nbytes,
                     "stored_bytes": entry.chunk * entry.count,
                 }
@@ -151,7 +152,7 @@ def _format(listing: dict[str, Any]) -> str:
             continue
         rows = [("key", "dtype", "shape", "bytes", "device")]
         rows += [
-            (k["key"], k["dtype"], str(tuple(k["shape"])), fb(k["nbytes"]), k["device"])
+            (k["key"], k["dtype"], str(tuple(k["shape"])), fb(k["nbytes"]), _device(k))
             for k in ns["keys"]
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -199,3 +200,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_format(listing))
     return 0
+
+
+def _device(k: dict[str, Any]) -> str:
+    """``cpu``; a tensor stored from another framework says which (``cpu (paddle)``)."""
+    return k["device"] if k["framework"] == "torch" else f"{k['device']} ({k['framework']})"
