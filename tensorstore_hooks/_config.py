@@ -93,6 +93,9 @@ class PipelineSettings:
     """Background writer threads (1..64)."""
     read_deadline_s: float = 30.0
     """How long a failing read is retried before its error is raised."""
+    release_heap_every: int = 128 << 20
+    """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
+    (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``_heap.py``."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class EffectiveConfig:
                 "prefetch": exact_size(self.pipeline.prefetch),
                 "writer_threads": self.pipeline.writer_threads,
                 "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
+                "release_heap_every": exact_size(self.pipeline.release_heap_every),
             },
             "policy": {
                 "min_bytes": exact_size(self.policy.min_bytes),
@@ -318,6 +322,7 @@ class _PipelineModel(_Model):
     prefetch: Size = PipelineSettings.prefetch
     writer_threads: Annotated[int, Field(ge=1, le=64)] = PipelineSettings.writer_threads
     read_deadline_s: Duration = PipelineSettings.read_deadline_s
+    release_heap_every: Size = PipelineSettings.release_heap_every
 
 
 class _RuleModel(_Model):
@@ -394,6 +399,7 @@ class _ConfigModel(_Model):
                 prefetch=p.prefetch,
                 writer_threads=p.writer_threads,
                 read_deadline_s=p.read_deadline_s,
+                release_heap_every=p.release_heap_every,
             ),
             policy=Policy(
                 min_bytes=pol.min_bytes,
@@ -646,6 +652,7 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "max_inflight": ("pipeline", _PipelineModel),
     "writer_threads": ("pipeline", _PipelineModel),
     "read_deadline_s": ("pipeline", _PipelineModel),
+    "release_heap_every": ("pipeline", _PipelineModel),
     "storage_options": ("store", _StoreModel),
     "codec": ("store", _StoreModel),
     "chunk_bytes": ("store", _StoreModel),

@@ -129,7 +129,8 @@ def offload(
     ``config``: a YAML file (or ``tsh.load_config(...)`` result); the ``TSH_CONFIG``
     environment variable names a default. Keyword overrides win over the file:
     ``min_bytes``, ``skip_parameters``, ``prefetch``, ``max_inflight``, ``rules``,
-    ``default``, ``writer_threads``, ``codec``, ``chunk_bytes``, ``storage_options``.
+    ``default``, ``writer_threads``, ``read_deadline_s``, ``release_heap_every``, ``codec``,
+    ``chunk_bytes``, ``storage_options``.
     ``model``: track its module paths for ``module`` rules (or ``hooks.attach(model)``).
 
     Raises :class:`ConfigError` for bad options, before anything is changed.
@@ -161,5 +162,6 @@ def make_session(
         prefetch=cfg.pipeline.prefetch,
         writer_threads=cfg.pipeline.writer_threads,
         read_deadline_s=cfg.pipeline.read_deadline_s,
+        release_heap_every=cfg.pipeline.release_heap_every,
     )
     return OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)

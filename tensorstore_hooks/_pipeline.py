@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from ._codec import is_dense, unsupported_reason
+from ._heap import HeapReleaser
 from ._iopool import READ, WRITE, IOPool, pool_for, shutdown_pool
 from ._stats import OffloadStats, RouteStats
 from ._store import TensorStore
@@ -87,7 +88,13 @@ class _State(enum.IntEnum):
 class PipelineOptions:
     """Byte budgets and threads of one session (validated by the config layer)."""
 
-    __slots__ = ("max_inflight", "prefetch", "read_deadline_s", "writer_threads")
+    __slots__ = (
+        "max_inflight",
+        "prefetch",
+        "read_deadline_s",
+        "release_heap_every",
+        "writer_threads",
+    )
 
     def __init__(
         self,
@@ -96,11 +103,13 @@ class PipelineOptions:
         prefetch: int = 256 << 20,
         writer_threads: int = 2,
         read_deadline_s: float = 30.0,
+        release_heap_every: int = 128 << 20,
     ) -> None:
         self.max_inflight = max_inflight
         self.prefetch = prefetch
         self.writer_threads = writer_threads
         self.read_deadline_s = read_deadline_s
+        self.release_heap_every = release_heap_every
 
 
 class _Record:
@@ -234,6 +243,7 @@ class OffloadSession:
         self._closed = False
         self._pinned: Any = None
         self._streams: Any = None
+        self._heap = HeapReleaser(options.release_heap_every)  # NOTE [ Heap release ]
 
     # ------------------------------------------------------------ resources
     def _io(self) -> IOPool:
@@ -459,6 +469,7 @@ class OffloadSession:
         with self._lock:
             self._write_finished(rec)
         rec.writing_done.set()
+        self._heap.note(rec.nbytes)
 
     def _write_finished(self, rec: _Record) -> None:
         self._inflight -= rec.nbytes
@@ -596,6 +607,7 @@ class OffloadSession:
             delay = min(delay * 2, 1.0)
         with self._lock:  # reader threads run this concurrently
             self.stats.bytes_read += rec.nbytes
+        self._heap.note(rec.nbytes)
         t = t.detach()
         if rec.device.type == "cuda":
             from ._staging import copy_to_device

@@ -29,6 +29,7 @@ from tensorstore_hooks import (
     Policy,
     StoreUnavailableError,
 )
+from tensorstore_hooks._heap import HeapReleaser, malloc_trim
 from tensorstore_hooks._iopool import pool_for, shutdown_pool
 from tensorstore_hooks._pipeline import OffloadSession, PipelineOptions
 
@@ -207,25 +208,31 @@ def test_dedup_one_put_per_tensor() -> None:
 
 
 def test_dedup_survives_address_reuse() -> None:
-    """Freed tensors' addresses come back; identity must not be a bare data_ptr."""
+    """A new tensor at a dead one's address must not be taken for it (no bare data_ptr).
+
+    Every ``t`` is a fresh tensor over one bytearray: the same address, shape, dtype
+    and version each time, deterministically (an allocator's reuse is not).
+    """
     store = WrappedStore()
     w = torch.randn(4096, requires_grad=True)
+    memory = bytearray(4096 * 4)
     hooks = tsh.offload(store, min_bytes=0)
     losses = []
     ptrs = set()
     with hooks:
         for i in range(20):
-            t = w * float(i + 1)  # same shape, dtype, version each time
+            t = torch.frombuffer(memory, dtype=torch.float32)
+            with torch.no_grad():
+                t.copy_(w * float(i + 1))
             ptrs.add(t.data_ptr())
-            losses.append(t.sin().sum())  # sin saves t
+            losses.append((t * w).sum())  # mul saves t
             del t
-            hooks.flush()  # t's bytes are stored and its memory freed: reusable
-    loss = torch.stack(losses).sum()
-    assert len(ptrs) < 20, "the allocator never reused an address; the test proves nothing"
+            hooks.flush()  # t's bytes are stored; the next t reuses its memory
+    assert len(ptrs) == 1
     assert hooks.stats.dedup_hits == 0
-    loss.backward()
+    torch.stack(losses).sum().backward()
     w2 = w.detach().clone().requires_grad_()
-    torch.stack([(w2 * float(i + 1)).sin().sum() for i in range(20)]).sum().backward()
+    torch.stack([((w2 * float(i + 1)).detach() * w2).sum() for i in range(20)]).sum().backward()
     assert torch.equal(w.grad, w2.grad)
     shutdown_pool(store)
 
@@ -706,3 +713,33 @@ def test_cuda_no_host_alloc_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
         del loss
     assert hooks.stats.tensors_offloaded >= 4 * 3
     assert calls["n"] < hooks.stats.tensors_offloaded // 2
+
+
+# ---------------------------------------------------------------- heap release
+def test_heap_releaser_trims_every_n_bytes() -> None:
+    calls: list[int] = []
+    rel = HeapReleaser(100, trim=lambda pad: calls.append(pad) or 1)
+    for _ in range(7):
+        rel.note(40)  # 280 bytes: due at 120 and 240
+    assert calls == [0, 0] and rel.releases == 2
+    off = HeapReleaser(0, trim=lambda pad: calls.append(pad) or 1)
+    off.note(1 << 40)
+    assert len(calls) == 2  # 0 disables it
+    assert HeapReleaser(100, trim=None).releases == 0
+
+
+def test_io_threads_release_the_heap_as_configured() -> None:
+    hooks = tsh.offload("memory://", min_bytes=0, release_heap_every="64KiB")
+    assert hooks._session.options.release_heap_every == 64 << 10
+    x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
+    with hooks:
+        loss = sin_chain(x, 4)
+    hooks.flush()
+    loss.backward()
+    heap = hooks._session._heap
+    if malloc_trim is None:  # not glibc: the option is accepted and does nothing
+        assert heap.releases == 0
+    else:
+        assert heap.releases >= 4  # 4 writes and 4 reads of 128 KiB each
+    with pytest.raises(tsh.ConfigError, match="release_heap_every"):
+        tsh.offload("memory://", release_heap_every="lots")

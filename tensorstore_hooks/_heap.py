@@ -1,0 +1,74 @@
+"""Hand freed heap memory back to the OS while offloading runs.
+
+NOTE [ Heap release ]
+Offloading frees each saved tensor when its write has finished (on an I/O thread, out
+of step with forward's own allocations), and backward allocates read buffers on I/O
+threads. glibc returns freed memory to the OS only from the top of a heap; freed
+blocks below a live one stay mapped and count in the process's RSS. Measured on the
+train-step benchmark (8 blocks, d=512, 2 GiB saved per step): at the end of forward
+0.19 GiB was live but 0.75 GiB more sat free in glibc's heaps, and the step's peak RSS
+was 0.76-0.83 GiB above where it started. ``malloc_trim(0)`` (what glibc itself does
+for the heap top, applied to every free block) brought the peak to 0.45-0.47 GiB at no
+measurable cost in step time: the pages it releases are ones the process would fault
+in again anyway when it reuses them. So the I/O threads call it after every
+``release_heap_every`` bytes they move. Elsewhere than glibc this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable
+
+__all__ = ["HeapReleaser", "malloc_trim"]
+
+log = logging.getLogger("tensorstore_hooks")
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+malloc_trim = _find_malloc_trim()
+"""glibc's ``malloc_trim(pad)``, or ``None`` where the C library has none."""
+
+
+class HeapReleaser:
+    """Calls ``malloc_trim(0)`` once every ``every_bytes`` bytes reported by :meth:`note`.
+
+    ``every_bytes == 0`` (or no glibc) disables it. Thread-safe enough for its job: a
+    racing update may delay one release, never corrupt anything. Call it outside any
+    lock of yours: a release walks glibc's heaps under their locks.
+    """
+
+    __slots__ = ("_every", "_moved", "_trim", "releases")
+
+    def __init__(self, every_bytes: int, trim: Callable[[int], int] | None = malloc_trim) -> None:
+        self._every = every_bytes if trim is not None else 0
+        self._trim = trim
+        self._moved = 0
+        self.releases = 0
+
+    def note(self, nbytes: int) -> None:
+        """Count ``nbytes`` moved by an I/O thread; release the heap when due."""
+        if not self._every:
+            return
+        self._moved += nbytes
+        if self._moved >= self._every:
+            self._moved = 0
+            self.releases += 1
+            assert self._trim is not None
+            try:
+                self._trim(0)
+            except Exception:  # pragma: no cover - a libc call that fails changes nothing
+                log.debug("malloc_trim failed", exc_info=True)
