@@ -127,7 +127,9 @@ class Daemon:
             assert cfg.root is not None
             from tensorstore_hooks._zarr_store import ZarrStore
 
-            self._disk = ZarrStore(cfg.root, namespace=DISK_NAMESPACE)
+            # No spare chunk files: the disk quota counts live bytes, and the
+            # directory must hold no more than that.
+            self._disk = ZarrStore(cfg.root, namespace=DISK_NAMESPACE, spare_bytes=0)
             self.journal = StateJournal(cfg.root)
         self.tiers = Tiers(
             memory_quota=cfg.memory_quota_bytes,

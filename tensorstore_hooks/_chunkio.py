@@ -46,6 +46,10 @@ class ChunkIO(ABC):
     supports_append: bool = False
     """True if :meth:`open_append` works (cheap durable journals)."""
 
+    cheap_overwrite: bool = False
+    """True if rewriting an existing object costs less than deleting it and writing a
+    new one (local files), so freed chunk objects are worth keeping for reuse."""
+
     def __init__(self, url: str) -> None:
         self.url = url
 
@@ -114,6 +118,7 @@ class LocalIO(ChunkIO):
     """A directory on a local filesystem, through plain OS calls."""
 
     supports_append = True
+    cheap_overwrite = True
 
     def __init__(self, root: str) -> None:
         super().__init__("file://" + os.path.abspath(root))
@@ -123,20 +128,28 @@ class LocalIO(ChunkIO):
         return os.path.join(self.root, path) if path else self.root
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        # Overwrite in place rather than truncate: rewriting the blocks and page-cache
+        # pages a file already has is 3-10x cheaper (in kernel time) than freeing them
+        # and allocating new ones, and a store's chunk files are rewritten with the same
+        # size over and over (NOTE [ Spare chunk files ] in _zarr_store.py).
         full = self._full(path)
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         try:
-            f = open(full, "wb", buffering=0)  # noqa: SIM115 - closed below
+            fd = os.open(full, flags, 0o644)
         except FileNotFoundError:
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            f = open(full, "wb", buffering=0)  # noqa: SIM115
-        with f:
+            fd = os.open(full, flags, 0o644)
+        try:
+            total = 0
             for part in parts:
                 mv = memoryview(part).cast("B")
+                total += len(mv)
                 while mv:
-                    n = f.write(mv)
-                    if n is None:  # pragma: no cover - only non-blocking files
-                        raise OSError(f"short write to {full}")
-                    mv = mv[n:]
+                    mv = mv[os.write(fd, mv) :]
+            if os.fstat(fd).st_size > total:
+                os.ftruncate(fd, total)
+        finally:
+            os.close(fd)
 
     def read(self, path: str) -> Buffer:
         with open(self._full(path), "rb", buffering=0) as f:

@@ -166,7 +166,7 @@ def test_readable_with_plain_zarr(tmp_path: Path, codec: str) -> None:
 
 def test_deleted_chunks_read_as_fill_value(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns") as store:
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns", spare_bytes=0) as store:
         key = store.put(torch.full((8192,), 7, dtype=torch.uint8))
         e = _journal_entries(root / "ns")[key]
         store.delete(key)
@@ -174,6 +174,83 @@ def test_deleted_chunks_read_as_fill_value(tmp_path: Path) -> None:
         seg = zarr.open_array(str(root / "ns" / f"seg-{e['seg']}"), mode="r")
         lo = e["start"] * e["seg"]
         assert not seg[lo : lo + 8192].any()
+
+
+# ---------------------------------------------------------- spare chunk files
+def test_spare_chunk_files_are_rewritten_in_place(tmp_path: Path) -> None:
+    """A loop of put/delete of the same sizes rewrites the same files (same inodes)."""
+    root = tmp_path / "root"
+    sizes = (3000, 20_000, 70_000)  # one chunk, a two-chunk run, a longer run
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns") as store:
+        keys = [store.put(torch.full((n,), 1.0)) for n in sizes]
+        files = {p: p.stat().st_ino for p in _chunk_files(root)}
+        for step in range(2, 6):
+            store.delete_many(keys[:1])
+            for key in keys[1:]:
+                store.delete(key)
+            assert {p: p.stat().st_ino for p in _chunk_files(root)} == files
+            keys = [store.put(torch.full((n,), float(step))) for n in sizes]
+            assert {p: p.stat().st_ino for p in _chunk_files(root)} == files
+            for key, n in zip(keys, sizes, strict=True):
+                assert torch.equal(store.get(key), torch.full((n,), float(step)))
+        for key in keys:
+            store.delete(key)
+        assert len(store) == 0 and store.nbytes == 0
+    # close() unlinks the spares: nothing of the deleted keys is left on disk.
+    assert not root.exists() or not _chunk_files(root)
+
+
+def test_spare_bytes_bounds_the_kept_files(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns", spare_bytes="32KiB") as store:
+        keep = store.put(torch.ones(10))  # keeps the namespace (and its spares) until close
+        keys = [store.put(torch.full((4096,), float(i))) for i in range(4)]  # 16 KiB each
+        for key in keys:
+            store.delete(key)
+        # Two 16 KiB chunks fit in 32 KiB of spares; the other two files are gone.
+        assert len(_chunk_files(root)) == 1 + 2
+        again = [store.put(torch.full((4096,), 9.0)) for _ in range(4)]
+        assert len(_chunk_files(root)) == 1 + 4
+        for key in again:
+            assert torch.equal(store.get(key), torch.full((4096,), 9.0))
+        store.delete(again[0])
+        assert len(_chunk_files(root)) == 1 + 4  # kept as a spare
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns") as store:
+        assert sorted(store.keys()) == sorted([keep, *again[1:]])
+        assert len(_chunk_files(root)) == 1 + 3  # the spare was unlinked at close
+
+
+def test_memory_store_keeps_no_spares() -> None:
+    with ZarrStore("memory://", chunk_bytes="16KiB") as store:
+        key = store.put(torch.ones(4096))
+        store.delete(key)
+        assert not [p for p in store._io._objects if "/c/" in p]  # type: ignore[attr-defined]
+
+
+def test_bad_spare_bytes(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="spare_bytes"):
+        ZarrStore(tmp_path, spare_bytes="lots")
+
+
+def test_read_of_a_key_deleted_and_rewritten_meanwhile_misses(tmp_path: Path) -> None:
+    """Spares are rewritten in place: a read racing its key's delete must not return
+    the next tensor's bytes, even when they pass their checksum."""
+    store = ZarrStore(tmp_path, chunk_bytes="16KiB", namespace="ns")
+    key = store.put(torch.zeros(4096))
+    real_readinto = store._io.readinto
+
+    def racing_readinto(path: str, views: Any) -> int:
+        store.delete(key)
+        store.put(torch.ones(4096))  # reuses the spare run: same file, new bytes
+        return real_readinto(path, views)
+
+    store._io.readinto = racing_readinto  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyNotFoundError, match="deleted while being read"):
+            store.get(key)
+    finally:
+        store._io.readinto = real_readinto  # type: ignore[method-assign]
+        store.close()
 
 
 # ------------------------------------------------------------- namespaces
@@ -353,8 +430,12 @@ def test_journal_compaction_keeps_things_correct(tmp_path: Path) -> None:
         assert sorted(store.keys()) == sorted(live)
         for key, t in live.items():
             assert_same_tensor(store.get(key), t)
-        # Free chunk runs are reused: the segment files did not grow with the churn.
-        assert len(_chunk_files(root)) <= sum(-(-t.numel() * 4 // 4096) for t in live.values()) + 4
+        # Free chunk runs are reused: the segment files did not grow with the churn
+        # (~15 MB put in all). Live chunks plus spares (NOTE [ Spare chunk files ]) stay
+        # within twice the peak of live bytes (with up to 1/8 padding per tensor).
+        peak_live = sum(t.numel() * 4 for t in live.values()) + 3000 * 4
+        on_disk = sum(p.stat().st_size - 4 for p in _chunk_files(root))
+        assert on_disk <= 2 * (peak_live * 9 // 8 + 4 * 4096)
     assert set(_journal_entries(root / "churn")) == set(live)
     with ZarrStore(root, chunk_bytes="16KiB", namespace="churn") as store:
         assert sorted(store.keys()) == sorted(live)
