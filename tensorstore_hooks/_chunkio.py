@@ -18,7 +18,7 @@ import shutil
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._retry import (
@@ -61,6 +61,14 @@ class ChunkIO(ABC):
         for path, parts in items:
             self.write(path, parts)
 
+    def write_with_trailer(
+        self, path: str, parts: Sequence[Buffer], trailer: Callable[[], Buffer]
+    ) -> None:
+        """Write ``parts`` followed by ``trailer()``, which is called as late as the
+        backend allows (after ``parts`` are written, for local files) so the caller can
+        compute it, e.g. a checksum, while the parts are being written."""
+        self.write(path, [*parts, trailer()])
+
     @abstractmethod
     def read(self, path: str) -> Buffer:
         """Return the bytes of ``path``. Raises ``FileNotFoundError`` if absent."""
@@ -68,18 +76,29 @@ class ChunkIO(ABC):
     def read_many(self, paths: Sequence[str]) -> list[Buffer]:
         return [self.read(p) for p in paths]
 
-    def readinto(self, path: str, views: Sequence[memoryview]) -> int:
+    def readinto(
+        self,
+        path: str,
+        views: Sequence[memoryview],
+        filled: Callable[[int], None] | None = None,
+    ) -> int:
         """Fill ``views`` in order from the start of ``path``; return the object's size.
 
         Views beyond the end of the object are left partly unfilled; the caller
-        compares the returned size with what it expected.
+        compares the returned size with what it expected. ``filled(i)``, if given, is
+        called as soon as view ``i`` is complete (local files: before the next is read),
+        so the caller can checksum while the rest is read.
         """
         data = memoryview(self.read(path)).cast("B")
         pos = 0
-        for v in views:
+        for i, v in enumerate(views):
             n = min(len(v), len(data) - pos)
             v[:n] = data[pos : pos + n]
             pos += n
+            if n < len(v):
+                break
+            if filled is not None:
+                filled(i)
         return len(data)
 
     @abstractmethod
@@ -128,6 +147,16 @@ class LocalIO(ChunkIO):
         return os.path.join(self.root, path) if path else self.root
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        self._write(path, parts, None)
+
+    def write_with_trailer(
+        self, path: str, parts: Sequence[Buffer], trailer: Callable[[], Buffer]
+    ) -> None:
+        self._write(path, parts, trailer)
+
+    def _write(
+        self, path: str, parts: Sequence[Buffer], trailer: Callable[[], Buffer] | None
+    ) -> None:
         # Overwrite in place rather than truncate: rewriting the blocks and page-cache
         # pages a file already has is 3-10x cheaper (in kernel time) than freeing them
         # and allocating new ones, and a store's chunk files are rewritten with the same
@@ -142,10 +171,9 @@ class LocalIO(ChunkIO):
         try:
             total = 0
             for part in parts:
-                mv = memoryview(part).cast("B")
-                total += len(mv)
-                while mv:
-                    mv = mv[os.write(fd, mv) :]
+                total += _write_all(fd, part)
+            if trailer is not None:
+                total += _write_all(fd, trailer())
             if os.fstat(fd).st_size > total:
                 os.ftruncate(fd, total)
         finally:
@@ -155,16 +183,23 @@ class LocalIO(ChunkIO):
         with open(self._full(path), "rb", buffering=0) as f:
             return f.read()
 
-    def readinto(self, path: str, views: Sequence[memoryview]) -> int:
+    def readinto(
+        self,
+        path: str,
+        views: Sequence[memoryview],
+        filled: Callable[[int], None] | None = None,
+    ) -> int:
         with open(self._full(path), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            for v in views:
+            for i, v in enumerate(views):
                 pos = 0
                 while pos < len(v):
                     n = f.readinto(v[pos:])
                     if not n:
                         return size
                     pos += n
+                if filled is not None:
+                    filled(i)
             return size
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -195,6 +230,14 @@ class LocalIO(ChunkIO):
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(self._full(src), self._full(dst))
+
+
+def _write_all(fd: int, part: Buffer) -> int:
+    mv = memoryview(part).cast("B")
+    n = len(mv)
+    while mv:
+        mv = mv[os.write(fd, mv) :]
+    return n
 
 
 class MemoryIO(ChunkIO):

@@ -91,6 +91,71 @@ def test_truncated_chunk_is_detected(tmp_path: Path, codec: str, cut: int | str)
             store.get(key)
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last", "padding", "crc", "truncate"])
+def test_large_chunks_checksummed_while_written_and_read(tmp_path: Path, where: str) -> None:
+    """Chunks >= OVERLAP_BYTES take the overlapped path (NOTE [ Overlapped checksums ]):
+    what it writes is what Zarr's crc32c codec reads, and every damage is caught."""
+    from tensorstore_hooks._checksum import OVERLAP_BYTES
+
+    root = tmp_path / "root"
+    gen = torch.Generator().manual_seed(3)
+    with ZarrStore(root, chunk_bytes="8MiB", namespace="ns") as store:
+        multi = torch.randn(5 << 20, generator=gen)  # 20 MiB: five 4 MiB chunks
+        padded = torch.randn(15 << 17, generator=gen)  # 7.5 MiB: two 4 MiB chunks, padded
+        keys = {"multi": store.put(multi), "padded": store.put(padded)}
+        entries = _journal_entries(root / "ns")
+        assert entries[keys["multi"]]["seg"] == 4 << 20 >= OVERLAP_BYTES
+        assert (entries[keys["padded"]]["seg"], entries[keys["padded"]]["count"]) == (4 << 20, 2)
+        assert torch.equal(store.get(keys["multi"]), multi)
+        assert torch.equal(store.get(keys["padded"]), padded)
+        # Plain zarr checks each chunk's crc32c itself.
+        for name, t in (("multi", multi), ("padded", padded)):
+            e = entries[keys[name]]
+            seg = zarr.open_array(str(root / "ns" / f"seg-{e['seg']}"), mode="r")
+            lo = e["start"] * e["seg"]
+            raw = seg[lo : lo + t.numel() * 4]
+            np.testing.assert_array_equal(raw.view(np.float32), t.numpy())
+        e = entries[keys["padded"]]
+        victim = root / "ns" / f"seg-{e['seg']}" / "c" / str(e["start"] + 1)  # the padded one
+        data = bytearray(victim.read_bytes())
+        payload = padded.numel() * 4 - e["seg"]  # the payload bytes in that chunk
+        pos = {
+            "first": 10,
+            "middle": payload // 2,
+            "last": payload - 1,
+            "padding": payload + 5,
+            "crc": len(data) - 2,
+        }.get(where)
+        if pos is None:
+            data = data[: len(data) // 3]
+        else:
+            data[pos] ^= 0x01
+        victim.write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match=repr(keys["padded"])):
+            store.get(keys["padded"])
+        assert torch.equal(store.get(keys["multi"]), multi)
+
+
+def test_running_crc_matches_and_reports_failures() -> None:
+    import crc32c
+
+    from tensorstore_hooks._checksum import RunningCrc
+
+    blob = bytes(range(256)) * 40_000
+    pieces = [memoryview(blob)[i : i + 1_000_003] for i in range(0, len(blob), 1_000_003)]
+    for background in (False, True):
+        running = RunningCrc(background)
+        for p in pieces:
+            running.feed(p)
+        assert running.value() == crc32c.crc32c(blob)
+        assert running.trailer() == crc32c.crc32c(blob).to_bytes(4, "little")
+    failing = RunningCrc(background=True)
+    failing.feed(object())  # not a buffer: the helper's TypeError reaches the caller
+    failing.feed(b"more")
+    with pytest.raises(TypeError):
+        failing.value()
+
+
 def test_missing_chunk_is_detected(tmp_path: Path) -> None:
     root = tmp_path / "root"
     with ZarrStore(root, chunk_bytes="16KiB") as store:
@@ -239,10 +304,10 @@ def test_read_of_a_key_deleted_and_rewritten_meanwhile_misses(tmp_path: Path) ->
     key = store.put(torch.zeros(4096))
     real_readinto = store._io.readinto
 
-    def racing_readinto(path: str, views: Any) -> int:
+    def racing_readinto(path: str, views: Any, filled: Any = None) -> int:
         store.delete(key)
         store.put(torch.ones(4096))  # reuses the spare run: same file, new bytes
-        return real_readinto(path, views)
+        return real_readinto(path, views, filled)
 
     store._io.readinto = racing_readinto  # type: ignore[method-assign]
     try:
