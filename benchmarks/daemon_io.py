@@ -22,6 +22,7 @@ that every acknowledged tensor read back equal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -242,6 +244,62 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+class QuotaWatcher:
+    """Samples the daemon's tier use (its ``stats``) and the disk tier's chunk files
+    every few milliseconds while the pressure clients run."""
+
+    def __init__(self, url: str, root: Path, period_s: float = 0.005) -> None:
+        self.url, self.root, self.period_s = url, root, period_s
+        self.samples = 0
+        self.peak = {"ram": 0, "disk": 0, "files": 0}
+        self.quota = {"ram": 0, "disk": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _files_bytes(self) -> int:
+        total = 0
+        for p in self.root.rglob("*"):
+            with contextlib.suppress(OSError):
+                if p.parent.name == "c" and p.is_file():
+                    total += p.stat().st_size - 4  # less the crc32c
+        return total
+
+    def _run(self) -> None:
+        from tensorstore_hooks._daemon_client import fetch_stats
+
+        while not self._stop.is_set():
+            tiers = fetch_stats(self.url)["tiers"]
+            for tier in ("ram", "disk"):
+                self.peak[tier] = max(self.peak[tier], tiers[tier]["used"])
+                self.quota[tier] = tiers[tier]["quota"]
+            self.peak["files"] = max(self.peak["files"], self._files_bytes())
+            self.samples += 1
+            self._stop.wait(self.period_s)
+
+    def figures(self) -> dict[str, Any]:
+        # Chunk files hold payload plus the padding of the last chunk (at most 1/8 of
+        # a tensor); quotas count payload bytes.
+        within = (
+            self.peak["ram"] <= self.quota["ram"]
+            and self.peak["disk"] <= self.quota["disk"]
+            and self.peak["files"] <= self.quota["disk"] * 9 // 8
+        )
+        return {
+            "quota_samples": self.samples,
+            "peak_ram_used": self.peak["ram"],
+            "peak_disk_used": self.peak["disk"],
+            "peak_disk_files": self.peak["files"],
+            "quota_never_exceeded": within,
+        }
+
+
 def bench_pressure(url: str, procs: int, ops: int, size: int, step: int) -> dict[str, Any]:
     workers = [
         subprocess.Popen(
@@ -358,10 +416,16 @@ def main() -> int:
                 str(Path(tmp) / "root"),
                 log=Path(tmp) / "d2.log",
             )
-            try:
-                pres = bench_pressure(url, args.procs, args.ops, psize, args.step)
-                from tensorstore_hooks._daemon_client import fetch_stats
+            from tensorstore_hooks._daemon_client import fetch_stats
 
+            watcher = QuotaWatcher(url, Path(tmp) / "root")
+            try:
+                watcher.start()
+                try:
+                    pres = bench_pressure(url, args.procs, args.ops, psize, args.step)
+                finally:
+                    watcher.stop()
+                pres.update(watcher.figures())
                 counters = fetch_stats(url)["counters"]
                 pres["spills"] = counters["spills"]
                 pres["quota_rejected"] = counters["quota_rejected"]
@@ -387,9 +451,17 @@ def main() -> int:
                 f"spills {pres['spills']}"
             )
             print(f"  every acknowledged tensor read back equal: {pres['all_acknowledged_equal']}")
+            print(
+                f"  peak use (sampled {pres['quota_samples']}x): RAM "
+                f"{format_bytes(pres['peak_ram_used'])} of {args.memory_quota}, disk "
+                f"{format_bytes(pres['peak_disk_used'])} of {args.disk_quota} "
+                f"(chunk files on disk: {format_bytes(pres['peak_disk_files'])}); "
+                f"quota never exceeded: {pres['quota_never_exceeded']}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    ok = results.get("pressure", {}).get("all_acknowledged_equal", True)
+    pressure = results.get("pressure", {})
+    ok = pressure.get("all_acknowledged_equal", True) and pressure.get("quota_never_exceeded", True)
     return 0 if ok else 1
 
 
