@@ -98,8 +98,13 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return stack is not None and stack[0] is self.pack_hook
 
     def close(self) -> None:
-        """Stop offloading; an owned store is closed once backward has freed every key."""
+        """Stop offloading; an owned store is closed once backward has freed every key.
+
+        A fallback warning still pending (a write refused after the last hook
+        call) is issued here, so a refusal is never silent.
+        """
         self._session.close()
+        self._session.emit_warning()
 
     def __repr__(self) -> str:
         return f"OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"

@@ -60,11 +60,13 @@ def test_spill_then_quota_then_fallback(daemons: DaemonLauncher, tmp_path: Path)
         model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())))
         x = torch.randn(256, 512)  # each activation is 512 KiB
         ref = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
-        with (
-            pytest.warns(UserWarning, match="could not take a saved tensor"),
-            tsh.offload(d.url, min_bytes=0) as hooks,
-        ):
-            loss = model(x).square().sum()
+        # Leaving the context does not wait for the writes (they overlap the
+        # step), so flush before checking for the warning: it is issued on the
+        # caller's thread at the first hook call or flush after a refusal.
+        with pytest.warns(UserWarning, match="could not take a saved tensor"):
+            with tsh.offload(d.url, min_bytes=0) as hooks:
+                loss = model(x).square().sum()
+            hooks.flush()
         got = torch.autograd.grad(loss, list(model.parameters()))
         hooks.close()
         assert hooks.stats.fallbacks > 0

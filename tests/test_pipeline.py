@@ -13,6 +13,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -326,6 +327,35 @@ def test_failed_writes_fall_back_without_hanging(error: BaseException) -> None:
     assert sum("tensorstore-hooks" in str(w.message) for w in record) == 1
     assert hooks.stats.fallbacks == 5
     assert hooks.stats.tensors_offloaded == 0 and hooks.stats.tensors_kept == 5
+    assert torch.equal(x.grad, chain_grad(x, 5))
+    shutdown_pool(store)
+
+
+def test_refusal_after_the_last_hook_call_warns_at_close() -> None:
+    # Writes run behind the step: a refusal can land after the last pack and
+    # before any unpack. close() must still say so rather than drop the warning.
+    release = threading.Event()
+
+    class LateRefusal(BrokenWrites):
+        def put(self, tensor: torch.Tensor) -> str:
+            release.wait(10)  # refuse only once the forward has finished
+            return super().put(tensor)
+
+    store = LateRefusal(tsh.QuotaExceededError("quota full"))
+    x = torch.randn(4096, requires_grad=True)
+    hooks = tsh.offload(store, min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing may be issued before close()
+        with hooks:
+            loss = sin_chain(x, 5)
+        release.set()
+        deadline = time.monotonic() + 10
+        while hooks.stats.fallbacks < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert hooks.stats.fallbacks == 5
+    with pytest.warns(UserWarning, match="could not take a saved tensor"):
+        hooks.close()
+    loss.backward()
     assert torch.equal(x.grad, chain_grad(x, 5))
     shutdown_pool(store)
 

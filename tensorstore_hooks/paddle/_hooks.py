@@ -217,8 +217,13 @@ class OffloadHooks:
         return self
 
     def close(self) -> None:
-        """Stop offloading; an owned store is closed once backward has freed every key."""
+        """Stop offloading; an owned store is closed once backward has freed every key.
+
+        A fallback warning still pending (a write refused after the last hook
+        call) is issued here, so a refusal is never silent.
+        """
         self._session.close()
+        self._session.emit_warning()
 
     def __repr__(self) -> str:
         return f"paddle.OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"
