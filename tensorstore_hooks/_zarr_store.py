@@ -29,7 +29,9 @@ from the training step's cores. So where the backend says overwriting is cheap
 on disk as *spares*: its run goes back to the free list and the next put of the same
 size class and length rewrites it. Spares hold at most ``spare_bytes`` (default: the
 peak of the live keys' chunk bytes, so a steady loop's footprint is its peak); beyond
-that, freed files are unlinked, and ``close()`` unlinks them all. Spare chunks are in
+that, the least recently freed spares are unlinked to make room (a loop re-saves what
+it just freed: keeping old spares of sizes no longer used would turn every later
+put into a create), and ``close()`` unlinks them all. Spare chunks are in
 no index entry, so no reader (ours or plain zarr through the index) takes their stale
 bytes for a key's; a read racing its key's delete raises ``KeyNotFoundError``.
 """
@@ -371,7 +373,10 @@ class ZarrStore(BlobStore):
         runs = self._spare.get((chunk, count))
         if runs:
             self._spare_nbytes -= chunk * count
-            return runs.pop()
+            start = runs.pop()
+            if not runs:
+                del self._spare[(chunk, count)]
+            return start
         runs = self._free.get((chunk, count))
         if runs:
             return runs.pop()
@@ -385,33 +390,49 @@ class ZarrStore(BlobStore):
         if count:
             self._free.setdefault((chunk, count), []).append(start)
 
-    def _keep_spares(self, entries: list[_Entry]) -> list[_Entry]:
-        """Under the lock: keep what fits as spares (NOTE [ Spare chunk files ]);
-        return the entries whose files must be deleted and then released."""
+    def _keep_spares(self, entries: list[_Entry]) -> list[tuple[int, int, int]]:
+        """Under the lock: keep freed runs as spares (NOTE [ Spare chunk files ]);
+        return the ``(chunk, start, count)`` runs whose files must be deleted and then
+        released. The newest freed runs are kept: a run that does not fit evicts the
+        least recently freed size first, since a loop re-saves what it just freed."""
+        runs = [(e.chunk, e.start, e.count) for e in entries if e.count]
         if not self._io.cheap_overwrite:
-            return [e for e in entries if e.count]
+            return runs
         limit = self._peak_chunked if self._spare_limit is None else self._spare_limit
         unlink = []
-        for e in entries:
-            if not e.count:
+        for chunk, start, count in runs:
+            size = chunk * count
+            if size > limit:
+                unlink.append((chunk, start, count))
                 continue
-            size = e.chunk * e.count
-            if self._spare_nbytes + size <= limit:
-                self._spare.setdefault((e.chunk, e.count), []).append(e.start)
-                self._spare_nbytes += size
-            else:
-                unlink.append(e)
+            while self._spare_nbytes + size > limit:
+                unlink.append(self._evict_spare())
+            # Re-inserted last: the dict's order is least recently freed first.
+            starts = self._spare.pop((chunk, count), [])
+            starts.append(start)
+            self._spare[(chunk, count)] = starts
+            self._spare_nbytes += size
         return unlink
 
-    def _drop_entries(self, entries: list[_Entry]) -> None:
-        """Delete the chunk files of freed ``entries`` (outside the lock), then free them."""
-        if not entries:
+    def _evict_spare(self) -> tuple[int, int, int]:
+        """Under the lock: take the oldest spare of the least recently freed size."""
+        (chunk, count), starts = next(iter(self._spare.items()))
+        start = starts.pop(0)
+        if not starts:
+            del self._spare[(chunk, count)]
+        self._spare_nbytes -= chunk * count
+        return chunk, start, count
+
+    def _drop_runs(self, runs: list[tuple[int, int, int]]) -> None:
+        """Delete the chunk files of freed ``(chunk, start, count)`` runs (outside the
+        lock), then free them."""
+        if not runs:
             return
         with contextlib.suppress(Exception):
-            self._io.delete([p for e in entries for p in self._chunk_paths(e)])
+            self._io.delete([p for run in runs for p in self._run_paths(*run)])
         with self._lock:
-            for e in entries:
-                self._release(e.chunk, e.start, e.count)
+            for chunk, start, count in runs:
+                self._release(chunk, start, count)
 
     def _chunk_paths(self, entry: _Entry) -> list[str]:
         return self._run_paths(entry.chunk, entry.start, entry.count)
@@ -632,7 +653,7 @@ class ZarrStore(BlobStore):
             self._log.record_delete(key)
             self._maybe_compact()
             unlink = self._keep_spares([entry])
-        self._drop_entries(unlink)
+        self._drop_runs(unlink)
 
     def delete_many(self, keys: Any) -> None:
         entries = []
@@ -646,7 +667,7 @@ class ZarrStore(BlobStore):
                     entries.append(entry)
             self._maybe_compact()
             unlink = self._keep_spares(entries)
-        self._drop_entries(unlink)
+        self._drop_runs(unlink)
 
     def _maybe_compact(self) -> None:
         if self._log.needs_compaction(len(self._index)):

@@ -285,6 +285,38 @@ def test_spare_bytes_bounds_the_kept_files(tmp_path: Path) -> None:
         assert len(_chunk_files(root)) == 1 + 3  # the spare was unlinked at close
 
 
+def test_newest_freed_runs_displace_old_spares(tmp_path: Path) -> None:
+    """Spares of a size no longer used must not keep a new size from being rewritten
+    in place: the least recently freed spares make room (store_io's 64 KiB then 8 MiB
+    phases found this: every 8 MiB put created its files again)."""
+    root = tmp_path / "root"
+    with ZarrStore(root, chunk_bytes="16KiB", namespace="ns") as store:
+        keep = store.put(torch.ones(10))
+        store.delete_many([store.put(torch.zeros(4096)) for _ in range(4)])
+        assert len(_chunk_files(root)) == 1 + 4  # 4 x 16 KiB spares: the peak so far
+        before = set(_chunk_files(root))
+        big = store.put(torch.zeros(4 * 4096))  # a new 4-chunk run
+        big_files = sorted(set(_chunk_files(root)) - before)
+        assert len(big_files) == 4
+        # Open descriptors tell a file rewritten in place (still linked) from one
+        # unlinked and created again (inode numbers can be reused; links cannot lie).
+        fds = [os.open(p, os.O_RDONLY) for p in big_files]
+        try:
+            for step in range(3):
+                store.delete(big)  # kept as a spare, evicting the oldest small spares
+                big = store.put(torch.full((4 * 4096,), float(step)))
+                assert sorted(set(_chunk_files(root)) & set(big_files)) == big_files
+                assert [os.fstat(fd).st_nlink for fd in fds] == [1] * 4
+                assert torch.equal(store.get(big), torch.full((4 * 4096,), float(step)))
+            assert len(_chunk_files(root)) <= 1 + 4 + 4
+            assert store._spare_nbytes <= store._peak_chunked
+        finally:
+            for fd in fds:
+                os.close(fd)
+        store.delete(big)
+        assert sorted(store.keys()) == [keep]
+
+
 def test_memory_store_keeps_no_spares() -> None:
     with ZarrStore("memory://", chunk_bytes="16KiB") as store:
         key = store.put(torch.ones(4096))
