@@ -7,20 +7,19 @@ the work lives in :mod:`tensorstore_hooks._pipeline` and the store.
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any
 
 import torch
 
 from ._pipeline import OffloadSession, PipelineOptions
 from ._registry import open_store
-from ._stats import OffloadStats
+from ._session_api import SessionAPI
 from ._store import TensorStore
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
 
 
-class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that offload what autograd saves into a :class:`TensorStore`.
 
     Use as a context manager around forward; backward may run after the block has
@@ -30,13 +29,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, session: OffloadSession) -> None:
-        self._session = session
+        self._bind(session)
         self._scope = session.scope
         self._models: list[torch.nn.Module] = []
         super().__init__(session.pack, session.unpack)
-        # An owned store is closed when this object is collected and nothing is live.
-        self._finalizer = weakref.finalize(self, session.close)
-        self._finalizer.atexit = False
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
@@ -56,29 +52,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             self._scope.detach()
 
     # ------------------------------------------------------------- public
-    @property
-    def stats(self) -> OffloadStats:
-        """Counters of this session (live; readable during and after backward)."""
-        return self._session.stats
-
-    @property
-    def store(self) -> TensorStore:
-        """The store saved tensors go to."""
-        return self._session.store
-
-    @property
-    def policy(self) -> Any:
-        """The :class:`~tensorstore_hooks.Policy` in force."""
-        return self._session.policy
-
-    def flush(self) -> None:
-        """Block until every pending write has reached the store.
-
-        Leaving the ``with`` block does not wait: backward wants the newest tensors
-        first and may take them straight from memory.
-        """
-        self._session.flush()
-
     def attach(self, model: torch.nn.Module) -> OffloadHooks:
         """Track ``model``'s module paths for ``module`` rules while the hooks are active.
 
@@ -96,15 +69,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def _is_active(self) -> bool:
         stack = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return stack is not None and stack[0] is self.pack_hook
-
-    def close(self) -> None:
-        """Stop offloading; an owned store is closed once backward has freed every key.
-
-        A fallback warning still pending (a write refused after the last hook
-        call) is issued here, so a refusal is never silent.
-        """
-        self._session.close()
-        self._session.emit_warning()
 
     def __repr__(self) -> str:
         return f"OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"

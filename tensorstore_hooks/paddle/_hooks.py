@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from typing import Any
 
 from .._codec import DTYPES
@@ -37,7 +36,7 @@ from .._paddle_bridge import (
     unsupported_reason,
 )
 from .._pipeline import OffloadSession, inplace_error
-from .._stats import OffloadStats
+from .._session_api import SessionAPI
 from .._store import TensorStore
 from ._scope import LayerScope
 
@@ -89,7 +88,7 @@ def _torch_dtype_of(t: Any) -> Any:
     return entry[0] if entry is not None else None
 
 
-class OffloadHooks:
+class OffloadHooks(SessionAPI):
     """Saved-tensor hooks for Paddle that offload into a :class:`~tensorstore_hooks.TensorStore`.
 
     Same contract as :class:`tensorstore_hooks.OffloadHooks`: a context manager
@@ -105,11 +104,9 @@ class OffloadHooks:
     """
 
     def __init__(self, session: OffloadSession) -> None:
-        self._session = session
+        self._bind(session)
         self._scope = session.scope
         self._layers: list[Any] = []
-        self._finalizer = weakref.finalize(self, session.close)
-        self._finalizer.atexit = False
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:
@@ -186,25 +183,6 @@ class OffloadHooks:
         return to_place(packed.tensor, packed.place)
 
     # ------------------------------------------------------------- public
-    @property
-    def stats(self) -> OffloadStats:
-        """Counters of this session (live; readable during and after backward)."""
-        return self._session.stats
-
-    @property
-    def store(self) -> TensorStore:
-        """The store saved tensors go to."""
-        return self._session.store
-
-    @property
-    def policy(self) -> Any:
-        """The :class:`~tensorstore_hooks.Policy` in force."""
-        return self._session.policy
-
-    def flush(self) -> None:
-        """Block until every pending write has reached the store."""
-        self._session.flush()
-
     def attach(self, layer: Any) -> OffloadHooks:
         """Track ``layer``'s sublayer paths for ``module`` rules while the hooks are active."""
         if self._scope is None:
@@ -215,15 +193,6 @@ class OffloadHooks:
         if active:
             self._scope.attach(layer)
         return self
-
-    def close(self) -> None:
-        """Stop offloading; an owned store is closed once backward has freed every key.
-
-        A fallback warning still pending (a write refused after the last hook
-        call) is issued here, so a refusal is never silent.
-        """
-        self._session.close()
-        self._session.emit_warning()
 
     def __repr__(self) -> str:
         return f"paddle.OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"
