@@ -8,10 +8,13 @@ blocks below a live one stay mapped and count in the process's RSS. Measured on 
 train-step benchmark (8 blocks, d=512, 2 GiB saved per step): at the end of forward
 0.19 GiB was live but 0.75 GiB more sat free in glibc's heaps, and the step's peak RSS
 was 0.76-0.83 GiB above where it started. ``malloc_trim(0)`` (what glibc itself does
-for the heap top, applied to every free block) brought the peak to 0.45-0.47 GiB at no
-measurable cost in step time: the pages it releases are ones the process would fault
-in again anyway when it reuses them. So the I/O threads call it after every
-``release_heap_every`` bytes they move. Elsewhere than glibc this is a no-op.
+for the heap top, applied to every free block) brought the peak to 0.45-0.47 GiB.
+It is not free: the pages it hands back are faulted in again when later buffers
+reuse them (the step took 1.18-1.26x of no offloading with it, 1.07x without, at
+24% against 40% of the activation memory; BENCHMARKS.md). Memory is what offloading
+is for, so it is on by default: the I/O threads call it after every
+``release_heap_every`` bytes they move; ``0`` turns it off. Elsewhere than glibc
+this is a no-op.
 """
 
 from __future__ import annotations
