@@ -6,9 +6,10 @@ Run it with ``tensorstore-hooks serve`` (see ``docs/daemon.md``); embed it with:
     serve(load_config("configs/server.yaml", listen="127.0.0.1:0"), on_ready=print)
 
 The library never imports this package; it imports the library (codec, stores,
-protocol). Modules: ``_config`` (settings), ``_wire`` (framed socket I/O), ``_tiers``
-(RAM/disk placement and quotas), ``_sessions`` (ownership and leases), ``_journal``
-(what survives a crash), ``_app`` (connections and dispatch), ``_metrics``
+protocol). Modules: ``_config`` (settings), ``_wire`` (framed socket I/O), ``_model``
+(session and tensor values), ``_tiers`` (RAM/disk placement and quotas; reports
+spills by callback), ``_sessions`` (ownership, per-session accounting, leases; the
+only journal writer, drives the tiers), ``_journal`` (what survives a crash), ``_app`` (connections and dispatch), ``_metrics``
 (Prometheus).
 """
 

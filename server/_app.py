@@ -135,7 +135,6 @@ class Daemon:
             memory_quota=cfg.memory_quota_bytes,
             disk_quota=cfg.disk_quota_bytes,
             disk=self._disk,
-            journal=self.journal,
             pool=self._pool,
             staging_bytes=self.limits.staging_bytes,
         )
@@ -485,7 +484,7 @@ class Daemon:
                 if entry is None:
                     missing.append(key)
                 else:
-                    self.tiers.free(entry)
+                    self.sessions.free(entry)
             await c.conn.send(
                 {
                     "id": req.id,
@@ -515,9 +514,9 @@ class Daemon:
                 return await self._error(c, ErrorCode.NOT_FOUND, "the session has ended", req.id)
             key = secrets.token_urlsafe(16)
             if res.tier == "ram":
-                self.tiers.commit_ram(res, key, s, req.meta, buf)
+                self.sessions.store_ram(s, res, key, req.meta, buf)
             else:
-                await self.tiers.commit_disk(res, key, s, req.meta, buf)
+                await self.sessions.store_disk(s, res, key, req.meta, buf)
         except TierError as err:
             return await self._error(c, err.code, err.message, req.id)
         finally:
@@ -560,7 +559,7 @@ class Daemon:
             owner = self.sessions.get(rec.session)
             if owner is None or rec.disk_key not in on_disk or rec.disk_key in adopted:
                 continue
-            self.tiers.restore(key, owner, rec)
+            self.sessions.restore_key(key, owner, self._disk.meta(rec.disk_key), rec)
             adopted.add(rec.disk_key)
         orphans = sorted(on_disk - adopted)
         if orphans:

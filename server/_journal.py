@@ -21,26 +21,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tensorstore_hooks._chunkio import LocalIO
 from tensorstore_hooks._index import IndexLog
 from tensorstore_hooks._zarr_store import split_url
 
-__all__ = ["DISK_NAMESPACE", "KeyRecord", "StateJournal"]
+from ._model import KeyRecord
+
+__all__ = ["DISK_NAMESPACE", "StateJournal"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
 DISK_NAMESPACE = "daemon"
 """ZarrStore namespace of the disk tier (fixed, so a restart resumes it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    session: str
-    disk_key: str
-    nbytes: int
 
 
 class StateJournal:

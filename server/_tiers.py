@@ -30,24 +30,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._store import BlobStore
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.errors import KeyNotFoundError
 from tensorstore_hooks.protocol import ErrorCode
 
-from ._journal import KeyRecord, StateJournal
+from ._model import Entry
 
-if TYPE_CHECKING:
-    from ._sessions import Session
-
-__all__ = ["Entry", "Reservation", "TierError", "Tiers"]
+__all__ = ["Reservation", "TierError", "Tiers"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -59,27 +56,6 @@ class TierError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    """One stored tensor. In RAM while ``buf`` is set (also while spilling), else on disk."""
-
-    key: str
-    owner: Session
-    meta: TensorMeta
-    buf: np.ndarray | None
-    disk_key: str | None = None
-    spilling: bool = False
-    freed: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.meta.nbytes
-
-    @property
-    def tier(self) -> str:
-        return "ram" if self.buf is not None else "disk"
 
 
 @dataclass(eq=False, slots=True)
@@ -134,7 +110,13 @@ class _ByteBudget:
 
 
 class Tiers:
-    """RAM tier + optional disk tier (a BlobStore run on ``pool``). Event-loop thread only."""
+    """RAM tier + optional disk tier (a BlobStore run on ``pool``). Event-loop thread only.
+
+    Places bytes and counts them per tier; knows nothing of sessions beyond the
+    :class:`Entry` values it is handed. A finished spill is reported through
+    :attr:`on_spilled` (the session table moves the owner's accounting and journals
+    the tensor's new home).
+    """
 
     def __init__(
         self,
@@ -142,14 +124,15 @@ class Tiers:
         memory_quota: int,
         disk_quota: int,
         disk: BlobStore | None,
-        journal: StateJournal | None,
         pool: Executor,
         staging_bytes: int,
     ) -> None:
         self.memory_quota = memory_quota
         self.disk_quota = disk_quota if disk is not None else 0
         self.disk = disk
-        self.journal = journal
+        self.on_spilled: Callable[[Entry], None] = _ignore
+        """Called (event-loop thread) once a spilled entry's bytes are on disk and its
+        RAM is released; ``entry.disk_key`` is set. Not called for freed entries."""
         self._pool = pool
         self._admit = asyncio.Lock()
         self._staging = _ByteBudget(staging_bytes)
@@ -320,25 +303,19 @@ class Tiers:
             self._drop_ram(e)
             self._delete_disk(dk, n)
             return
-        self._record_on_disk(e, dk)
         e.buf = None
         e.disk_key = dk
         self.ram_used -= n
         self.ram_entries -= 1
         self.disk_entries += 1
-        e.owner.ram_bytes -= n
-        e.owner.disk_bytes += n
         self.spills += 1
         self.spill_bytes += n
-
-    def _record_on_disk(self, e: Entry, dk: str) -> None:
-        if self.journal is None:
-            return
-        owner = e.owner
-        if not owner.persisted:
-            self.journal.session_opened(owner.id, owner.created)
-            owner.persisted = True
-        self.journal.key_on_disk(e.key, KeyRecord(owner.id, dk, e.nbytes))
+        try:
+            self.on_spilled(e)
+        except Exception:
+            # The bytes are on disk and counted; only the journal record may be missing
+            # (then a restart collects the tensor as an orphan).
+            log.exception("recording the spill of %s failed", e.key)
 
     # ----------------------------------------------------------------- commit
     def release(self, res: Reservation) -> None:
@@ -354,29 +331,25 @@ class Tiers:
             res.staged = False
             self._staging.release(res.nbytes)
 
-    def commit_ram(
-        self, res: Reservation, key: str, owner: Session, meta: TensorMeta, buf: np.ndarray
-    ) -> Entry:
-        """Store a received RAM-tier payload under ``key`` for ``owner``."""
+    def commit_ram(self, res: Reservation, e: Entry) -> None:
+        """Keep ``e`` (its received payload in ``e.buf``) in RAM, using ``res``."""
+        assert e.buf is not None
         n = res.nbytes
         self.release(res)
-        e = Entry(key, owner, meta, buf)
         self.ram_used += n
         self.ram_entries += 1
-        self._lru[key] = e
-        owner.entries[key] = e
-        owner.ram_bytes += n
+        self._lru[e.key] = e
         self._spill_ahead()
-        return e
 
-    async def commit_disk(
-        self, res: Reservation, key: str, owner: Session, meta: TensorMeta, buf: np.ndarray
-    ) -> Entry:
-        """Write a disk-placed payload, journal it, and only then return (the ack follows)."""
+    async def commit_disk(self, res: Reservation, e: Entry, buf: np.ndarray) -> None:
+        """Write a disk-placed payload for ``e`` and set ``e.disk_key``.
+
+        Raises TierError(INTERNAL) if the write fails (the reservation is released).
+        """
         assert self.disk is not None
         loop = asyncio.get_running_loop()
         try:
-            dk = await loop.run_in_executor(self._pool, self.disk.put_blob, meta, buf)
+            dk = await loop.run_in_executor(self._pool, self.disk.put_blob, e.meta, buf)
         except Exception as exc:
             self.release(res)
             log.exception("writing %s to the disk tier failed", format_bytes(res.nbytes))
@@ -388,26 +361,14 @@ class Tiers:
         if res.staged:
             res.staged = False
             self._staging.release(n)
-        if owner.ended:
-            self._delete_disk(dk, n)
-            raise TierError(ErrorCode.NOT_FOUND, "the session ended while the tensor was written")
-        e = Entry(key, owner, meta, None, disk_key=dk)
-        self._record_on_disk(e, dk)
+        e.disk_key = dk
         self.disk_entries += 1
-        owner.entries[key] = e
-        owner.disk_bytes += n
-        return e
 
-    def restore(self, key: str, owner: Session, rec: KeyRecord) -> Entry:
-        """Re-adopt a journaled disk-tier tensor after a restart."""
-        assert self.disk is not None
-        meta = self.disk.meta(rec.disk_key)
-        e = Entry(key, owner, meta, None, disk_key=rec.disk_key)
-        self.disk_used += meta.nbytes
+    def restore(self, e: Entry) -> None:
+        """Count a disk-tier tensor re-adopted after a restart (``e.disk_key`` set)."""
+        assert self.disk is not None and e.disk_key is not None and e.buf is None
+        self.disk_used += e.nbytes
         self.disk_entries += 1
-        owner.entries[key] = e
-        owner.disk_bytes += meta.nbytes
-        return e
 
     # ------------------------------------------------------------ read / free
     async def read(self, e: Entry) -> Any:
@@ -426,22 +387,16 @@ class Tiers:
         return buf
 
     def free(self, e: Entry) -> None:
-        """Forget ``e`` and release its bytes (a spill in flight finishes the job)."""
+        """Release ``e``'s bytes (a spill in flight finishes the job). Idempotent."""
         if e.freed:
             return
         e.freed = True
-        owner = e.owner
-        owner.entries.pop(e.key, None)
         if e.buf is not None:
-            owner.ram_bytes -= e.nbytes
             if not e.spilling:
                 self._lru.pop(e.key, None)
                 self._drop_ram(e)
             return
-        owner.disk_bytes -= e.nbytes
         self.disk_entries -= 1
-        if self.journal is not None:
-            self.journal.key_freed(e.key)
         if e.disk_key is not None:
             self._delete_disk(e.disk_key, e.nbytes)
 
@@ -493,3 +448,7 @@ class Tiers:
             },
             "staging_bytes": self._staging.used,
         }
+
+
+def _ignore(e: Entry) -> None:
+    pass
