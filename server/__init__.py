@@ -9,8 +9,8 @@ The library never imports this package; it imports the library (codec, stores,
 protocol). Modules: ``_config`` (settings), ``_wire`` (framed socket I/O), ``_model``
 (session and tensor values), ``_tiers`` (RAM/disk placement and quotas; reports
 spills by callback), ``_sessions`` (ownership, per-session accounting, leases; the
-only journal writer, drives the tiers), ``_journal`` (what survives a crash), ``_app`` (connections and dispatch), ``_metrics``
-(Prometheus).
+only journal writer, drives the tiers), ``_journal`` (what survives a crash),
+``_app`` (connections and dispatch), ``_metrics`` (Prometheus).
 """
 
 from __future__ import annotations

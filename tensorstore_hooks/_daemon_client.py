@@ -251,6 +251,21 @@ class _Pool:
         self.open = 0
         self.closed = False
         self.stop = threading.Event()
+        self.pid = os.getpid()
+        """The process whose sessions these connections speak for (reset after a fork)."""
+
+    def finish(self) -> None:
+        """The store was dropped without ``close()`` (garbage or interpreter exit): end
+        its session with a best-effort BYE on an idle connection, so the daemon frees
+        it at once rather than after its lease, then close everything. Never in a
+        forked child (the session is its parent's) and never waits more than 0.5 s."""
+        with self.cond:
+            conn = next((c for c in self.idle if c.session is not None), None)
+        if conn is not None and self.pid == os.getpid() and not self.closed:
+            with contextlib.suppress(Exception):
+                conn.sock.settimeout(0.5)
+                conn.call({"op": "bye"})
+        self.close_all()
 
     def close_all(self) -> None:
         self.stop.set()
@@ -336,7 +351,7 @@ class DaemonStore(BlobStore):
         self._pid = os.getpid()
         self.sessions_lost = 0
         """How many times the daemon had forgotten this store's session (keys lost)."""
-        self._finalizer = weakref.finalize(self, _Pool.close_all, self._pool)
+        self._finalizer = weakref.finalize(self, _Pool.finish, self._pool)
 
     # -------------------------------------------------------------- plumbing
     @property
@@ -452,6 +467,7 @@ class DaemonStore(BlobStore):
         with pool.cond:
             conns, pool.idle = pool.idle, []
             pool.open = 0
+            pool.pid = self._pid
         for c in conns:
             c.close()
         self._keepalive_thread = None
