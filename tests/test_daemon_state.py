@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-
 from tensorstore_hooks._daemon_client import fetch_stats
 
 from .daemon_fixtures import DaemonLauncher, daemons, wait_until
