@@ -10,7 +10,9 @@ protocol). Modules: ``_config`` (settings), ``_wire`` (framed socket I/O), ``_mo
 (session and tensor values), ``_tiers`` (RAM/disk placement and quotas; reports
 spills by callback), ``_sessions`` (ownership, per-session accounting, leases; the
 only journal writer, drives the tiers), ``_journal`` (what survives a crash),
-``_app`` (connections and dispatch), ``_metrics`` (Prometheus).
+``_app`` (lifecycle, leases), ``_listen`` (binding), ``_connection`` (handshake,
+request loop), ``_handlers`` (the handler table), ``_stats`` (counters, snapshot),
+``_metrics`` (Prometheus).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ it is freed with the session (``close()`` or the lease).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -51,8 +52,17 @@ from .protocol import (
     MAX_KEYS_PER_REQUEST,
     PREFIX_BYTES,
     PROTOCOL_VERSION,
+    Bye,
+    Delete,
     ErrorCode,
+    Get,
+    Hello,
+    ListKeys,
+    Ping,
     ProtocolError,
+    Put,
+    Request,
+    Stats,
     body_size,
     frame_chunks,
     is_valid_key,
@@ -108,6 +118,24 @@ def parse_daemon_url(url: str) -> DaemonAddress:
     return DaemonAddress(url=f"tsh://{shown}:{port}", host=host, port=port)
 
 
+def hello_request(
+    token: str | None,
+    session: str | None,
+    *,
+    client: str | None = None,
+    open_session: bool = True,
+) -> Hello:
+    """The one place a HELLO is built (stores, resumes, ``close()``'s BYE, ``stats``)."""
+    return Hello(
+        id=0,
+        version=PROTOCOL_VERSION,
+        token=token,
+        session=session,
+        client=client if client is not None else f"tensorstore-hooks pid {os.getpid()}",
+        open_session=open_session,
+    )
+
+
 class _Lost(Exception):
     """The connection died or could not be made; the request may be retried."""
 
@@ -142,16 +170,15 @@ class _Conn:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def call(self, header: dict[str, Any], payload: Any = None) -> tuple[dict[str, Any], Any]:
-        """Send a request, return ``(answer header, payload or None)``.
+    def call(self, req: Request, payload: Any = None) -> tuple[dict[str, Any], Any]:
+        """Send ``req`` (under a fresh id), return ``(answer header, payload or None)``.
 
         Raises :class:`_Lost` (retryable: transport failure or a connection-level
         error frame) or :class:`ProtocolError` (the daemon refused this request).
         """
         rid = next(self._ids)
-        header["id"] = rid
         try:
-            self._send(header, payload)
+            self._send(dataclasses.replace(req, id=rid).to_header(), payload)
             answer, body = self._recv()
         except (OSError, EOFError) as e:
             self.close()
@@ -264,7 +291,7 @@ class _Pool:
         if conn is not None and self.pid == os.getpid() and not self.closed:
             with contextlib.suppress(Exception):
                 conn.sock.settimeout(0.5)
-                conn.call({"op": "bye"})
+                conn.call(Bye(id=0))
         self.close_all()
 
     def close_all(self) -> None:
@@ -412,15 +439,7 @@ class DaemonStore(BlobStore):
         return conn
 
     def _hello(self, conn: _Conn, sid: str | None) -> dict[str, Any]:
-        answer, _ = conn.call(
-            {
-                "op": "hello",
-                "version": PROTOCOL_VERSION,
-                "token": self._token,
-                "session": sid,
-                "client": f"tensorstore-hooks pid {os.getpid()}",
-            }
-        )
+        answer, _ = conn.call(hello_request(self._token, sid))
         return answer
 
     def _start_keepalive(self) -> None:
@@ -492,7 +511,7 @@ class DaemonStore(BlobStore):
             c.close()
 
     def _call(
-        self, header: dict[str, Any], payload: Any = None, *, retry: bool = True
+        self, req: Request, payload: Any = None, *, retry: bool = True
     ) -> tuple[dict[str, Any], Any]:
         """One request with reconnect/retry; daemon error codes become library errors."""
         deadline: float | None = None
@@ -501,7 +520,7 @@ class DaemonStore(BlobStore):
             conn: _Conn | None = None
             try:
                 conn = self._acquire()
-                answer, body = conn.call(dict(header), payload)
+                answer, body = conn.call(req, payload)
             except _Lost as e:
                 if conn is not None:
                     self._release(conn)
@@ -525,12 +544,12 @@ class DaemonStore(BlobStore):
             except ProtocolError as e:
                 if conn is not None:
                     self._release(conn)
-                raise self._translate(e, header) from e
+                raise self._translate(e, req) from e
             self._release(conn)
             self._last_activity = time.monotonic()
             return answer, body
 
-    def _translate(self, e: ProtocolError, header: dict[str, Any]) -> TensorStoreError:
+    def _translate(self, e: ProtocolError, req: Request) -> TensorStoreError:
         if e.code is ErrorCode.NOT_FOUND:
             return KeyNotFoundError(self._fail(e.message))
         if e.code in (ErrorCode.QUOTA_EXCEEDED, ErrorCode.TOO_LARGE):
@@ -539,14 +558,14 @@ class DaemonStore(BlobStore):
             return StoreUnavailableError(self._fail(f"refused: {e.message}"))
         if e.code is ErrorCode.INTERNAL:
             return StoreUnavailableError(self._fail(f"the daemon failed: {e.message}"))
-        return TensorStoreError(self._fail(f"{header.get('op', '?').upper()} rejected: {e}"))
+        return TensorStoreError(self._fail(f"{req.op.upper()} rejected: {e}"))
 
     def _ping_if_idle(self, idle_s: float) -> None:
         if time.monotonic() - self._last_activity >= idle_s and self._session is not None:
-            self._call({"op": "ping"}, retry=False)
+            self._call(Ping(id=0), retry=False)
 
     def _ping(self) -> dict[str, Any]:
-        answer, _ = self._call({"op": "ping"})
+        answer, _ = self._call(Ping(id=0))
         return answer
 
     @staticmethod
@@ -567,7 +586,7 @@ class DaemonStore(BlobStore):
         data = memoryview(payload).cast("B") if n else None
         if data is not None and len(data) != n:
             raise IntegrityError(self._fail(f"payload has {len(data)} bytes, metadata says {n}"))
-        answer, _ = self._call({"op": "put", "meta": meta.to_dict(), "size": n}, data)
+        answer, _ = self._call(Put(id=0, meta=meta, size=n), data)
         key = answer.get("key")
         if not is_valid_key(key):
             raise TensorStoreError(self._fail(f"PUT answer carries an invalid key {key!r}"))
@@ -576,7 +595,7 @@ class DaemonStore(BlobStore):
     def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, body = self._call({"op": "get", "key": key})
+        answer, body = self._call(Get(id=0, key=key))
         meta = TensorMeta.from_dict(answer.get("meta"))
         if body is None:
             body = np.empty(0, dtype=np.uint8)
@@ -589,23 +608,23 @@ class DaemonStore(BlobStore):
     def meta(self, key: str) -> TensorMeta:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, _ = self._call({"op": "get", "key": key, "head": True})
+        answer, _ = self._call(Get(id=0, key=key, head=True))
         return TensorMeta.from_dict(answer.get("meta"))
 
     def delete(self, key: str) -> None:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, _ = self._call({"op": "delete", "keys": [key]})
+        answer, _ = self._call(Delete(id=0, keys=(key,)))
         if answer.get("missing"):
             raise KeyNotFoundError(self._fail(f"no key {key!r} to delete"))
 
     def delete_many(self, keys: Iterable[str]) -> None:
         valid = [k for k in keys if is_valid_key(k)]
         for i in range(0, len(valid), MAX_KEYS_PER_REQUEST):
-            self._call({"op": "delete", "keys": valid[i : i + MAX_KEYS_PER_REQUEST]})
+            self._call(Delete(id=0, keys=tuple(valid[i : i + MAX_KEYS_PER_REQUEST])))
 
     def keys(self) -> Iterator[str]:
-        _, body = self._call({"op": "list"})
+        _, body = self._call(ListKeys(id=0))
         keys = unpack_body(body) if body is not None else []
         if not isinstance(keys, list) or not all(is_valid_key(k) for k in keys):
             raise TensorStoreError(self._fail("LIST answer is not a list of keys"))
@@ -629,7 +648,7 @@ class DaemonStore(BlobStore):
 
     def stats(self) -> dict[str, Any]:
         """The daemon's statistics (what ``tensorstore-hooks stats`` shows)."""
-        _, body = self._call({"op": "stats"})
+        _, body = self._call(Stats(id=0))
         snap = unpack_body(body) if body is not None else {}
         if not isinstance(snap, dict):
             raise TensorStoreError(self._fail("STATS answer is not a map"))
@@ -654,7 +673,7 @@ class DaemonStore(BlobStore):
                     conn = _Conn(self._addr, min(1.0, self._connect_timeout_s), 5.0)
                     self._hello(conn, self._session)
                 conn.sock.settimeout(5.0)
-                conn.call({"op": "bye"})
+                conn.call(Bye(id=0))
             except (_Lost, ProtocolError, OSError) as e:
                 log.debug(
                     "%s: BYE failed (%s); the daemon frees the session after its lease", self.url, e
@@ -675,18 +694,10 @@ def fetch_stats(url: str, *, token: str | None = None, timeout_s: float = 10.0) 
     except _Lost as e:
         raise StoreUnavailableError(f"stats: cannot reach the daemon at {addr.url}: {e}") from e
     try:
-        conn.call(
-            {
-                "op": "hello",
-                "version": PROTOCOL_VERSION,
-                "token": token,
-                "open_session": False,
-                "client": "tensorstore-hooks stats",
-            }
-        )
-        _, body = conn.call({"op": "stats"})
+        conn.call(hello_request(token, None, client="tensorstore-hooks stats", open_session=False))
+        _, body = conn.call(Stats(id=0))
         with contextlib.suppress(_Lost, ProtocolError):
-            conn.call({"op": "bye"})
+            conn.call(Bye(id=0))
     except (_Lost, ProtocolError) as e:
         raise StoreUnavailableError(f"stats: {addr.url}: {e}") from e
     finally:
