@@ -16,6 +16,7 @@ from tensorstore_hooks._codec import TensorMeta
 
 __all__ = ["Entry", "KeyRecord", "Session"]
 
+
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
     """The journal's record of one disk-tier tensor's owner."""
