@@ -81,7 +81,9 @@ class Daemon:
             pool=self.pool,
             staging_bytes=self.limits.staging_bytes,
         )
-        self.sessions = SessionTable(self.tiers, self.journal, cfg.lease_s)
+        self.sessions = SessionTable(
+            self.tiers, self.journal, cfg.lease_s, session_quota=cfg.session_quota_bytes
+        )
         if self._disk is not None:
             assert self.journal is not None
             recover(self.sessions, self._disk, self.journal)

@@ -140,9 +140,8 @@ class Handlers:
     async def put(self, c: Client, req: Put, head: Head) -> bool:
         s = c.session
         assert s is not None
-        tiers = self.d.tiers
         try:
-            res: Reservation = await tiers.admit(req.size)
+            res: Reservation = await self.d.sessions.admit(s, req.size)
         except TierError as err:
             await c.conn.read_body(head, None)
             return await self.error(c, err.code, err.message, req.id)
@@ -160,7 +159,7 @@ class Handlers:
         except TierError as err:
             return await self.error(c, err.code, err.message, req.id)
         finally:
-            tiers.release(res)
+            self.d.sessions.release(s, res)
         s.last_seen = time.monotonic()
         await c.conn.send({"id": req.id, "ok": True, "key": key, "tier": res.tier})
         return True

@@ -14,7 +14,11 @@ import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 
-__all__ = ["Entry", "KeyRecord", "Session"]
+__all__ = ["RAM_OVERHEAD_BYTES", "Entry", "KeyRecord", "Session"]
+
+RAM_OVERHEAD_BYTES = 2048
+"""Charged per tensor beyond its payload, in RAM and against a session's quota:
+NOTE [ What a tensor costs ] in ``_tiers``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,8 @@ class Session:
     """Payload bytes of its tensors held in RAM (also while they are being spilled)."""
     disk_bytes: int = 0
     """Payload bytes of its tensors on the disk tier."""
+    reserved_bytes: int = 0
+    """Session-quota bytes held by its PUTs in flight."""
     conns: set[Any] = field(default_factory=set)
     """Live connections attached to this session (kicked when it ends)."""
     persisted: bool = False
@@ -63,6 +69,12 @@ class Session:
     def nbytes(self) -> int:
         """Payload bytes the session holds, RAM + disk."""
         return self.ram_bytes + self.disk_bytes
+
+    @property
+    def charged_bytes(self) -> int:
+        """What counts against ``--session-quota``: payload + per-tensor overhead of its
+        tensors, and its PUTs in flight."""
+        return self.nbytes + len(self.entries) * RAM_OVERHEAD_BYTES + self.reserved_bytes
 
 
 @dataclass(eq=False, slots=True)

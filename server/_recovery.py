@@ -221,6 +221,17 @@ def recover(table: SessionTable, disk: ZarrStore, journal: StateJournal) -> None
                 format_bytes(orphan_bytes),
             )
     table.compact_journal()
+    tiers = table.tiers
+    tiers.refresh_metadata(force=True)
+    held = tiers.disk_used + tiers.disk_metadata
+    if held > tiers.disk_quota:
+        log.warning(
+            "the disk tier holds %s, more than its quota of %s: no tensor goes to disk "
+            "until its sessions free %s (stored tensors are kept)",
+            format_bytes(held),
+            format_bytes(tiers.disk_quota),
+            format_bytes(held - tiers.disk_quota),
+        )
     if replay.sessions or implied or on_disk:
         log.info(
             "recovered %d sessions and %d disk-tier tensors (%d bytes); collected %d orphans",

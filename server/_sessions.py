@@ -15,11 +15,12 @@ import time
 import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.protocol import ErrorCode
 
 from ._journal import StateJournal
-from ._model import Entry, KeyRecord, Session
-from ._tiers import Reservation, TierError, Tiers
+from ._model import RAM_OVERHEAD_BYTES, Entry, KeyRecord, Session
+from ._tiers import Reservation, TierError, Tiers, ram_charge
 
 __all__ = ["Session", "SessionTable"]
 
@@ -30,10 +31,20 @@ class SessionTable:
     """All sessions; opens, resumes, ends and expires them, and stores and frees their
     tensors through the tiers. Event-loop thread only."""
 
-    def __init__(self, tiers: Tiers, journal: StateJournal | None, lease_s: float) -> None:
+    def __init__(
+        self,
+        tiers: Tiers,
+        journal: StateJournal | None,
+        lease_s: float,
+        *,
+        session_quota: int | None = None,
+    ) -> None:
         self.tiers = tiers
         self.journal = journal
         self.lease_s = lease_s
+        self.session_quota = session_quota
+        """Most one session may hold (:attr:`Session.charged_bytes`); None: no cap."""
+        self.session_rejected = 0
         self.sessions: dict[str, Session] = {}
         self.opened = 0
         self.expired = 0
@@ -82,6 +93,39 @@ class SessionTable:
         return out
 
     # --------------------------------------------------------------- tensors
+    async def admit(self, s: Session, n: int) -> Reservation:
+        """Reserve room for an ``n``-byte PUT of ``s``: its session quota, then the tiers.
+
+        Raises TierError(QUOTA_EXCEEDED) naming the quota that is full. Pair with
+        :meth:`release` (after the store_* call or the failure).
+        """
+        charge = ram_charge(n)
+        quota = self.session_quota
+        if quota is not None and s.charged_bytes + charge > quota:
+            self.session_rejected += 1
+            self.tiers.quota_rejected += 1
+            raise TierError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"session quota: session {s.label} holds {format_bytes(s.charged_bytes)} of "
+                f"its {format_bytes(quota)} (--session-quota), no room for "
+                f"{format_bytes(n)} + {format_bytes(RAM_OVERHEAD_BYTES)} overhead; the client "
+                "keeps the tensor",
+            )
+        s.reserved_bytes += charge
+        try:
+            res = await self.tiers.admit(n)
+        except BaseException:
+            s.reserved_bytes -= charge
+            raise
+        res.session_charge = charge
+        return res
+
+    def release(self, s: Session, res: Reservation) -> None:
+        """The PUT of ``s`` holding ``res`` is over (stored or failed). Idempotent."""
+        s.reserved_bytes -= res.session_charge
+        res.session_charge = 0
+        self.tiers.release(res)
+
     def store_ram(
         self, s: Session, res: Reservation, key: str, meta: TensorMeta, buf: np.ndarray
     ) -> Entry:

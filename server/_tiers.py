@@ -21,15 +21,36 @@ Placement of an ``n``-byte PUT:
 4. Otherwise QUOTA_EXCEEDED. Stored tensors are never dropped to make room:
    eviction means spilling, never losing live data.
 
-Quotas count payload bytes (what the tensors occupy), not the disk tier's padding.
 A disk-tier tensor stays counted until its chunks are actually deleted.
+
+NOTE [ What a tensor costs ]
+Quotas count what a tensor really costs the daemon, not only its payload:
+
+* in RAM: payload + ``RAM_OVERHEAD_BYTES`` (2 KiB: its key, metadata, buffer object
+  and bookkeeping; measured at about 1.7 KiB of RSS per tensor). So zero-byte
+  tensors count: a RAM quota of 1 MiB holds at most 512 of them.
+* on disk: the chunk files it occupies (whole chunks of its size class plus a crc32c
+  each: NOTE [ Segment layout ] in ``_zarr_store.py``) + ``DISK_RECORD_BYTES`` (512
+  bytes: its index and session-journal records). Everything else the directory
+  holds (zarr.json documents, journal records of deleted tensors not yet compacted,
+  snapshots) is measured from the files (:meth:`Tiers.refresh_metadata`) and
+  counted as ``metadata``, so ``used`` is what the directory holds.
+* ``--session-quota`` counts payload + ``RAM_OVERHEAD_BYTES`` per tensor, whichever
+  tier holds it (``_sessions``).
+
+A quota lower than what a restarted daemon finds on disk is honoured by refusing
+(no new tensor goes to that tier until enough is freed); stored data is never
+dropped to get under it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -39,14 +60,51 @@ import numpy as np
 
 from tensorstore_hooks._store import BlobStore
 from tensorstore_hooks._units import format_bytes
+from tensorstore_hooks._zarr_store import split_url
 from tensorstore_hooks.errors import KeyNotFoundError
 from tensorstore_hooks.protocol import ErrorCode
 
-from ._model import Entry
+from ._model import RAM_OVERHEAD_BYTES, Entry
 
-__all__ = ["Reservation", "TierError", "Tiers"]
+__all__ = [
+    "DISK_RECORD_BYTES",
+    "RAM_OVERHEAD_BYTES",
+    "Reservation",
+    "TierError",
+    "Tiers",
+    "chunk_footprint",
+    "ram_charge",
+]
 
 log = logging.getLogger("tensorstore_hooks.server")
+
+DISK_RECORD_BYTES = 512
+"""Charged per tensor on disk beyond its chunk files (its journal records)."""
+_MIN_CHUNK_BYTES = 4 << 10
+_CHUNK_CRC_BYTES = 4
+_METADATA_REFRESH_S = 0.5
+
+
+def ram_charge(n: int) -> int:
+    """What an ``n``-byte tensor counts against the RAM quota."""
+    return n + RAM_OVERHEAD_BYTES
+
+
+def chunk_footprint(n: int, chunk_bytes: int) -> int:
+    """Bytes of the chunk files an ``n``-byte payload occupies in a ZarrStore with
+    ``chunk_bytes`` chunks (NOTE [ Segment layout ] in ``_zarr_store.py``): whole
+    chunks of the largest size class whose padding is at most 1/8, each + crc32c."""
+    if n == 0:
+        return 0
+    classes = [c for c in (chunk_bytes >> i for i in range(chunk_bytes.bit_length()))]
+    classes = [c for c in classes if c >= _MIN_CHUNK_BYTES] or [chunk_bytes]
+    for c in classes:
+        if c > n and c != classes[-1]:
+            continue
+        count = -(-n // c)
+        if (count * c - n) * 8 <= n or c == classes[-1]:
+            return count * (c + _CHUNK_CRC_BYTES)
+    raise AssertionError("unreachable: the smallest class always fits")  # pragma: no cover
 
 
 class TierError(Exception):
@@ -64,6 +122,11 @@ class Reservation:
 
     tier: str
     nbytes: int
+    """Bytes charged to ``tier`` (payload + overhead, see NOTE [ What a tensor costs ])."""
+    payload: int
+    """The tensor's payload bytes (what staging holds for a disk-bound PUT)."""
+    session_charge: int = 0
+    """Bytes held against the owner's session quota (the session table releases them)."""
     staged: bool = False
     active: bool = True
 
@@ -143,6 +206,13 @@ class Tiers:
         """Bytes of RAM tensors being written to disk (freed when the writes finish)."""
         self._pending_deletes: list[tuple[str, int]] = []
         self._delete_task: asyncio.Task[None] | None = None
+        chunk_bytes = getattr(disk, "chunk_bytes", None)
+        self._chunk_bytes = chunk_bytes if isinstance(chunk_bytes, int) else None
+        kind, location = split_url(disk.url) if disk is not None else ("", "")
+        self._local_root = location if kind == "local" else None
+        self._metadata_at = float("-inf")
+        self.disk_metadata = 0
+        """Bytes of the directory's other files (NOTE [ What a tensor costs ])."""
         self.ram_used = 0
         self.ram_reserved = 0
         self.disk_used = 0
@@ -159,10 +229,37 @@ class Tiers:
         return self.memory_quota - self.ram_used - self.ram_reserved
 
     def _disk_free(self) -> int:
-        return self.disk_quota - self.disk_used - self.disk_reserved
+        return self.disk_quota - self.disk_used - self.disk_reserved - self.disk_metadata
+
+    def disk_charge(self, n: int) -> int:
+        """What an ``n``-byte tensor counts against the disk quota."""
+        if self._chunk_bytes is None:
+            return n + DISK_RECORD_BYTES
+        return chunk_footprint(n, self._chunk_bytes) + DISK_RECORD_BYTES
+
+    def refresh_metadata(self, *, force: bool = False) -> None:
+        """Measure the disk root's files other than chunk files (at most every 0.5 s).
+
+        The per-tensor ``DISK_RECORD_BYTES`` already stands for each live tensor's
+        journal records; only what exceeds that is added.
+        """
+        now = time.monotonic()
+        if self._local_root is None:
+            return
+        if not force and now - self._metadata_at < _METADATA_REFRESH_S:
+            return
+        self._metadata_at = now
+        total = 0
+        for dirpath, dirnames, filenames in os.walk(self._local_root):
+            dirnames[:] = [d for d in dirnames if d != "c"]  # chunk files are counted per tensor
+            for name in filenames:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+        self.disk_metadata = max(0, total - self.disk_entries * DISK_RECORD_BYTES)
 
     async def admit(self, n: int) -> Reservation:
         """Reserve room for an ``n``-byte PUT. Raises TierError(QUOTA_EXCEEDED)."""
+        self.refresh_metadata()
         async with self._admit:
             res = await self._place(n)
             if res is None and self._deletes_in_flight():
@@ -176,7 +273,7 @@ class Tiers:
         if res.tier == "ram":
             return res
         try:
-            await self._staging.acquire(n)
+            await self._staging.acquire(res.payload)
         except BaseException:
             self.release(res)
             raise
@@ -184,17 +281,19 @@ class Tiers:
         return res
 
     async def _place(self, n: int) -> Reservation | None:
-        """Reserve ``n`` bytes in RAM (spilling if need be) or on disk; None if neither fits."""
-        fits_ram = 0 < n <= self.memory_quota or (n == 0 and self.memory_quota > 0)
-        if fits_ram and (
-            self._ram_free() >= n or (self.disk is not None and await self._make_room(n))
+        """Reserve room for ``n`` payload bytes in RAM (spilling if need be) or on disk;
+        None if neither fits."""
+        rc = ram_charge(n)
+        if rc <= self.memory_quota and (
+            self._ram_free() >= rc or (self.disk is not None and await self._make_room(rc))
         ):
-            self.ram_reserved += n
-            return Reservation("ram", n)
-        if self.disk is None or self._disk_free() < n:
+            self.ram_reserved += rc
+            return Reservation("ram", rc, n)
+        dc = self.disk_charge(n)
+        if self.disk is None or self._disk_free() < dc:
             return None
-        self.disk_reserved += n
-        return Reservation("disk", n)
+        self.disk_reserved += dc
+        return Reservation("disk", dc, n)
 
     def _deletes_in_flight(self) -> bool:
         return self._delete_task is not None and not self._delete_task.done()
@@ -205,14 +304,15 @@ class Tiers:
             await asyncio.shield(self._delete_task)
 
     def _full_message(self, n: int) -> str:
-        in_use = format_bytes(self.disk_used + self.disk_reserved)
+        in_use = format_bytes(self.disk_used + self.disk_reserved + self.disk_metadata)
         disk = (
             f"disk {in_use} of {format_bytes(self.disk_quota)}"
             if self.disk is not None
             else "no disk tier (start the daemon with --root)"
         )
         return (
-            f"no room for {format_bytes(n)}: RAM {format_bytes(self.ram_used + self.ram_reserved)} "
+            f"no room for {format_bytes(n)} (+ per-tensor overhead): "
+            f"RAM {format_bytes(self.ram_used + self.ram_reserved)} "
             f"of {format_bytes(self.memory_quota)}, {disk} in use; the client keeps the tensor"
         )
 
@@ -227,7 +327,7 @@ class Tiers:
             deficit = n - self._ram_free() - self.ram_spilling
             if deficit > 0:
                 victims = self._pick(deficit)
-                if sum(e.nbytes for e in victims) < deficit:
+                if sum(ram_charge(e.nbytes) for e in victims) < deficit:
                     return False  # the rest of RAM is held by PUTs in flight, or disk is full
                 self._start_spills(victims)
             if self.spill_failures != failures or not self._spill_tasks:
@@ -239,12 +339,15 @@ class Tiers:
         """The oldest RAM tensors adding up to ``nbytes`` (fewer if RAM or disk runs out)."""
         victims: list[Entry] = []
         total = 0
+        on_disk = 0
         disk_free = self._disk_free()
         for e in self._lru.values():
-            if total >= nbytes or total + e.nbytes > disk_free:
+            dc = self.disk_charge(e.nbytes)
+            if total >= nbytes or on_disk + dc > disk_free:
                 break
             victims.append(e)
-            total += e.nbytes
+            total += ram_charge(e.nbytes)
+            on_disk += dc
         return victims
 
     def _start_spills(self, victims: list[Entry]) -> None:
@@ -252,8 +355,8 @@ class Tiers:
         for e in victims:
             del self._lru[e.key]
             e.spilling = True
-            self.ram_spilling += e.nbytes
-            self.disk_reserved += e.nbytes
+            self.ram_spilling += ram_charge(e.nbytes)
+            self.disk_reserved += self.disk_charge(e.nbytes)
             task = loop.create_task(self._spill(e))
             self._spill_tasks.add(task)
             task.add_done_callback(self._spill_tasks.discard)
@@ -277,6 +380,7 @@ class Tiers:
 
     async def _spill(self, e: Entry) -> None:
         n = e.nbytes
+        rc, dc = ram_charge(n), self.disk_charge(n)
         assert self.disk is not None
         loop = asyncio.get_running_loop()
         try:
@@ -285,8 +389,8 @@ class Tiers:
             log.exception(
                 "spilling %s (%s) to disk failed; it stays in RAM", e.key, format_bytes(n)
             )
-            self.disk_reserved -= n
-            self.ram_spilling -= n
+            self.disk_reserved -= dc
+            self.ram_spilling -= rc
             self.spill_failures += 1
             e.spilling = False
             if e.freed:
@@ -295,17 +399,17 @@ class Tiers:
                 self._lru[e.key] = e
                 self._lru.move_to_end(e.key, last=False)
             return
-        self.disk_reserved -= n
-        self.disk_used += n
-        self.ram_spilling -= n
+        self.disk_reserved -= dc
+        self.disk_used += dc
+        self.ram_spilling -= rc
         e.spilling = False
         if e.freed:  # deleted while being written: see free()
             self._drop_ram(e)
-            self._delete_disk(dk, n)
+            self._delete_disk(dk, dc)
             return
         e.buf = None
         e.disk_key = dk
-        self.ram_used -= n
+        self.ram_used -= rc
         self.ram_entries -= 1
         self.disk_entries += 1
         self.spills += 1
@@ -329,7 +433,7 @@ class Tiers:
             self.disk_reserved -= res.nbytes
         if res.staged:
             res.staged = False
-            self._staging.release(res.nbytes)
+            self._staging.release(res.payload)
 
     def commit_ram(self, res: Reservation, e: Entry) -> None:
         """Keep ``e`` (its received payload in ``e.buf``) in RAM, using ``res``."""
@@ -352,7 +456,7 @@ class Tiers:
             dk = await loop.run_in_executor(self._pool, self.disk.put_blob, e.meta, buf)
         except Exception as exc:
             self.release(res)
-            log.exception("writing %s to the disk tier failed", format_bytes(res.nbytes))
+            log.exception("writing %s to the disk tier failed", format_bytes(res.payload))
             raise TierError(ErrorCode.INTERNAL, f"the daemon's disk tier failed: {exc}") from exc
         n = res.nbytes
         res.active = False  # the reservation becomes usage
@@ -360,14 +464,14 @@ class Tiers:
         self.disk_used += n
         if res.staged:
             res.staged = False
-            self._staging.release(n)
+            self._staging.release(res.payload)
         e.disk_key = dk
         self.disk_entries += 1
 
     def restore(self, e: Entry) -> None:
         """Count a disk-tier tensor re-adopted after a restart (``e.disk_key`` set)."""
         assert self.disk is not None and e.disk_key is not None and e.buf is None
-        self.disk_used += e.nbytes
+        self.disk_used += self.disk_charge(e.nbytes)
         self.disk_entries += 1
 
     # ------------------------------------------------------------ read / free
@@ -398,11 +502,11 @@ class Tiers:
             return
         self.disk_entries -= 1
         if e.disk_key is not None:
-            self._delete_disk(e.disk_key, e.nbytes)
+            self._delete_disk(e.disk_key, self.disk_charge(e.nbytes))
 
     def _drop_ram(self, e: Entry) -> None:
         e.buf = None
-        self.ram_used -= e.nbytes
+        self.ram_used -= ram_charge(e.nbytes)
         self.ram_entries -= 1
 
     def _delete_disk(self, dk: str, n: int) -> None:
@@ -441,7 +545,8 @@ class Tiers:
             },
             "disk": {
                 "enabled": self.disk is not None,
-                "used": self.disk_used,
+                "used": self.disk_used + self.disk_metadata,
+                "metadata": self.disk_metadata,
                 "reserved": self.disk_reserved,
                 "quota": self.disk_quota,
                 "tensors": self.disk_entries,

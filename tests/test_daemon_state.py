@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from tensorstore_hooks.server._root import check_root_dir
 
-from tensorstore_hooks import KeyNotFoundError
+from tensorstore_hooks import KeyNotFoundError, QuotaExceededError
 from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import DaemonLauncher, daemons, free_port, wait_until
@@ -119,6 +118,8 @@ def test_writable_or_foreign_root_refused(daemons: DaemonLauncher, tmp_path: Pat
         out = daemons.run("--listen", "127.0.0.1:0", "--root", str(foreign))
         assert out.returncode == 2 and "owned by uid 65534" in out.stderr, out.stderr
     # The rule itself, for any uid (the test may not be able to act as another user).
+    from tensorstore_hooks.server._root import check_root_dir
+
     st = os.stat(tmp_path)
     assert check_root_dir("/r", st, st.st_uid) is None
     assert "owned by uid" in (check_root_dir("/r", st, st.st_uid + 1) or "")
@@ -267,3 +268,102 @@ def test_bad_dtype_record_is_quarantined(daemons: DaemonLauncher, tmp_path: Path
     assert "index/journal record 6 (key" in log and "uintX" in log and "quarantined" in log, log
     assert "uintX" not in d2.log()
     store.close()
+
+
+# ------------------------------------------------------------ quotas
+RAM_OVERHEAD = 2048  # NOTE [ What a tensor costs ]
+
+
+def _fill_until_refused(store: DaemonStore, make: Any, limit: int) -> list[str]:
+    keys = []
+    for i in range(limit):
+        try:
+            keys.append(store.put(make(i)))
+        except QuotaExceededError:
+            return keys
+    pytest.fail(f"{limit} PUTs and none refused")
+
+
+def test_zero_byte_tensors_count(daemons: DaemonLauncher) -> None:
+    d = daemons.start("--memory-quota", "64KiB")
+    with DaemonStore(d.url) as store:
+        keys = _fill_until_refused(store, lambda i: torch.empty(0), 1000)
+        assert len(keys) == 64 * KiB // RAM_OVERHEAD
+        ram = store.stats()["tiers"]["ram"]
+        assert (ram["used"], ram["tensors"]) == (len(keys) * RAM_OVERHEAD, len(keys))
+        store.delete_many(keys[:4])
+        assert torch.equal(store.get(store.put(torch.empty(0))), torch.empty(0))
+
+
+def _dir_bytes(root: Path) -> int:
+    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_disk_quota_counts_what_the_directory_holds(
+    daemons: DaemonLauncher, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    quota = 256 * KiB
+    d = daemons.start("--memory-quota", "0", "--root", str(root), "--disk-quota", str(quota))
+    with DaemonStore(d.url) as store:
+        # 4000-byte payloads occupy a 4 KiB chunk + crc32c each, plus journal records.
+        keys = _fill_until_refused(store, lambda i: torch.full((1000,), float(i)), 1000)
+        disk = store.stats()["tiers"]["disk"]
+        held = _dir_bytes(root)
+        assert held <= quota, (held, len(keys))
+        assert disk["used"] >= held - 4 * KiB  # counted: within a record or two of the files
+        assert disk["used"] + disk["reserved"] <= quota
+        assert len(keys) >= 50
+        # Deletes give the room back.
+        store.delete_many(keys[:10])
+        store.put(torch.ones(1000))
+
+
+def test_lower_quota_at_restart_is_honoured(daemons: DaemonLauncher, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    port = free_port()
+
+    def start(disk_quota: str) -> Any:
+        return daemons.start(
+            "--listen", f"127.0.0.1:{port}", "--memory-quota", "0",
+            "--root", str(root), "--disk-quota", disk_quota,
+        )  # fmt: skip
+
+    d = start("4MiB")
+    store = DaemonStore(d.url, reconnect_deadline_s=60)
+    items = [(store.put(t), t) for t in (torch.full((16 * KiB,), float(i)) for i in range(10))]
+    assert d.terminate() == 0  # 10 x 64 KiB on disk
+
+    d2 = start("256KiB")
+    assert _served(store, items) == [True] * 10  # existing data kept
+    with pytest.raises(QuotaExceededError, match="no room"):
+        store.put(torch.ones(10))
+    disk = store.stats()["tiers"]["disk"]
+    assert disk["used"] > disk["quota"] == 256 * KiB
+    assert "more than its quota of 256.00 KiB" in d2.log()
+    store.delete_many([k for k, _ in items[:8]])  # 2 x 64 KiB left: under the quota
+    key = store.put(torch.ones(10))
+    assert torch.equal(store.get(key), torch.ones(10))
+    assert _dir_bytes(root) <= 256 * KiB
+    store.close()
+
+
+def test_session_quota(daemons: DaemonLauncher) -> None:
+    d = daemons.start("--memory-quota", "8MiB", "--session-quota", "1MiB")
+    quarter = lambda i: torch.full((64 * KiB,), float(i))  # noqa: E731 - 256 KiB
+    with DaemonStore(d.url) as a, DaemonStore(d.url) as b:
+        keys_a = _fill_until_refused(a, quarter, 10)
+        assert len(keys_a) == MiB // (256 * KiB + RAM_OVERHEAD)  # 3
+        with pytest.raises(QuotaExceededError, match="session quota"):
+            a.put(quarter(0))
+        # Another session keeps its own room ...
+        keys_b = _fill_until_refused(b, quarter, 10)
+        assert len(keys_b) == len(keys_a)
+        # ... zero-byte tensors count too ...
+        with pytest.raises(QuotaExceededError, match="session quota"):
+            for _ in range(200):
+                a.put(torch.empty(0))
+        # ... and freeing gives the session its room back.
+        a.delete_many(keys_a[:1] + [k for k in list(a.keys()) if k not in keys_a])
+        a.put(quarter(1))
+        assert fetch_stats(d.url)["counters"]["quota_rejected"] >= 3
