@@ -18,6 +18,7 @@ request loop), ``_handlers`` (the handler table), ``_stats`` (counters, snapshot
 from __future__ import annotations
 
 from ._app import Daemon, serve
+from ._checks import check_config
 from ._config import LimitsConfig, ServerConfig, load_config
 
-__all__ = ["Daemon", "LimitsConfig", "ServerConfig", "load_config", "serve"]
+__all__ = ["Daemon", "LimitsConfig", "ServerConfig", "check_config", "load_config", "serve"]

@@ -24,13 +24,15 @@ from typing import Any
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.protocol import ErrorCode, error_header
 
+from ._checks import check_config
 from ._config import ServerConfig, read_token
 from ._connection import Client, serve_connection
 from ._handlers import Handlers
 from ._journal import StateJournal
-from ._listen import Listener, accept_loop, bind
+from ._listen import Listener, accept_loop, bind, server_tls_context
 from ._recovery import open_disk, recover
 from ._sessions import Session, SessionTable
+from ._staging import StagingBudget
 from ._stats import DaemonStats, server_version
 from ._tiers import Tiers
 from ._wire import FrameConn
@@ -41,6 +43,23 @@ log = logging.getLogger("tensorstore_hooks.server")
 
 _HOUSEKEEPING_S = 0.25
 
+# NOTE [ Fairness ]
+# One event loop serves every connection, so a connection must give the loop back
+# (issue 15 item 3):
+# 1. Each connection's requests queue in its own socket and are served in order,
+#    one per turn: after each request the task yields (``sleep(0)``), and the loop
+#    polls every socket before it runs that task again. A client pipelining pings
+#    therefore gets one request per round, like every other connection.
+# 2. A lease is renewed when a request is received, not when it is served: the
+#    request handler renews it as soon as the header is read, and housekeeping,
+#    before it expires anything, renews every session with a request in progress
+#    or bytes waiting on one of its sockets. A session with a request waiting
+#    never expires.
+# 3. Connections that have not said HELLO do not count against ``max_connections``:
+#    they have their own, smaller cap (``max_unauthenticated``) and a short
+#    handshake deadline, and when that cap is full the oldest of them is dropped
+#    to make room, so idle connections cannot lock out real clients.
+
 
 class Daemon:
     """One daemon instance. ``await start()``, then ``await run()`` until stopped."""
@@ -49,8 +68,10 @@ class Daemon:
         self.config = config
         self.limits = config.limits
         self.token = read_token(config.token_file) if config.token_file else None
+        self.tls = server_tls_context(config)
         self.url = ""
         self.stats = DaemonStats()
+        self.staging = StagingBudget(self.limits.staging_bytes)
         self.handlers = Handlers(self)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsh-disk")
         self._disk: Any = None
@@ -60,6 +81,8 @@ class Daemon:
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.clients: set[Client] = set()
+        self.pending: dict[Client, None] = {}
+        """Connections still in their handshake, oldest first."""
         self._stop = asyncio.Event()
         self.draining = False
         self._metrics_stop: Callable[[], None] | None = None
@@ -79,7 +102,7 @@ class Daemon:
             disk_quota=cfg.disk_quota_bytes,
             disk=self._disk,
             pool=self.pool,
-            staging_bytes=self.limits.staging_bytes,
+            staging_bytes=None,  # counted as bytes arrive: self.staging
         )
         self.sessions = SessionTable(
             self.tiers, self.journal, cfg.lease_s, session_quota=cfg.session_quota_bytes
@@ -88,6 +111,8 @@ class Daemon:
             assert self.journal is not None
             recover(self.sessions, self._disk, self.journal)
         loop = asyncio.get_running_loop()
+        for warning in check_config(cfg):
+            log.warning("%s", warning)
         self._listener = bind(cfg)
         self.url = self._listener.url
         for lsock in self._listener.sockets:
@@ -107,12 +132,13 @@ class Daemon:
                     f"daemon config: metrics {cfg.metrics}: cannot listen: {e}"
                 ) from e
         log.info(
-            "serving %s: RAM quota %d bytes, disk %s, lease %gs, token %s",
+            "serving %s: RAM quota %d bytes, disk %s, lease %gs, token %s, TLS %s",
             self.url,
             cfg.memory_quota_bytes,
             f"{cfg.root} quota {cfg.disk_quota_bytes} bytes" if self._disk is not None else "none",
             cfg.lease_s,
             "required" if self.token else "not required",
+            ("with client certificates" if cfg.tls_client_ca else "on") if self.tls else "off",
         )
         return self.url
 
@@ -165,22 +191,37 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
 
     # ----------------------------------------------------------- connections
+    def authenticated_count(self) -> int:
+        # Not len(clients) - len(pending): an evicted connection leaves ``pending`` at
+        # once but ``clients`` only when its task has run its cleanup.
+        return sum(1 for c in self.clients if c.authenticated)
+
     def _accepted(self, sock: socket.socket, addr: Any) -> None:
         conn = FrameConn(sock, self.limits.read_timeout_s)
-        if len(self.clients) >= self.limits.max_connections or self.draining:
+        if self.draining:
             self.stats.count("refused")
-            conn.send_nowait(
+            conn.send_nowait(error_header(ErrorCode.BUSY, "the daemon is stopping", fatal=True))
+            conn.close()
+            return
+        if len(self.pending) >= self.limits.max_unauthenticated:
+            # See NOTE [ Fairness ], rule 3: the oldest silent connection makes room.
+            oldest = next(iter(self.pending))
+            del self.pending[oldest]
+            self.stats.count("evicted_unauthenticated")
+            oldest.conn.send_nowait(
                 error_header(
                     ErrorCode.BUSY,
-                    f"the daemon is at its connection cap ({self.limits.max_connections})",
+                    f"dropped: {self.limits.max_unauthenticated} newer connections are waiting "
+                    "for their HELLO; send HELLO at once after connecting",
                     fatal=True,
                 )
             )
-            conn.close()
-            return
+            if oldest.task is not None:
+                oldest.task.cancel()
         self.stats.count("connections")
         client = Client(conn, peer=str(addr) if addr else "unix")
         self.clients.add(client)
+        self.pending[client] = None
         client.task = asyncio.get_running_loop().create_task(serve_connection(self, client))
 
     def kick(self, s: Session, reason: str, keep: Client | None = None) -> None:
@@ -197,7 +238,12 @@ class Daemon:
         while True:
             await asyncio.sleep(_HOUSEKEEPING_S)
             try:
-                for s in self.sessions.expire(time.monotonic()):
+                now = time.monotonic()
+                for c in self.clients:
+                    # NOTE [ Fairness ], rule 2: a request in progress or waiting renews.
+                    if c.session is not None and (not c.idle or c.conn.has_input()):
+                        c.session.last_seen = now
+                for s in self.sessions.expire(now):
                     self.kick(s, f"session expired after {self.config.lease_s:g}s without traffic")
                 if self.journal is not None and self.journal.needs_compaction():
                     self.sessions.compact_journal()

@@ -49,6 +49,8 @@ class Client:
     idle: bool = True
     """True while waiting for the next message: the only time the task may be cancelled."""
     kick_reason: str | None = None
+    authenticated: bool = False
+    """True once HELLO succeeded; until then the connection counts as unauthenticated."""
 
 
 async def serve_connection(d: Daemon, c: Client) -> None:
@@ -56,13 +58,25 @@ async def serve_connection(d: Daemon, c: Client) -> None:
     conn = c.conn
     linger = False
     try:
-        await _handshake(d, c)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + d.limits.handshake_timeout_s
+        if d.tls is not None:
+            try:
+                await conn.start_tls(d.tls, d.limits.handshake_timeout_s)
+            except ConnectionClosed as e:
+                log.info("connection %s: %s", c.peer, e)
+                raise
+        await _handshake(d, c, deadline)
         while not d.draining and c.kick_reason is None:
             c.idle = True
             head = await conn.read_head(d.limits.idle_timeout_s)
             c.idle = False
             if not await d.handlers.dispatch(c, head):
                 break
+            # One request per turn: a client pipelining requests whose bytes are
+            # always ready would otherwise never give the event loop back
+            # (see NOTE [ Fairness ] in _app).
+            await asyncio.sleep(0)
         if c.kick_reason is not None:
             conn.send_nowait(error_header(ErrorCode.NOT_FOUND, c.kick_reason, fatal=True))
     except asyncio.CancelledError:
@@ -89,6 +103,7 @@ async def serve_connection(d: Daemon, c: Client) -> None:
         if c.session is not None:
             c.session.conns.discard(c)
         d.clients.discard(c)
+        d.pending.pop(c, None)
     try:
         if linger and not d.draining:
             await conn.linger_close()
@@ -106,11 +121,14 @@ def _token_ok(expected: str | None, given: str | None) -> bool:
     )
 
 
-async def _handshake(d: Daemon, c: Client) -> None:
+async def _handshake(d: Daemon, c: Client, deadline: float) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + d.limits.handshake_timeout_s
     for _ in range(3):
         head = await c.conn.read_head(max(0.001, deadline - loop.time()))
+        if head.header.get("op") != "hello":
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED, "the first message must be HELLO", fatal=True
+            )
         if head.size:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "HELLO carries no payload", fatal=True)
         try:
@@ -135,6 +153,15 @@ async def _handshake(d: Daemon, c: Client) -> None:
                 "missing or wrong token: pass token= to the store or set TSH_TOKEN",
                 fatal=True,
             )
+        if d.authenticated_count() >= d.limits.max_connections:
+            d.stats.count("refused")
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"the daemon is at its connection cap ({d.limits.max_connections})",
+                fatal=True,
+            )
+        c.authenticated = True
+        d.pending.pop(c, None)
         resumed = False
         if not req.open_session:
             c.observer = True

@@ -8,6 +8,7 @@ HELLO is served by the connection's handshake (``_connection``), never here.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -145,10 +146,15 @@ class Handlers:
         except TierError as err:
             await c.conn.read_body(head, None)
             return await self.error(c, err.code, err.message, req.id)
+        staging = self.d.staging
+        ticket = staging.open() if res.tier == "disk" else None
         try:
-            # Receive straight into the buffer the tensor will live in.
+            # Receive straight into the buffer the tensor will live in; a disk-bound
+            # payload counts against staging as it arrives (NOTE [ Staging as bytes
+            # arrive ]); np.empty's pages are only touched as bytes land.
             buf = np.empty(req.size, dtype=np.uint8)
-            await c.conn.read_body(head, buf.data)
+            reserve = functools.partial(staging.take, ticket) if ticket is not None else None
+            await c.conn.read_body(head, buf.data, reserve)
             if s.ended:
                 return await self.error(c, ErrorCode.NOT_FOUND, "the session has ended", req.id)
             key = secrets.token_urlsafe(16)
@@ -160,6 +166,8 @@ class Handlers:
             return await self.error(c, err.code, err.message, req.id)
         finally:
             self.d.sessions.release(s, res)
+            if ticket is not None:
+                staging.close(ticket)
         s.last_seen = time.monotonic()
         await c.conn.send({"id": req.id, "ok": True, "key": key, "tier": res.tier})
         return True

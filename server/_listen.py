@@ -12,14 +12,17 @@ import errno
 import logging
 import os
 import socket
+import ssl
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorstore_hooks.errors import ConfigError
+
 from ._config import ServerConfig, parse_address
 
-__all__ = ["Listener", "accept_loop", "bind", "remove_stale_socket"]
+__all__ = ["Listener", "accept_loop", "bind", "remove_stale_socket", "server_tls_context"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -69,7 +72,41 @@ def bind(cfg: ServerConfig) -> Listener:
     bound = lsock.getsockname()
     shown = f"[{bound[0]}]" if family == socket.AF_INET6 else bound[0]
     lsock.setblocking(False)
-    return Listener(f"tsh://{shown}:{bound[1]}", [lsock])
+    scheme = "tsh+tls" if cfg.tls else "tsh"
+    return Listener(f"{scheme}://{shown}:{bound[1]}", [lsock])
+
+
+def cleartext_warning(listen: str) -> str:
+    """What a non-loopback listener without TLS is told at start (and by ``--check``)."""
+    return (
+        f"listening on {listen} without TLS: tokens and tensors cross the network in "
+        "clear; serve with --tls-cert/--tls-key (see docs/daemon.md, Security)"
+    )
+
+
+def server_tls_context(cfg: ServerConfig) -> ssl.SSLContext | None:
+    """The daemon's TLS context (TLS 1.2+), or None without ``tls_cert``. Raises ConfigError."""
+    if cfg.tls_cert is None:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(
+            f"daemon config: tls_cert {cfg.tls_cert!r} / tls_key {cfg.tls_key!r}: cannot load "
+            f"the certificate and key (PEM files, the key matching the certificate): {e}"
+        ) from e
+    if cfg.tls_client_ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=cfg.tls_client_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(
+                f"daemon config: tls_client_ca {cfg.tls_client_ca!r}: cannot load the CA "
+                f"bundle (PEM): {e}"
+            ) from e
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 async def accept_loop(lsock: socket.socket, accepted: Accepted) -> None:
@@ -107,4 +144,6 @@ def remove_stale_socket(path: str) -> None:
         return
     finally:
         probe.close()
-    raise OSError(errno.EADDRINUSE, f"another daemon is listening on {path}")
+    owner = os.stat(path).st_uid
+    whose = "" if owner == os.getuid() else f" (its socket belongs to uid {owner}, not you)"
+    raise OSError(errno.EADDRINUSE, f"another daemon is listening on {path}{whose}")

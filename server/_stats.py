@@ -25,6 +25,7 @@ COUNTERS: tuple[str, ...] = (
     "errors",
     "connections",
     "refused",
+    "evicted_unauthenticated",
     "bytes_in",
     "bytes_out",
 )
@@ -88,7 +89,7 @@ class DaemonStats:
             "uptime_s": now - self.started,
             "lease_s": cfg.lease_s,
             "root": cfg.root,
-            "tiers": d.tiers.snapshot(),
+            "tiers": {**d.tiers.snapshot(), "staging_bytes": d.staging.used},
             "counters": {
                 **counts,
                 "spills": d.tiers.spills,
@@ -101,6 +102,7 @@ class DaemonStats:
             },
             "rates": rates,
             "connections": len(d.clients),
+            "unauthenticated": len(d.pending),
             "max_connections": cfg.limits.max_connections,
             "sessions_total": len(sessions),
             "sessions": [

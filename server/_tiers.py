@@ -188,7 +188,7 @@ class Tiers:
         disk_quota: int,
         disk: BlobStore | None,
         pool: Executor,
-        staging_bytes: int,
+        staging_bytes: int | None,
     ) -> None:
         self.memory_quota = memory_quota
         self.disk_quota = disk_quota if disk is not None else 0
@@ -198,7 +198,9 @@ class Tiers:
         RAM is released; ``entry.disk_key`` is set. Not called for freed entries."""
         self._pool = pool
         self._admit = asyncio.Lock()
-        self._staging = _ByteBudget(staging_bytes)
+        # None: the caller counts staged payload bytes as they arrive (the daemon's
+        # StagingBudget, see NOTE [ Staging as bytes arrive ] in server/_staging.py).
+        self._staging = _ByteBudget(staging_bytes) if staging_bytes is not None else None
         # RAM entries that may be spilled, oldest first. See NOTE [ Quota accounting ].
         self._lru: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self._spill_tasks: set[asyncio.Task[None]] = set()
@@ -270,7 +272,7 @@ class Tiers:
             if res is None:
                 self.quota_rejected += 1
                 raise TierError(ErrorCode.QUOTA_EXCEEDED, self._full_message(n))
-        if res.tier == "ram":
+        if res.tier == "ram" or self._staging is None:
             return res
         try:
             await self._staging.acquire(res.payload)
@@ -433,6 +435,7 @@ class Tiers:
             self.disk_reserved -= res.nbytes
         if res.staged:
             res.staged = False
+            assert self._staging is not None
             self._staging.release(res.payload)
 
     def commit_ram(self, res: Reservation, e: Entry) -> None:
@@ -464,6 +467,7 @@ class Tiers:
         self.disk_used += n
         if res.staged:
             res.staged = False
+            assert self._staging is not None
             self._staging.release(res.payload)
         e.disk_key = dk
         self.disk_entries += 1
@@ -551,7 +555,7 @@ class Tiers:
                 "quota": self.disk_quota,
                 "tensors": self.disk_entries,
             },
-            "staging_bytes": self._staging.used,
+            "staging_bytes": self._staging.used if self._staging is not None else 0,
         }
 
 

@@ -95,8 +95,9 @@ _MAX_HEADER_STR = 4096
 _MAX_HEADER_ARRAY = MAX_KEYS_PER_REQUEST
 _MAX_HEADER_MAP = 32
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % MAX_KEY_LEN)  # noqa: UP031 - regex braces
-_SESSION_RE = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
+# fullmatch, never "$": "$" also matches before a trailing newline.
+_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_KEY_LEN)  # noqa: UP031 - regex braces
+_SESSION_RE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
 
 class ErrorCode(str, Enum):
@@ -244,11 +245,11 @@ def frame_chunks(size: int) -> Iterator[tuple[int, int]]:
 
 
 def is_valid_key(key: object) -> bool:
-    return isinstance(key, str) and _KEY_RE.match(key) is not None
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
 
 
 def is_valid_session_id(sid: object) -> bool:
-    return isinstance(sid, str) and _SESSION_RE.match(sid) is not None
+    return isinstance(sid, str) and _SESSION_RE.fullmatch(sid) is not None
 
 
 def error_header(
