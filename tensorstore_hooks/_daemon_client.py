@@ -224,12 +224,12 @@ class DaemonStore(BlobStore):
         except Lost as e:
             self._pool.close_all()
             self._finalizer.detach()
-            raise StoreUnavailableError(
-                self._fail(
-                    f"cannot reach the daemon: {e}; is `tensorstore-hooks serve` running "
-                    "there, and is this its URL?"
-                )
-            ) from e
+            hint = (
+                "try again when it has room"
+                if "BUSY" in str(e)
+                else "is `tensorstore-hooks serve` running there, and is this its URL?"
+            )
+            raise StoreUnavailableError(self._fail(f"cannot reach the daemon: {e}; {hint}")) from e
         except BaseException:
             self._pool.close_all()
             self._finalizer.detach()
