@@ -44,6 +44,7 @@ from ._daemon_conn import (
     hello_request,
     parse_daemon_url,
 )
+from ._daemon_session import DaemonSession
 from ._store import BlobStore
 from ._units import format_bytes
 from .errors import (
@@ -67,7 +68,6 @@ from .protocol import (
     Request,
     Stats,
     is_valid_key,
-    is_valid_session_id,
     unpack_body,
 )
 
@@ -182,21 +182,21 @@ class DaemonStore(BlobStore):
                 f"{who}: {', '.join(k for k, v in given_tls.items() if v is not None)} "
                 "apply only to tsh+tls:// URLs; use tsh+tls://HOST:PORT for a TLS daemon"
             )
-        self._peer_uid = peer_uid
-        self._token = token
-        self._connect_timeout_s = connect_timeout_s
-        self._io_timeout_s = io_timeout_s
+        self._sess = DaemonSession(
+            self._addr,
+            token,
+            tls=self._tls,
+            peer_uid=peer_uid,
+            connect_timeout_s=connect_timeout_s,
+            io_timeout_s=io_timeout_s,
+            on_open=self._start_keepalive,
+        )
+        self._connect = self._sess.connect
         self._reconnect_deadline_s = reconnect_deadline_s
         self._keepalive_enabled = keepalive
         self._pool = ConnectionPool(connections)
-        self._session_lock = threading.Lock()
-        self._session: str | None = None
-        self._lease_s = 60.0
-        self._limits: dict[str, Any] = {}
         self._last_activity = time.monotonic()
         self._keepalive_thread: threading.Thread | None = None
-        self.sessions_lost = 0
-        """How many times the daemon had forgotten this store's session (keys lost)."""
         self._finalizer = weakref.finalize(self, ConnectionPool.finish, self._pool)
         if check:
             self._check_reachable()
@@ -212,7 +212,12 @@ class DaemonStore(BlobStore):
     @property
     def session_id(self) -> str | None:
         """The daemon session (a secret: with the token it grants access to the keys)."""
-        return self._session
+        return self._sess.id
+
+    @property
+    def sessions_lost(self) -> int:
+        """How many times the daemon had forgotten this store's session (keys lost)."""
+        return self._sess.lost
 
     def _fail(self, msg: str) -> str:
         return f"DaemonStore({self.url}): {msg}"
@@ -224,74 +229,23 @@ class DaemonStore(BlobStore):
         except Lost as e:
             self._pool.close_all()
             self._finalizer.detach()
-            raise StoreUnavailableError(
-                self._fail(
-                    f"cannot reach the daemon: {e}; is `tensorstore-hooks serve` running "
-                    "there, and is this its URL?"
-                )
-            ) from e
+            hint = (
+                "try again when it has room"
+                if "BUSY" in str(e)
+                else "is `tensorstore-hooks serve` running there, and is this its URL?"
+            )
+            raise StoreUnavailableError(self._fail(f"cannot reach the daemon: {e}; {hint}")) from e
         except BaseException:
             self._pool.close_all()
             self._finalizer.detach()
             raise
         self._release(conn)
 
-    def _new_conn(self, connect_timeout_s: float, io_timeout_s: float) -> Connection:
-        return Connection(
-            self._addr, connect_timeout_s, io_timeout_s, tls=self._tls, peer_uid=self._peer_uid
-        )
-
-    def _connect(self) -> Connection:
-        conn = self._new_conn(self._connect_timeout_s, self._io_timeout_s)
-        try:
-            with self._session_lock:
-                sid = self._session
-                try:
-                    answer = self._hello(conn, sid)
-                except ProtocolError as e:
-                    if e.code is not ErrorCode.NOT_FOUND or sid is None:
-                        raise
-                    self.sessions_lost += 1
-                    log.warning(
-                        "%s: the daemon no longer knows this store's session (lease expired); "
-                        "opened a new one: tensors stored before are gone",
-                        self.url,
-                    )
-                    answer = self._hello(conn, None)
-                new_sid = answer.get("session")
-                if not is_valid_session_id(new_sid):
-                    raise _Lost("HELLO answer without a valid session id")
-                self._session = conn.session = new_sid
-                lease = answer.get("lease_s")
-                if isinstance(lease, int | float) and lease > 0:
-                    self._lease_s = float(lease)
-                limits = answer.get("limits")
-                if isinstance(limits, dict):
-                    self._limits = limits
-                self._start_keepalive()
-        except ProtocolError as e:
-            conn.close()
-            if e.code is ErrorCode.UNAUTHORIZED:
-                raise StoreUnavailableError(
-                    self._fail(f"the daemon refused the connection: {e.message}")
-                ) from e
-            if e.code is ErrorCode.BUSY:
-                raise _Lost(str(e)) from e
-            raise StoreUnavailableError(self._fail(f"handshake failed: {e}")) from e
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _hello(self, conn: Connection, sid: str | None) -> dict[str, Any]:
-        answer, _ = conn.call(hello_request(self._token, sid))
-        return answer
-
     def _start_keepalive(self) -> None:
-        # Called with the session lock held: one thread per store.
+        # Called by DaemonSession.connect with its lock held: one thread per store.
         if not self._keepalive_enabled or self._keepalive_thread is not None:
             return
-        every = max(0.05, self._lease_s / 3)
+        every = max(0.05, self._sess.lease_s / 3)
         t = threading.Thread(
             target=_keepalive,
             args=(weakref.ref(self), self._pool.stop, every),
@@ -363,7 +317,7 @@ class DaemonStore(BlobStore):
         return TensorStoreError(self._fail(f"{req.op.upper()} rejected: {e}"))
 
     def _ping_if_idle(self, idle_s: float) -> None:
-        if time.monotonic() - self._last_activity >= idle_s and self._session is not None:
+        if time.monotonic() - self._last_activity >= idle_s and self._sess.id is not None:
             self._call(Ping(id=0), retry=False)
 
     def _ping(self) -> dict[str, Any]:
@@ -377,7 +331,7 @@ class DaemonStore(BlobStore):
     # ------------------------------------------------------------- the store
     def put_blob(self, meta: TensorMeta, payload: Any) -> str:
         n = meta.nbytes
-        limit = self._limits.get("max_tensor_bytes")
+        limit = self._sess.limits.get("max_tensor_bytes")
         if isinstance(limit, int) and n > limit:
             raise QuotaExceededError(
                 self._fail(
@@ -469,11 +423,12 @@ class DaemonStore(BlobStore):
         pool.stop.set()
         if self._keepalive_thread is not None:
             self._keepalive_thread.join(timeout=5.0)
-        if self._session is not None:
+        sess = self._sess
+        if sess.id is not None:
             try:
                 if conn is None:
-                    conn = self._new_conn(min(1.0, self._connect_timeout_s), 5.0)
-                    self._hello(conn, self._session)
+                    conn = sess.new_conn(min(1.0, sess.connect_timeout_s), 5.0)
+                    sess.hello(conn, sess.id)
                 conn.sock.settimeout(5.0)
                 conn.call(Bye(id=0))
             except (_Lost, ProtocolError, OSError, TensorStoreError) as e:

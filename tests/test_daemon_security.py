@@ -313,20 +313,17 @@ def test_half_sent_put_does_not_hold_staging(daemons: DaemonLauncher, tmp_path: 
 
 def test_silent_connections_cannot_fill_the_cap(daemons: DaemonLauncher, tmp_path: Path) -> None:
     cfg = tmp_path / "cap.yaml"
-    cfg.write_text(
-        "memory_quota: 16MiB\nlimits:\n  max_connections: 8\n  max_unauthenticated: 4\n"
-        "  handshake_timeout: 30s\n"
-    )
+    cfg.write_text("memory_quota: 16MiB\nlimits:\n  max_connections: 8\n  handshake_timeout: 30s\n")
     d = daemons.start("--config", str(cfg), "--listen", "127.0.0.1:0")
-    silent = [raw_connect(d.url) for _ in range(20)]  # connect, never say HELLO
+    silent = [raw_connect(d.url) for _ in range(70)]  # connect, never say HELLO
     try:
         t0 = time.monotonic()
         with DaemonStore(d.url) as store:
             store.put(torch.ones(10))
         snap = fetch_stats(d.url)
         assert time.monotonic() - t0 < 5
-        assert snap["unauthenticated"] <= 4
-        assert snap["counters"]["evicted_unauthenticated"] >= 16
+        assert snap["unauthenticated"] <= 64  # limits.max_unauthenticated
+        assert snap["counters"]["evicted_unauthenticated"] >= 6
         # The oldest silent ones were told why before being dropped.
         silent[0].settimeout(10)
         got = recv_frame(silent[0])
