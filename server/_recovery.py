@@ -61,7 +61,8 @@ def open_disk(root: str) -> tuple[ZarrStore, StateJournal]:
     if kind == "local":
         prepare_root(location)
         live = _quarantine_index(location)
-        _sweep_stray_chunks(location, live)
+        if live is not None:  # never sweep against an index that could not be read
+            _sweep_stray_chunks(location, live)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         # No spare chunk files: the disk quota counts what the directory holds.
@@ -94,8 +95,9 @@ def _record_numbers(io: LocalIO, path: str) -> dict[str, int]:
     return {key: i + 1 for i, (_, key, _) in enumerate(scan(raw, path).records)}
 
 
-def _quarantine_index(location: str) -> dict[str, dict[str, Any]]:
-    """Retire disk-index records the store would refuse; returns the usable entries."""
+def _quarantine_index(location: str) -> dict[str, dict[str, Any]] | None:
+    """Retire disk-index records the store would refuse; returns the usable entries
+    (None if the index cannot be read: the store's own open then says why)."""
     io = LocalIO(location)
     directory = f"{DISK_NAMESPACE}/index"
     index = IndexLog(io, directory, warn=False)  # the store reports damage when it opens
@@ -103,7 +105,7 @@ def _quarantine_index(location: str) -> dict[str, dict[str, Any]]:
         entries = index.load()
     except Exception as e:  # the store's own open reports it properly
         log.debug("pre-reading the disk-tier index failed: %r", e)
-        return {}
+        return None
     bad = {k: why for k, e in entries.items() if (why := _index_entry_problem(e)) is not None}
     if bad:
         numbers = _record_numbers(io, f"{directory}/journal")
