@@ -2,7 +2,7 @@
 
 Shared by ``_sessions`` (who owns what, accounting, journaling) and ``_tiers``
 (where the bytes live). Neither imports the other's behaviour through this module;
-the dependency runs one way: ``_sessions`` -> ``_tiers`` -> ``_model``.
+the dependency runs one way: ``_sessions`` -> ``_tiers`` -> ``_model`` (-> ``_costs``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 
-__all__ = ["RAM_OVERHEAD_BYTES", "Entry", "KeyRecord", "Session"]
+from ._costs import RAM_OVERHEAD_BYTES
 
-RAM_OVERHEAD_BYTES = 2048
-"""Charged per tensor beyond its payload, in RAM and against a session's quota:
-NOTE [ What a tensor costs ] in ``_tiers``."""
+__all__ = ["Entry", "KeyRecord", "Session"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,10 @@ from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.protocol import ErrorCode
 
+from ._costs import RAM_OVERHEAD_BYTES, ram_charge
 from ._journal import StateJournal
-from ._model import RAM_OVERHEAD_BYTES, Entry, KeyRecord, Session
-from ._tiers import Reservation, TierError, Tiers, ram_charge
+from ._model import Entry, KeyRecord, Session
+from ._tiers import Reservation, TierError, Tiers
 
 __all__ = ["Session", "SessionTable"]
 

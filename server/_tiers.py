@@ -23,34 +23,14 @@ Placement of an ``n``-byte PUT:
 
 A disk-tier tensor stays counted until its chunks are actually deleted.
 
-NOTE [ What a tensor costs ]
-Quotas count what a tensor really costs the daemon, not only its payload:
-
-* in RAM: payload + ``RAM_OVERHEAD_BYTES`` (2 KiB: its key, metadata, buffer object
-  and bookkeeping; measured at about 1.7 KiB of RSS per tensor). So zero-byte
-  tensors count: a RAM quota of 1 MiB holds at most 512 of them.
-* on disk: the chunk files it occupies (whole chunks of its size class plus a crc32c
-  each: NOTE [ Segment layout ] in ``_zarr_store.py``) + ``DISK_RECORD_BYTES`` (512
-  bytes: its index and session-journal records). Everything else the directory
-  holds (zarr.json documents, journal records of deleted tensors not yet compacted,
-  snapshots) is measured from the files (:meth:`Tiers.refresh_metadata`) and
-  counted as ``metadata``, so ``used`` is what the directory holds.
-* ``--session-quota`` counts payload + ``RAM_OVERHEAD_BYTES`` per tensor, whichever
-  tier holds it (``_sessions``).
-
-A quota lower than what a restarted daemon finds on disk is honoured by refusing
-(no new tensor goes to that tier until enough is freed); stored data is never
-dropped to get under it.
+What each tensor counts against a quota: NOTE [ What a tensor costs ] in ``_costs``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -60,51 +40,15 @@ import numpy as np
 
 from tensorstore_hooks._store import BlobStore
 from tensorstore_hooks._units import format_bytes
-from tensorstore_hooks._zarr_store import split_url
 from tensorstore_hooks.errors import KeyNotFoundError
 from tensorstore_hooks.protocol import ErrorCode
 
-from ._model import RAM_OVERHEAD_BYTES, Entry
+from ._costs import DiskCosts, ram_charge
+from ._model import Entry
 
-__all__ = [
-    "DISK_RECORD_BYTES",
-    "RAM_OVERHEAD_BYTES",
-    "Reservation",
-    "TierError",
-    "Tiers",
-    "chunk_footprint",
-    "ram_charge",
-]
+__all__ = ["Reservation", "TierError", "Tiers"]
 
 log = logging.getLogger("tensorstore_hooks.server")
-
-DISK_RECORD_BYTES = 512
-"""Charged per tensor on disk beyond its chunk files (its journal records)."""
-_MIN_CHUNK_BYTES = 4 << 10
-_CHUNK_CRC_BYTES = 4
-_METADATA_REFRESH_S = 0.5
-
-
-def ram_charge(n: int) -> int:
-    """What an ``n``-byte tensor counts against the RAM quota."""
-    return n + RAM_OVERHEAD_BYTES
-
-
-def chunk_footprint(n: int, chunk_bytes: int) -> int:
-    """Bytes of the chunk files an ``n``-byte payload occupies in a ZarrStore with
-    ``chunk_bytes`` chunks (NOTE [ Segment layout ] in ``_zarr_store.py``): whole
-    chunks of the largest size class whose padding is at most 1/8, each + crc32c."""
-    if n == 0:
-        return 0
-    classes = [c for c in (chunk_bytes >> i for i in range(chunk_bytes.bit_length()))]
-    classes = [c for c in classes if c >= _MIN_CHUNK_BYTES] or [chunk_bytes]
-    for c in classes:
-        if c > n and c != classes[-1]:
-            continue
-        count = -(-n // c)
-        if (count * c - n) * 8 <= n or c == classes[-1]:
-            return count * (c + _CHUNK_CRC_BYTES)
-    raise AssertionError("unreachable: the smallest class always fits")  # pragma: no cover
 
 
 class TierError(Exception):
@@ -208,11 +152,7 @@ class Tiers:
         """Bytes of RAM tensors being written to disk (freed when the writes finish)."""
         self._pending_deletes: list[tuple[str, int]] = []
         self._delete_task: asyncio.Task[None] | None = None
-        chunk_bytes = getattr(disk, "chunk_bytes", None)
-        self._chunk_bytes = chunk_bytes if isinstance(chunk_bytes, int) else None
-        kind, location = split_url(disk.url) if disk is not None else ("", "")
-        self._local_root = location if kind == "local" else None
-        self._metadata_at = float("-inf")
+        self._costs = DiskCosts(disk)
         self.disk_metadata = 0
         """Bytes of the directory's other files (NOTE [ What a tensor costs ])."""
         self.ram_used = 0
@@ -235,29 +175,13 @@ class Tiers:
 
     def disk_charge(self, n: int) -> int:
         """What an ``n``-byte tensor counts against the disk quota."""
-        if self._chunk_bytes is None:
-            return n + DISK_RECORD_BYTES
-        return chunk_footprint(n, self._chunk_bytes) + DISK_RECORD_BYTES
+        return self._costs.charge(n)
 
     def refresh_metadata(self, *, force: bool = False) -> None:
-        """Measure the disk root's files other than chunk files (at most every 0.5 s).
-
-        The per-tensor ``DISK_RECORD_BYTES`` already stands for each live tensor's
-        journal records; only what exceeds that is added.
-        """
-        now = time.monotonic()
-        if self._local_root is None:
-            return
-        if not force and now - self._metadata_at < _METADATA_REFRESH_S:
-            return
-        self._metadata_at = now
-        total = 0
-        for dirpath, dirnames, filenames in os.walk(self._local_root):
-            dirnames[:] = [d for d in dirnames if d != "c"]  # chunk files are counted per tensor
-            for name in filenames:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, name)).st_size
-        self.disk_metadata = max(0, total - self.disk_entries * DISK_RECORD_BYTES)
+        """Re-measure the disk root's non-chunk files (at most every 0.5 s unless forced)."""
+        measured = self._costs.metadata(self.disk_entries, force=force)
+        if measured is not None:
+            self.disk_metadata = measured
 
     async def admit(self, n: int) -> Reservation:
         """Reserve room for an ``n``-byte PUT. Raises TierError(QUOTA_EXCEEDED)."""
