@@ -52,13 +52,12 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     and :class:`~tensorstore_hooks.IntegrityError` if an index is corrupt.
     """
     from .._index import IndexLog
-    from .._zarr_store import ZarrStore, _Entry, split_url
+    from .._zarr_store import _Entry, make_io
     from ..errors import ConfigError
 
-    kind, location = split_url(url)
     # The store's own I/O layer (local files, or fsspec with its retries), without the
     # store: ZarrStore.__init__ would write the root layout and a namespace.
-    io = ZarrStore._make_io(kind, location, storage_options or {}, retry_deadline_s=30.0)
+    io = make_io(url, storage_options or {}, retry_deadline_s=30.0)
     try:
         root_doc = json.loads(bytes(io.read("zarr.json")))
     except FileNotFoundError:
