@@ -293,6 +293,11 @@ class IndexLog:
                 f"index file {self._where(path)} is a directory; remove it (the namespace's "
                 "index is damaged)"
             ) from e
+        except NotADirectoryError as e:
+            raise IntegrityError(
+                f"index directory {self._where(self._dir)} is not a directory; the "
+                "namespace's index is damaged (move the file away)"
+            ) from e
         except OSError as e:
             raise os_error(e, f"reading index file {self._where(path)}") from e
 
