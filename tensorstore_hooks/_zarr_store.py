@@ -499,6 +499,9 @@ class ZarrStore(BlobStore):
             if key not in self._index:
                 raise self._missing(key) from None
             raise
+        except (IsADirectoryError, NotADirectoryError) as e:
+            # Not a passing fault: a chunk path that is not a file will not heal.
+            raise IntegrityError(f"{what}: chunk {e.filename or e} is not a file") from e
         except OSError as e:
             raise os_error(e, f"reading {what}") from e
         except Exception as e:
