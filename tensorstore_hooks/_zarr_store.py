@@ -60,8 +60,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zarr
-from zarr.codecs import BytesCodec
 
 from ._allocator import MIN_CHUNK_BYTES, SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
 from ._chunkcodec import ChunkCodec, parse_codec
@@ -71,6 +69,7 @@ from ._index import HEADER_BYTES, Damage, IndexLog, os_error
 from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
+from ._zarr_docs import namespace_doc, root_doc, segment_doc
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -142,13 +141,6 @@ class _Entry:
         if not isinstance(crcs, bytes) or len(crcs) != 4 * count:
             raise IntegrityError(f"index entry has bad chunk checksums: {rec!r:.200}")
         return cls(chunk, start, count, crcs, TensorMeta.from_dict(meta))
-
-
-def _zarr_json(factory: Callable[[Any], Any]) -> bytes:
-    """The ``zarr.json`` document zarr itself writes for a node (made in scratch memory)."""
-    docs: dict[str, Any] = {}
-    factory(zarr.storage.MemoryStore(store_dict=docs))
-    return bytes(docs["zarr.json"].to_bytes())
 
 
 def make_io(
@@ -301,32 +293,12 @@ class ZarrStore(BlobStore):
 
     def _init_layout(self) -> None:
         if not self._io.exists("zarr.json"):
-            self._io.write(
-                "zarr.json",
-                [
-                    _zarr_json(
-                        lambda s: zarr.create_group(
-                            store=s,
-                            zarr_format=3,
-                            attributes={"tensorstore_hooks": {"format": FORMAT_VERSION}},
-                        )
-                    )
-                ],
-            )
+            self._io.write("zarr.json", [root_doc(FORMAT_VERSION)])
         ns_doc = f"{self.namespace}/zarr.json"
         if not self._io.exists(ns_doc):
-            attrs = {
-                "tensorstore_hooks": {
-                    "format": FORMAT_VERSION,
-                    "namespace": self.namespace,
-                    "chunk_bytes": self.chunk_bytes,
-                    "codec": self.codec,
-                    "index": "index/journal + index/snapshot (framed msgpack), see docs/layout.md",
-                }
-            }
             self._io.write(
                 ns_doc,
-                [_zarr_json(lambda s: zarr.create_group(store=s, zarr_format=3, attributes=attrs))],
+                [namespace_doc(FORMAT_VERSION, self.namespace, self.chunk_bytes, self.codec)],
             )
 
     def _resume(self, index_log: IndexLog) -> None:
@@ -369,20 +341,7 @@ class ZarrStore(BlobStore):
     def _ensure_segment(self, chunk: int) -> None:
         if chunk in self._segments_made:
             return
-        doc = _zarr_json(
-            lambda s: zarr.create_array(
-                store=s,
-                shape=(chunk * SEGMENT_CHUNKS,),
-                chunks=(chunk,),
-                dtype="uint8",
-                fill_value=0,
-                serializer=BytesCodec(),
-                compressors=self._codec.zarr_compressors(),
-                filters=None,
-                zarr_format=3,
-                attributes={"tensorstore_hooks": {"segment_chunk_bytes": chunk}},
-            )
-        )
+        doc = segment_doc(chunk, SEGMENT_CHUNKS, self._codec.zarr_compressors())
         self._io.write(f"{self._segment_path(chunk)}/zarr.json", [doc])
         self._segments_made.add(chunk)
 
