@@ -367,7 +367,7 @@ class ZarrStore(BlobStore):
                 raise StoreUnavailableError(f"ZarrStore({self._url}): {e}") from None
         paths = self._run_paths(run)
         try:
-            if count:
+            if count and chunk not in self._segments_made:  # the first put of a class
                 with self._lock:
                     self._ensure_segment(chunk)
             crcs = self._codec.write(self._io, paths, data, chunk) if count else b""
