@@ -127,11 +127,12 @@ class Scan:
 
 def frame(record: Sequence[Any]) -> bytes:
     """One framed record (NOTE [ Journal records ])."""
-    body = msgpack.packb(list(record), use_bin_type=True)
+    body = msgpack.packb(record, use_bin_type=True)
     if len(body) > MAX_RECORD_BYTES:
         raise IntegrityError(f"index record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
-    length = len(body).to_bytes(4, "little")
-    return _HEADER.pack(MAGIC, len(body), crc(body, crc(length))) + body
+    # One crc32c call over the length bytes and the body (a put's hot path).
+    checked = len(body).to_bytes(4, "little") + body
+    return b"".join((MAGIC, checked[:4], crc(checked).to_bytes(4, "little"), checked[4:]))
 
 
 def _record_at(buf: bytes, pos: int) -> tuple[tuple[str, str, Any] | None, int, str]:
@@ -293,6 +294,11 @@ class IndexLog:
                 f"index file {self._where(path)} is a directory; remove it (the namespace's "
                 "index is damaged)"
             ) from e
+        except NotADirectoryError as e:
+            raise IntegrityError(
+                f"index directory {self._where(self._dir)} is not a directory; the "
+                "namespace's index is damaged (move the file away)"
+            ) from e
         except OSError as e:
             raise os_error(e, f"reading index file {self._where(path)}") from e
 
@@ -357,15 +363,20 @@ class IndexLog:
         if not (self._persist and self._append):
             return
         f = self._open()
-        pending = b"".join(self._deferred)
+        records = 1
+        if self._deferred:
+            records += len(self._deferred)
+            data = b"".join(self._deferred) + data
         try:
-            _write_all(f, pending + data)
+            written = f.write(data)
+            if written != len(data):  # a partial write: go on, or meet the error
+                _write_all(f, memoryview(data)[written or 0 :])
         except OSError as e:
             self._give_back(f)
             raise os_error(e, f"appending to journal {self._where(self._journal_path)}") from e
         assert self._end is not None
-        self._end += len(pending) + len(data)
-        self._records += len(self._deferred) + 1
+        self._end += len(data)
+        self._records += records
         self._deferred.clear()
 
     def _open(self) -> Any:
@@ -448,8 +459,7 @@ class IndexLog:
         self._close_file()
 
 
-def _write_all(f: Any, data: bytes) -> None:
-    mv = memoryview(data)
+def _write_all(f: Any, mv: memoryview) -> None:
     while mv:
         n = f.write(mv)
         if not n:

@@ -330,7 +330,7 @@ def test_newest_freed_runs_displace_old_spares(tmp_path: Path) -> None:
                 assert [os.fstat(fd).st_nlink for fd in fds] == [1] * 4
                 assert torch.equal(store.get(big), torch.full((4 * 4096,), float(step)))
             assert len(_chunk_files(root)) <= 1 + 4 + 4
-            assert store._spare_nbytes <= store._peak_chunked
+            assert store._alloc.spare_bytes <= store._alloc.peak_bytes
         finally:
             for fd in fds:
                 os.close(fd)
