@@ -32,6 +32,14 @@ the in-place kernel runs, so an overlapping write is always seen by the second
 check); kept tensors are checked at unpack. A modified tensor makes unpack raise
 torch's usual error rather than return later values.
 
+Once its bytes are stored the record drops the tensor (that frees the memory), but
+keeps a *weak* reference to the saved tensor (the object pack received: the user's
+tensor itself, also for ops that save their output) and checks its version at every
+unpack. Whether the write had finished therefore never decides whether backward
+raises: a tensor someone modifies in place is alive, and one that died cannot be
+modified. (A ``detach()``-ed alias shares the counter and may outlive the saved
+tensor; modifying only that alias after the saved tensor died goes unseen.)
+
 NOTE [ Detached aliases ]
 The pack hook receives the saved tensor with its ``grad_fn``; for ops that save their
 own output (ReLU, attention) that ``grad_fn`` is the very node that holds our handle.
@@ -47,13 +55,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import random
 import threading
 import time
 import warnings
 import weakref
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import torch
@@ -61,15 +68,11 @@ import torch
 from ._codec import is_dense, unsupported_reason
 from ._heap import HeapReleaser
 from ._iopool import READ, WRITE, IOPool, pool_for, shutdown_pool
+from ._retry import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
+from ._signals import shielded
 from ._stats import OffloadStats, RouteStats
 from ._store import TensorStore
-from .errors import (
-    IntegrityError,
-    KeyNotFoundError,
-    StoreUnavailableError,
-    TensorStoreError,
-    UnsupportedTensorError,
-)
+from .errors import StoreUnavailableError
 
 __all__ = ["OffloadSession", "PipelineOptions", "inplace_error"]
 
@@ -120,6 +123,7 @@ class _Record:
         "error",
         "fetch",
         "guard",
+        "guard_ref",
         "host",
         "host_buf",
         "key",
@@ -141,6 +145,8 @@ class _Record:
         # framework's tensor (seen here through a zero-copy alias) that tensor's counter.
         self.guard: Any = self.source if guard is None else guard
         self.version = self.guard._version
+        # Outlives ``guard``: see NOTE [ In-place checks ].
+        self.guard_ref = _weak(t if guard is None else guard)
         self.nbytes = nbytes
         self.device = t.device
         self.offset = int(t.storage_offset())
@@ -157,6 +163,20 @@ class _Record:
         self.write_started = False
         self.writing_done = threading.Event()  # set when the writer is finished with it
 
+    def modified(self) -> bool:
+        """Whether the saved tensor changed in place since pack (NOTE [ In-place checks ])."""
+        guard = self.guard
+        if guard is None and self.guard_ref is not None:
+            guard = self.guard_ref()
+        return guard is not None and guard._version != self.version
+
+
+def _weak(obj: Any) -> weakref.ref[Any] | None:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # another framework's tensor without weak references
+        return None
+
 
 class _Handle:
     """What autograd keeps for an offloaded tensor: a pointer to its record."""
@@ -165,6 +185,26 @@ class _Handle:
 
     def __init__(self, rec: _Record) -> None:
         self.rec = rec
+
+
+class _HandleRef(weakref.ref[_Handle]):
+    """A weak reference to a handle whose callback frees the record: the finalizer.
+
+    A plain ``weakref.ref`` callback rather than ``weakref.finalize``, whose own
+    Python ``__call__`` would run before any shielded code
+    (NOTE [ Signals and finalizers ] in ``_signals.py``).
+    """
+
+    __slots__ = ("rec",)
+    rec: _Record
+
+    def __new__(cls, handle: _Handle, callback: Any, rec: _Record) -> _HandleRef:
+        self = super().__new__(cls, handle, callback)
+        self.rec = rec
+        return self
+
+    def __init__(self, handle: _Handle, callback: Any, rec: _Record) -> None:
+        super().__init__(handle, callback)  # type: ignore[call-arg]
 
 
 class _Kept:
@@ -244,6 +284,18 @@ class OffloadSession:
         self._pinned: Any = None
         self._streams: Any = None
         self._heap = HeapReleaser(options.release_heap_every)  # NOTE [ Heap release ]
+        self._handle_refs: set[_HandleRef] = set()  # the live handles' finalizers
+        # Reads retry in the library's one retry loop (NOTE [ One retry layer ]).
+        self._reads = Retrier(
+            RetryPolicy(
+                deadline_s=max(options.read_deadline_s, 1e-3),
+                first_backoff_s=0.01,
+                max_backoff_s=1.0,
+                min_attempt_s=0.0,
+            ),
+            label=f"offload reads from {store.url}",
+            classify=classify_store_read,
+        )
 
     # ------------------------------------------------------------ resources
     def _io(self) -> IOPool:
@@ -329,28 +381,45 @@ class OffloadSession:
         modified in place (default ``t``; another framework passes its own tensor's
         counter, since a zero-copy alias has a counter of its own).
         """
-        stats = self.stats
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         dkey = self._dedup_key(t) if guard is None else None
+        if dkey is not None:
+            handle = self._dedup_hit(dkey)
+            if handle is not None:
+                return handle
         with self._lock:
-            hit = self._dedup.get(dkey) if dkey is not None else None
-            if hit is not None and dkey is not None:
-                ref, rec = hit
-                alive = ref()
-                if (
-                    alive is not None
-                    and rec.state != _State.FREED
-                    and alive.untyped_storage().data_ptr() == dkey[0]
-                ):
-                    rec.refs += 1
-                    stats.dedup_hits += 1
-                    return self._new_handle(rec)
             # Backpressure: bound the bytes waiting to be written (NOTE [ Record lifecycle ]).
             if self._inflight and self._inflight + nbytes > self.options.max_inflight:
                 t0 = time.perf_counter()
                 while self._inflight and self._inflight + nbytes > self.options.max_inflight:
                     self._cond.wait(0.05)
-                stats.pack_stall_s += time.perf_counter() - t0
+                self.stats.pack_stall_s += time.perf_counter() - t0
+        return self._admit(t, nbytes, guard, dkey)
+
+    @shielded  # a record counted in flight must get its handle and its write
+    def _dedup_hit(self, dkey: tuple[Any, ...]) -> _Handle | None:
+        with self._lock:
+            hit = self._dedup.get(dkey)
+            if hit is None:
+                return None
+            ref, rec = hit
+            alive = ref()
+            if (
+                alive is None
+                or rec.state == _State.FREED
+                or alive.untyped_storage().data_ptr() != dkey[0]
+            ):
+                return None
+            rec.refs += 1
+            self.stats.dedup_hits += 1
+            return self._new_handle(rec)
+
+    @shielded  # see NOTE [ Signals and finalizers ]: half a registration leaks a key
+    def _admit(
+        self, t: torch.Tensor, nbytes: int, guard: Any, dkey: tuple[Any, ...] | None
+    ) -> _Handle:
+        stats = self.stats
+        with self._lock:
             rec = _Record(t, nbytes, len(self._order), guard)
             self._order.append(rec)
             self._live += 1
@@ -360,10 +429,11 @@ class OffloadSession:
             self._inflight += nbytes
             stats.tensors_offloaded += 1
             stats.bytes_offloaded += nbytes
+            handle = self._new_handle(rec)
         if t.device.type == "cuda":
             self._start_device_copy(rec, t)
         self._io().submit(WRITE, self._write, rec)
-        return self._new_handle(rec)
+        return handle
 
     @staticmethod
     def _dedup_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -381,9 +451,13 @@ class OffloadSession:
 
     def _new_handle(self, rec: _Record) -> _Handle:
         handle = _Handle(rec)
-        fin = weakref.finalize(handle, self._release, rec)
-        fin.atexit = False  # at exit the store is going away anyway; never raise there
+        self._handle_refs.add(_HandleRef(handle, self._handle_died, rec))
         return handle
+
+    @shielded  # the finalizer: NOTE [ Signals and finalizers ]
+    def _handle_died(self, ref: _HandleRef) -> None:
+        self._handle_refs.discard(ref)
+        self._release(ref.rec)
 
     def _start_device_copy(self, rec: _Record, t: torch.Tensor) -> None:
         from ._staging import copy_to_host
@@ -495,7 +569,8 @@ class OffloadSession:
                 f"({type(error).__name__}: {error}); keeping such tensors in memory instead. "
                 "Training continues; hooks.stats.fallbacks counts them."
             )
-        log.warning("write to %s failed, tensor kept in memory: %r", self.store.url, error)
+        # One warning per session (above); each tensor only at DEBUG.
+        log.debug("write to %s failed, tensor kept in memory: %r", self.store.url, error)
 
     def _release_host_buffer(self, rec: _Record) -> None:
         if rec.host_buf is not None and self._pinned is not None:
@@ -539,6 +614,8 @@ class OffloadSession:
                     # A CUDA tensor already copied to host but not yet written: wait.
                     done = rec.writing_done
                 else:
+                    if rec.modified():  # NOTE [ In-place checks ]
+                        raise inplace_error("a tensor")
                     fut = rec.fetch
                     if fut is not None:
                         rec.fetch = None
@@ -551,8 +628,10 @@ class OffloadSession:
             self.stats.prefetch_hits += 1
             try:
                 out = fut.result()
-            except BaseException:
-                out = self._read(rec)  # retried with a deadline, then raised
+            except CancelledError:
+                out = self._read(rec)
+            # Any other error is final: the prefetch read already had the whole
+            # deadline, counted from its first attempt.
         else:
             self.stats.prefetch_misses += 1
             self._fill()
@@ -585,26 +664,16 @@ class OffloadSession:
             raise StoreUnavailableError(
                 f"offload: a saved tensor was freed before it was read ({self.store.url})"
             )
-        deadline = time.monotonic() + self.options.read_deadline_s
-        delay = 0.01
-        while True:
-            try:
-                t = self.store.get(key, device="cpu")
-                break
-            except (KeyNotFoundError, IntegrityError, UnsupportedTensorError):
-                raise
-            except Exception as e:
-                if isinstance(e, TensorStoreError) and not isinstance(e, StoreUnavailableError):
-                    raise  # not transient
-                if time.monotonic() + delay > deadline:
-                    raise StoreUnavailableError(
-                        f"offload: reading key {key!r} from {self.store.url} failed for "
-                        f"{self.options.read_deadline_s:g}s: {e}"
-                    ) from e
-                last: BaseException = e
-            log.debug("read of %r failed (%r), retrying", key, last)
-            time.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 1.0)
+        try:
+            t = self._reads.call(
+                f"reading key {key!r}", lambda _left_s: self.store.get(key, device="cpu")
+            )
+        except RetriesExhausted as e:
+            raise StoreUnavailableError(
+                f"offload: reading key {key!r} from {self.store.url} failed "
+                f"({e.attempts} attempt(s) over {e.elapsed_s:.1f}s, read_deadline_s="
+                f"{self.options.read_deadline_s:g}): {type(e.cause).__name__}: {e.cause}"
+            ) from e.cause
         with self._lock:  # reader threads run this concurrently
             self.stats.bytes_read += rec.nbytes
         self._heap.note(rec.nbytes)

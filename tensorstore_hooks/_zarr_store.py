@@ -66,6 +66,7 @@ from .errors import (
     ConfigError,
     IntegrityError,
     KeyNotFoundError,
+    StoreClosedError,
     StoreUnavailableError,
     TensorStoreError,
 )
@@ -709,7 +710,7 @@ class ZarrStore(BlobStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreUnavailableError(
+            raise StoreClosedError(
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
 

@@ -9,6 +9,7 @@ every write. Every wait is bounded so a regression fails instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -148,11 +149,14 @@ _SIGINT_CHILD = textwrap.dedent(
                 loss.backward()
                 loss = None
         except KeyboardInterrupt:
-            caught += 1
-            loss = None  # frees whatever graph the interrupt left behind
-            gc.collect()
-            hooks.flush()
-            print(f"caught {len(hooks.store)}", flush=True)
+            pass
+        # Outside the except block, so the traceback's frames (holding graph pieces of
+        # an interrupted forward) are gone too.
+        caught += 1
+        loss = None  # frees whatever graph the interrupt left behind
+        gc.collect()
+        hooks.flush()
+        print(f"caught {len(hooks.store)}", flush=True)
     hooks.close()
     print("done", flush=True)
     """
@@ -262,6 +266,7 @@ def test_prefetched_read_gets_one_deadline() -> None:
     )
     store.error = None
     del loss, error
+    gc.collect()  # the error's traceback holds the helper thread's frame, in a cycle
     assert len(store) == 0
     hooks.close()
 
