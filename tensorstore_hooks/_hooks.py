@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from . import _signals
 from ._pipeline import OffloadSession
 from ._registry import open_store
 from ._session_api import SessionAPI
+from ._signals import install as install_signal_shield
 from ._store import TensorStore
 from .errors import ConfigError
 
@@ -48,7 +48,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
-        _signals.install()  # NOTE [ Signals and finalizers ]
+        install_signal_shield()  # NOTE [ Signals and finalizers ]
         super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing then
         try:
             with self._depth_lock:
