@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import torch
 
-from ._device import DeviceStager
-from ._heap import HeapReleaser
-from ._iopool import READ, IOPool
-from ._records import Record, RecordTable, State
+from ._iopool import READ
+from ._parts import PipelineUnit, SessionParts
+from ._records import Record, State
 from ._retry import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
-from ._stats import OffloadStats
-from ._store import TensorStore
 from .errors import StoreUnavailableError
 
 __all__ = ["Prefetcher"]
@@ -39,27 +35,11 @@ __all__ = ["Prefetcher"]
 log = logging.getLogger("tensorstore_hooks")
 
 
-class Prefetcher:
+class Prefetcher(PipelineUnit):
     """Cursor and window of read-ahead; :meth:`read` is the one way bytes come back."""
 
-    def __init__(
-        self,
-        table: RecordTable,
-        store: TensorStore,
-        stats: OffloadStats,
-        stager: DeviceStager,
-        io: Callable[[], IOPool],
-        heap: HeapReleaser,
-        *,
-        window_bytes: int,
-        read_deadline_s: float,
-    ) -> None:
-        self._table = table
-        self._store = store
-        self._stats = stats
-        self._stager = stager
-        self._io = io
-        self._heap = heap
+    def __init__(self, parts: SessionParts, *, window_bytes: int, read_deadline_s: float) -> None:
+        super().__init__(parts)
         self.window_bytes = window_bytes
         self.read_deadline_s = read_deadline_s
         self.cursor = -1  # pack position the next read-ahead looks at
@@ -71,7 +51,7 @@ class Prefetcher:
                 max_backoff_s=1.0,
                 min_attempt_s=0.0,
             ),
-            label=f"offload reads from {store.url}",
+            label=f"offload reads from {parts.store.url}",
             classify=classify_store_read,
         )
 
