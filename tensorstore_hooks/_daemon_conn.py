@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .errors import ConfigError, StoreUnavailableError
+from .errors import ConfigError, StoreClosedError, StoreUnavailableError
 from .protocol import (
     MAGIC,
     PREFIX_BYTES,
@@ -415,7 +415,7 @@ class ConnectionPool:
                 while True:
                     self._validate()
                     if self.closed:
-                        raise StoreUnavailableError(closed_message)
+                        raise StoreClosedError(closed_message)
                     while self.idle:
                         conn = self.idle.pop()
                         if conn.alive():

@@ -75,6 +75,7 @@ from .errors import (
     IntegrityError,
     KeyNotFoundError,
     QuotaExceededError,
+    StoreClosedError,
     StoreUnavailableError,
     TensorStoreError,
 )
@@ -543,7 +544,7 @@ class ZarrStore(BlobStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreUnavailableError(
+            raise StoreClosedError(
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
 
