@@ -21,6 +21,7 @@ from ._policy import Decision, Policy, Rule
 from ._registry import open_store, register_store
 from ._stats import OffloadStats, RouteStats
 from ._store import BlobStore, TensorStore
+from ._wrap import unwrap, wrap
 from ._zarr_store import ZarrStore
 from .errors import (
     ConfigError,
@@ -58,4 +59,6 @@ __all__ = [
     "offload",
     "open_store",
     "register_store",
+    "unwrap",
+    "wrap",
 ]

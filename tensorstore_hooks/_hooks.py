@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import _compose, _diagnose
 from ._pipeline import OffloadSession, PipelineOptions
 from ._registry import open_store
 from ._session_api import SessionAPI
@@ -40,16 +41,27 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
-        super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing then
+        if not _compose.block_enter():  # NOTE [ Checkpoint composition ]: push nothing
+            return self
+        try:
+            super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing
+        except BaseException:
+            _compose.block_abort()
+            raise
+        has_scope = self._scope is not None and bool(self._models)
+        _diagnose.before_forward(self, self.policy, has_scope)
         if self._scope is not None:
             for model in self._models:
                 self._scope.attach(model)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not _compose.block_exit():
+            return
         super().__exit__(*exc)
         if self._scope is not None:
             self._scope.detach()
+            _diagnose.after_forward(self, self.policy, self._scope.seen)
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:
