@@ -53,7 +53,7 @@ __all__ = ["WrapHooks", "is_wrapped", "unwrap", "wrap"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 
 
 class _Wrap:
@@ -134,8 +134,9 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
 
 def _install_global_hooks() -> None:
     if not _global_handles:
-        _global_handles.append(_nn_module.register_module_forward_pre_hook(_pre_hook))
-        _global_handles.append(_nn_module.register_module_forward_hook(_post_hook, always_call=True))
+        pre = _nn_module.register_module_forward_pre_hook(_pre_hook)
+        post = _nn_module.register_module_forward_hook(_post_hook, always_call=True)
+        _global_handles.extend((pre, post))
 
 
 def _remove_global_hooks() -> None:
