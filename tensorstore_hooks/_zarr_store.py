@@ -44,7 +44,6 @@ import re
 import secrets
 import shutil
 import socket
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
@@ -58,6 +57,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 from ._checksum import OVERLAP_BYTES, READ_PIECE_BYTES, RunningCrc, crc
 from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
+from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import IndexLog
 from ._retry import RetryPolicy
 from ._store import BlobStore
@@ -200,7 +200,7 @@ class ZarrStore(BlobStore):
         self._temporary = url is None
         kind, location = split_url(url)
         if self._temporary:
-            location = tempfile.mkdtemp(prefix="tensorstore-hooks-")
+            location = make_temp_root()  # NOTE [ Stale namespaces ]
         self._io = self._make_io(kind, location, storage_options or {}, retry_deadline_s)
         self._url = self._io.url
         self.namespace = namespace or _default_namespace()
@@ -224,6 +224,8 @@ class ZarrStore(BlobStore):
         self._compressor = self._make_compressor()
         try:
             self._init_layout()
+            if kind == "local" and not self._temporary:
+                sweep_at_open(location)  # NOTE [ Stale namespaces ]
             self._log = IndexLog(self._io, f"{self.namespace}/index")
             self._resume(self._log.load(), self._log.retired_keys)
         except TensorStoreError:
