@@ -36,6 +36,11 @@ def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
     ):
         assert row in proc.stdout
     assert "DIFFER" not in proc.stdout
+    # Where the store is, and the full summary (every counter, adding up).
+    assert f"store: file://{tmp_path / 'store'}" in proc.stdout
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("hooks (2 steps):"))
+    for part in ("saved ", "offloaded ", "dedup ", "tail ", "written ", "read ", "peak held "):
+        assert part in summary
 
 
 def test_inspect_lists_tensors_without_writing(tmp_path: Path) -> None:

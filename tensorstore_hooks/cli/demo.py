@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--framework",
         choices=("torch", "paddle"),
         default="torch",
-        help="torch (default) or paddle (needs pip install 'tensorstore-hooks[paddle]'); "
+        help="torch (default) or paddle (needs pip install -e '.[paddle]' in this repository); "
         "both train the same model from the same weights",
     )
     parser.add_argument(
@@ -225,7 +225,7 @@ def _make_pair(framework: str, cfg: Any) -> Any:
         except ImportError as e:
             raise SystemExit(
                 f"demo: --framework paddle needs PaddlePaddle ({e}); "
-                "pip install 'tensorstore-hooks[paddle]'"
+                "pip install -e '.[paddle]' in this repository"
             ) from e
         return PaddlePair(cfg)
     return TorchPair(cfg)
@@ -249,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     pair = _make_pair(args.framework, cfg)
     hooks = pair.offload(args.store, prefetch=prefetch, max_inflight=max_inflight)
     store_url = hooks.store.url
+    temporary = bool(getattr(hooks.store, "temporary", False))
     sampler = RssSampler()
     mem: dict[str, list[int]] = {"ref": [], "off": []}
     secs: dict[str, list[float]] = {"ref": [], "off": []}
@@ -281,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             pair.optimizer_step()
             bar.set_postfix(grads="identical" if not mismatched else "DIFFER")
         bar.close()
+        hooks.flush()
         stats = hooks.stats
     finally:
         hooks.close()
@@ -323,6 +325,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     for r in rows:
         print(f"  {r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
+    print()
+    where = " (a temporary directory, removed at exit)" if temporary else ""
+    print(f"store: {store_url}{where}")
+    print(f"hooks ({args.steps} steps): {stats.summary()}")
     print()
     if mismatched:
         print(f"gradients: DIFFER in {len(mismatched)} of {compared} comparisons:")
