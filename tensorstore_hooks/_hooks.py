@@ -7,18 +7,21 @@ to the session's :class:`~tensorstore_hooks.Router`; the work lives in the pipel
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
-from . import _compose, _diagnose
+from . import _compose, _diagnose, _trace
 from ._pipeline import OffloadSession
 from ._registry import open_store
 from ._session_api import SessionAPI
 from ._store import TensorStore
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
+
+log = logging.getLogger("tensorstore_hooks")
 
 
 class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
@@ -49,6 +52,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         except BaseException:
             _compose.block_abort()
             raise
+        _trace.forward_begin(self._session)
         has_scope = self._scope is not None and bool(self._models)
         _diagnose.before_forward(self, self.policy, has_scope)
         if self._scope is not None:
@@ -60,6 +64,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         if not _compose.block_exit():
             return
         super().__exit__(*exc)
+        _trace.forward_end(self._session)
         if self._scope is not None:
             self._scope.detach()
             _diagnose.after_forward(self, self.policy, self._scope.seen)
@@ -139,4 +144,6 @@ def make_session(
         url = store if store is not None else cfg.store.url
         url_s = os.fspath(url) if url is not None else None
         st, owned = open_store(url_s, **_store_options(url_s, cfg.store)), True
-    return OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    session = OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    log.info("%s", _trace.describe_session(session))
+    return session

@@ -27,6 +27,7 @@ from ._iopool import READ, IOPool
 from ._records import Record, RecordTable, State
 from ._stats import OffloadStats
 from ._store import TensorStore
+from ._trace import READ_RANGE, UNPACK_WAIT_RANGE, Timeline, span
 from .errors import (
     IntegrityError,
     KeyNotFoundError,
@@ -65,6 +66,7 @@ class Prefetcher:
         self.read_deadline_s = read_deadline_s
         self.cursor = -1  # pack position the next read-ahead looks at
         self._window = 0  # bytes read ahead and not yet consumed
+        self.timeline: Timeline | None = None  # set while hooks.trace() records
 
     # ---------------------------------------------------------------- unpack
     def claim(self, rec: Record) -> Future[Any] | None:
@@ -76,6 +78,7 @@ class Prefetcher:
         if fut is not None:
             rec.fetch = None
             self._window -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
         else:
             self.cursor = rec.pos - 1
         return fut
@@ -84,14 +87,16 @@ class Prefetcher:
         """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss)."""
         if fut is not None:
             self._stats.prefetch_hits += 1
-            try:
-                out = fut.result()
-            except BaseException:
-                out = self.read(rec)  # retried with a deadline, then raised
+            with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+                try:
+                    out = fut.result()
+                except BaseException:
+                    out = self.read(rec)  # retried with a deadline, then raised
         else:
             self._stats.prefetch_misses += 1
             self.fill()
-            out = self.read(rec)
+            with span(UNPACK_WAIT_RANGE, self.timeline):
+                out = self.read(rec)
         self._stats.unpack_stall_s += time.perf_counter() - t0
         self.fill()
         return self._stager.finish(out)
@@ -108,9 +113,14 @@ class Prefetcher:
             raise StoreUnavailableError(
                 f"offload: a saved tensor was freed before it was read ({self._store.url})"
             )
-        t = self._get(key)
+        t0 = time.perf_counter()
+        with span(READ_RANGE, self.timeline, {"bytes": rec.nbytes}):  # NOTE [ Profiler ranges ]
+            t = self._get(key)
+        read_s = time.perf_counter() - t0
         with self._table.lock:  # reader threads run this concurrently
             self._stats.bytes_read += rec.nbytes
+            self._stats.read_s += read_s
+        log.debug("read: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, read_s * 1e3)
         self._heap.note(rec.nbytes)
         t = t.detach()
         if rec.device.type == "cuda":
@@ -153,6 +163,7 @@ class Prefetcher:
                         break
                     rec.fetch = Future()  # a placeholder: claimed, submitted below
                     self._window += rec.nbytes
+                    self._stats.hold(rec.nbytes)
                     submit.append(rec)
                 self.cursor -= 1
         pool = self._io() if submit else None
@@ -172,8 +183,10 @@ class Prefetcher:
             rec.fetch.cancel()
             rec.fetch = None
             self._window -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
 
     def reset(self) -> None:
         """Nothing is live: start over (lock held)."""
         self.cursor = -1
+        self._stats.hold(-self._window)
         self._window = 0

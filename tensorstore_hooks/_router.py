@@ -12,8 +12,8 @@ policy (budgets) sits between :meth:`decide` and :meth:`account`.
 
 from __future__ import annotations
 
+import logging
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,8 @@ import torch
 from ._codec import is_dense, unsupported_reason
 from ._records import Handle, RecordTable, State, dedup_key
 from ._stats import OffloadStats, RouteStats
+from ._trace import PACK_RANGE, UNPACK_RANGE, Timeline, span
+from ._warn import warn_user
 from .errors import StoreUnavailableError
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from ._writebehind import WriteBehind
 
 __all__ = ["Host", "Kept", "Route", "Router", "inplace_error"]
+
+log = logging.getLogger("tensorstore_hooks")
 
 
 def inplace_error(what: str) -> RuntimeError:
@@ -99,6 +103,8 @@ class Router:
         self.stats = stats
         self.closing = False
         """Set when the session closes: from then on every tensor is kept."""
+        self.timeline: Timeline | None = None
+        """Set while ``hooks.trace()`` records (NOTE [ Profiler ranges ])."""
         self._table = table
         self._writer = writer
         self._prefetcher = prefetcher
@@ -106,6 +112,10 @@ class Router:
     # ------------------------------------------------------------ torch hooks
     def pack(self, t: torch.Tensor) -> Any:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
+        with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+            return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
         self.emit_warning()
         reason = unsupported_reason(t)
         if reason is not None:
@@ -122,7 +132,8 @@ class Router:
     def unpack(self, packed: Any) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
         if isinstance(packed, Handle):
-            return self.load(packed)
+            with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+                return self.load(packed)
         self.emit_warning()
         if isinstance(packed, Kept):
             return self.unkeep(packed)
@@ -148,6 +159,8 @@ class Router:
         """
         action, nbytes = route.action, route.nbytes
         self._count(action, route.label, nbytes)
+        if action != "store":
+            log.debug("pack: %s %d B (%s)", action, nbytes, route.label)
         if action == "host":
             self.stats.tensors_host += 1
             self.stats.bytes_host += nbytes
@@ -190,10 +203,12 @@ class Router:
             rec = table.reuse(t, key)
             if rec is not None:
                 self.stats.dedup_hits += 1
+                log.debug("pack: store %d B: the tensor of record %d (dedup)", nbytes, rec.pos)
                 return table.handle(rec)
             self._writer.admit(nbytes)  # backpressure
             rec = table.add(t, nbytes, guard, key)
             self._writer.enqueue(rec)
+        log.debug("pack: store %d B %s %s as record %d", nbytes, t.dtype, tuple(t.shape), rec.pos)
         self._writer.start(rec, t)
         return table.handle(rec)
 
@@ -242,7 +257,7 @@ class Router:
         """Issue the pending one-time fallback warning (on the caller's thread)."""
         msg = self._writer.take_warning()
         if msg is not None:
-            warnings.warn(msg, UserWarning, stacklevel=3)
+            warn_user(msg)  # at the user's line, not torch's (tensorstore_hooks._warn)
 
 
 def _pack_host(t: torch.Tensor) -> Any:

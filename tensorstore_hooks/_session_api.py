@@ -8,7 +8,9 @@ once.
 
 from __future__ import annotations
 
+import os
 import weakref
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ._pipeline import OffloadSession
@@ -43,6 +45,18 @@ class SessionAPI:
     def policy(self) -> Any:
         """The :class:`~tensorstore_hooks.Policy` in force."""
         return self._session.policy
+
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Any]:
+        """Record a Chrome/Perfetto timeline of this session's work while the block runs.
+
+        ``with hooks.trace("trace.json"): ...train steps...``: forward and backward
+        spans, and every pack, unpack, unpack wait, write and read (with its thread),
+        saved as Chrome trace JSON at ``path`` on exit (open it in
+        https://ui.perfetto.dev). See NOTE [ Profiler ranges ] for torch.profiler.
+        """
+        from ._trace import record
+
+        return record(self._session, path)
 
     def flush(self) -> None:
         """Block until every pending write has reached the store.

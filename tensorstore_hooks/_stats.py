@@ -93,6 +93,16 @@ class OffloadStats:
     per_rule: dict[str, RouteStats] = field(default_factory=dict)
     """Policy rule label (``"rules[0] module=*.lm_head"``, ``"default"``, ...) -> counts."""
 
+    def hold(self, delta_bytes: int) -> None:
+        """The pipeline holds ``delta_bytes`` more (or fewer) in memory; tracks the peak.
+
+        Called under the session's record lock (writes in flight, reads ahead).
+        """
+        held = self.held_bytes + delta_bytes
+        self.held_bytes = held
+        if held > self.peak_held_bytes:
+            self.peak_held_bytes = held
+
     # ------------------------------------------------------------ per step
     def snapshot(self) -> OffloadStats:
         """A copy of the counters now (to subtract later: ``stats - snap``)."""

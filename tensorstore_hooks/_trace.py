@@ -33,13 +33,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACK", "READ", "UNPACK", "UNPACK_WAIT", "WRITE", "Timeline", "span"]
+__all__ = [
+    "PACK_RANGE",
+    "READ_RANGE",
+    "UNPACK_RANGE",
+    "UNPACK_WAIT_RANGE",
+    "WRITE_RANGE",
+    "Timeline",
+    "describe_session",
+    "forward_begin",
+    "forward_end",
+    "record",
+    "span",
+]
 
-PACK = "tsh::pack"
-UNPACK = "tsh::unpack"
-UNPACK_WAIT = "tsh::unpack_wait"
-WRITE = "tsh::write"
-READ = "tsh::read"
+PACK_RANGE = "tsh::pack"
+UNPACK_RANGE = "tsh::unpack"
+UNPACK_WAIT_RANGE = "tsh::unpack_wait"
+WRITE_RANGE = "tsh::write"
+READ_RANGE = "tsh::read"
 
 _record_function = torch.profiler.record_function
 
@@ -92,7 +104,7 @@ class Timeline:
             self._events.append(event)
             if thread.ident is not None and thread.ident not in self._threads:
                 self._threads[thread.ident] = thread.name
-        if name == UNPACK:
+        if name == UNPACK_RANGE:
             self._note_unpack(start_ns, end_ns)
 
     def _note_unpack(self, start_ns: int, end_ns: int) -> None:
@@ -193,3 +205,55 @@ def span(
             nvtx.range_pop()
         if timeline is not None:
             timeline.span(name, start, time.perf_counter_ns(), args)
+
+
+@contextlib.contextmanager
+def record(session: Any, path: str | os.PathLike[str]) -> Iterator[Timeline]:
+    """Record ``session``'s work into a :class:`Timeline` saved at ``path`` on exit.
+
+    ``session`` is an :class:`~tensorstore_hooks._pipeline.OffloadSession` (its
+    ``timeline`` attribute is set while the block runs). The file is written even
+    if the block raises.
+    """
+    if session.timeline is not None:
+        raise RuntimeError("hooks.trace(): these hooks are already recording a timeline")
+    timeline = Timeline(path)
+    session.timeline = timeline
+    try:
+        yield timeline
+    finally:
+        session.flush()  # writes still running belong in the picture
+        session.timeline = None
+        timeline.write()
+
+
+def forward_begin(session: Any) -> None:
+    """A forward under ``session``'s hooks starts (for the timeline, if recording)."""
+    timeline = session.timeline
+    if timeline is not None:
+        timeline.forward_begin()
+
+
+def forward_end(session: Any) -> None:
+    """The forward under ``session``'s hooks ended."""
+    timeline = session.timeline
+    if timeline is not None:
+        timeline.forward_end()
+
+
+def describe_session(session: Any) -> str:
+    """One line: the store and every setting of ``session``, for the INFO log at open."""
+    from ._policy import exact_size
+
+    policy, settings, store = session.policy, session.settings, session.store
+    temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
+    rules = ", ".join(
+        f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())
+    ) or "none"
+    return (
+        f"offload session: store {store.url}{temporary}; policy min_bytes="
+        f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "
+        f"default={policy.default} rules: {rules}; pipeline max_inflight="
+        f"{exact_size(settings.max_inflight)} prefetch={exact_size(settings.prefetch)} "
+        f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
+    )

@@ -47,6 +47,7 @@ from ._hooks import OffloadHooks, make_session
 from ._policy import compile_module_glob
 from ._scope import ModuleScope
 from ._store import TensorStore
+from ._trace import forward_begin, forward_end
 from .errors import ConfigError
 
 __all__ = ["WrapHooks", "is_wrapped", "unwrap", "wrap"]
@@ -110,6 +111,7 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
             hooks = wrap.hooks
             _push_hooks(hooks.pack_hook, hooks.unpack_hook)
             pushed = True
+            forward_begin(hooks._session)
     _FRAMES.stack.append((module, entry, pushed))
 
 
@@ -121,6 +123,7 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     wrap = entry.wrap
     if pushed:
         _pop_hooks()
+        forward_end(wrap.hooks._session)
     if wrap.scope is not None:
         wrap.scope.exit(entry.path)
     if entry.selected:

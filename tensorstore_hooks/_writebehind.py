@@ -30,6 +30,7 @@ from ._iopool import WRITE, IOPool
 from ._records import Record, RecordTable, State
 from ._stats import OffloadStats
 from ._store import TensorStore
+from ._trace import WRITE_RANGE, Timeline, span
 
 __all__ = ["WriteBehind"]
 
@@ -63,6 +64,7 @@ class WriteBehind:
         self._inflight = 0
         self._warned = False
         self._pending_warning: str | None = None
+        self.timeline: Timeline | None = None  # set while hooks.trace() records
 
     @property
     def inflight(self) -> int:
@@ -81,6 +83,7 @@ class WriteBehind:
     def enqueue(self, rec: Record) -> None:
         """Count a new record in flight (lock held); then :meth:`start` it."""
         self._inflight += rec.nbytes
+        self._stats.hold(rec.nbytes)
         self._stats.tensors_offloaded += 1
         self._stats.bytes_offloaded += rec.nbytes
 
@@ -126,7 +129,14 @@ class WriteBehind:
             orig = rec.guard  # the saved tensor (``src`` is its pinned copy for CUDA)
             if orig is not None and orig._version != rec.version:
                 raise _Dirty()
-            key = self._put(src)
+            t0 = time.perf_counter()  # NOTE [ Profiler ranges ]
+            with span(WRITE_RANGE, self.timeline, {"bytes": rec.nbytes}):
+                key = self._put(src)
+            write_s = time.perf_counter() - t0
+            with lock:
+                self._stats.write_s += write_s
+                self._stats.bytes_written += rec.nbytes
+            log.debug("write: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, write_s * 1e3)
             if orig is not None and orig._version != rec.version:
                 raise _Dirty()
         except _Dirty:
@@ -159,6 +169,7 @@ class WriteBehind:
     def _finished(self, rec: Record) -> None:
         with self._table.lock:
             self._inflight -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
             self._table.cond.notify_all()
         rec.writing_done.set()
 
