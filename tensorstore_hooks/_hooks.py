@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from . import _compose, _diagnose, _trace
+from ._compose import block_abort, block_enter, block_exit
+from ._diagnose import after_forward, before_forward
 from ._pipeline import OffloadSession
 from ._registry import open_store
 from ._session_api import SessionAPI
 from ._store import TensorStore
+from ._trace import describe_session, forward_begin, forward_end
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
 
@@ -45,29 +47,29 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
-        if not _compose.block_enter():  # NOTE [ Checkpoint composition ]: push nothing
+        if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
             return self
         try:
             super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing
         except BaseException:
-            _compose.block_abort()
+            block_abort()
             raise
-        _trace.forward_begin(self._session)
+        forward_begin(self._session)
         has_scope = self._scope is not None and bool(self._models)
-        _diagnose.before_forward(self, self.policy, has_scope)
+        before_forward(self, self.policy, has_scope)
         if self._scope is not None:
             for model in self._models:
                 self._scope.attach(model)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not _compose.block_exit():
+        if not block_exit():
             return
         super().__exit__(*exc)
-        _trace.forward_end(self._session)
+        forward_end(self._session)
         if self._scope is not None:
             self._scope.detach()
-            _diagnose.after_forward(self, self.policy, self._scope.seen)
+            after_forward(self, self.policy, self._scope.seen)
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:
@@ -145,5 +147,5 @@ def make_session(
         url_s = os.fspath(url) if url is not None else None
         st, owned = open_store(url_s, **_store_options(url_s, cfg.store)), True
     session = OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
-    log.info("%s", _trace.describe_session(session))
+    log.info("%s", describe_session(session))
     return session

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 
-from . import _diagnose
 from ._compose import checkpoint_decides
+from ._diagnose import after_forward, glob_matches, sample_names
 from ._hooks import OffloadHooks, make_session
 from ._policy import compile_module_glob
 from ._scope import ModuleScope
@@ -131,7 +131,7 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if pushed:
             hooks = wrap.hooks
             seen = wrap.scope.seen if wrap.scope is not None else None
-            _diagnose.after_forward(hooks, hooks.policy, seen)
+            after_forward(hooks, hooks.policy, seen)
             hooks._session.emit_warning()
 
 
@@ -211,11 +211,11 @@ def _select(names: dict[str, torch.nn.Module], globs: list[str] | None) -> set[s
         return {""}
     chosen: set[str] = set()
     for glob in globs:
-        hits = {n for n in names if n and _diagnose.glob_matches(glob, n)}
+        hits = {n for n in names if n and glob_matches(glob, n)}
         if not hits:
             raise ConfigError(
                 f"wrap: modules glob {glob!r} matches no module of the model. Some names "
-                f"that exist: {_diagnose.sample_names(n for n in names if n)}"
+                f"that exist: {sample_names(n for n in names if n)}"
             )
         chosen |= hits
 
