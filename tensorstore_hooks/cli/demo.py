@@ -70,6 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bytes read ahead in backward (default: scaled to the model, see below)",
     )
     parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write a Chrome/Perfetto timeline of the offloaded steps' I/O to FILE "
+        "(hooks.trace; open in https://ui.perfetto.dev, or render it with "
+        "benchmarks/plot_timeline.py)",
+    )
+    parser.add_argument(
         "--max-inflight",
         metavar="SIZE",
         help="bytes written behind before forward waits (default: scaled to the model)",
@@ -256,7 +263,10 @@ def run(args: argparse.Namespace) -> int:
     offloaded: list[tuple[int, int]] = []
     mismatched: list[str] = []
     compared = 0
+    tracing = contextlib.ExitStack()
     try:
+        if args.trace:
+            tracing.enter_context(hooks.trace(args.trace))
         bar = tqdm(total=2 * args.steps, desc="demo", unit="step", file=sys.stderr, leave=False)
         for step in range(args.steps):
             # Alternate which run goes first so neither always finds a warmer machine.
@@ -282,9 +292,11 @@ def run(args: argparse.Namespace) -> int:
             pair.optimizer_step()
             bar.set_postfix(grads="identical" if not mismatched else "DIFFER")
         bar.close()
+        tracing.close()  # writes the timeline
         hooks.flush()
         stats = hooks.stats
     finally:
+        tracing.close()
         hooks.close()
         sampler.close()
 
@@ -329,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
     where = " (a temporary directory, removed at exit)" if temporary else ""
     print(f"store: {store_url}{where}")
     print(f"hooks ({args.steps} steps): {stats.summary()}")
+    if args.trace:
+        print(f"timeline: {args.trace} (open in https://ui.perfetto.dev)")
     print()
     if mismatched:
         print(f"gradients: DIFFER in {len(mismatched)} of {compared} comparisons:")
