@@ -80,17 +80,16 @@ def render(trace_path: Path, png_path: Path, title: str | None = None) -> None:
             seen.add(name)
     ax.set_yticks(range(len(order)), order)
     ax.invert_yaxis()
-    ax.set_xlabel("ms")
+    ax.set_xlabel("ms since the trace began")
     ax.set_title(title or f"tensorstore-hooks timeline: {trace_path.name}")
-    ax.legend(
+    fig.legend(
         handles=[Patch(color=COLORS.get(n, "#999999"), label=n) for n in COLORS if n in seen],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.25 if len(order) < 4 else -0.12),
+        loc="lower center",
         ncol=len(seen),
         fontsize="small",
         frameon=False,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
 
