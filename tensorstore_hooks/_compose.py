@@ -24,6 +24,10 @@ pushed last decides. What each combination does, measured with torch 2.13:
    region's tensors are needed at once: storing them only costs a write and a read.
    Rule 2: a block entered while backward runs (an autograd graph task is
    executing on this thread) pushes nothing.
+4. The same recompute under hooks entered *before* backward (``with hooks:
+   loss = model(x); loss.backward()``): the block is already pushed. Rule 3: a
+   tensor packed while backward runs is kept in place (``Router.pack``, stats label
+   ``"saved during backward"``); the same holds for a ``create_graph`` backward.
 
 A block that pushed nothing pops nothing; the functions below keep a per-thread
 stack of what each entry did (``block_enter``/``block_exit``), so nesting stays balanced.

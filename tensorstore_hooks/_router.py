@@ -122,6 +122,12 @@ class Router:
             self.keep_unsupported(reason)
             return Kept(t)
         nbytes = t.numel() * t.element_size()
+        if _in_backward():
+            # Saved while backward runs (a reentrant checkpoint's recompute, a
+            # create_graph backward): needed at once, so stored bytes would only be
+            # read straight back. NOTE [ Checkpoint composition ], rule 3.
+            self.account(Route("keep", "saved during backward", nbytes))
+            return Kept(t)
         action = self.route(t, nbytes)
         if action == "store":
             return self.store(t, nbytes)
@@ -258,6 +264,10 @@ class Router:
         msg = self._writer.take_warning()
         if msg is not None:
             warn_user(msg)  # at the user's line, not torch's (tensorstore_hooks._warn)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _pack_host(t: torch.Tensor) -> Any:

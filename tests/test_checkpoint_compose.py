@@ -143,3 +143,22 @@ def test_wrap_of_a_module_inside_a_checkpointed_block_stores_nothing(reentrant: 
     _assert_equal(_grads(model), want)
     assert hooks.stats.tensors_offloaded > 0  # outside a checkpoint the glob offloads
     hooks.remove()
+
+
+@REENTRANT
+def test_recompute_under_hooks_still_active_in_backward_is_not_stored(reentrant: bool) -> None:
+    model = _model()
+    want = _grads(model)
+    model.around = lambda block, x: checkpoint(block, x, use_reentrant=reentrant)
+    outside = tsh.offload("memory://", min_bytes=0)
+    _grads(model, outside)  # backward after the block: the boundaries only
+    hooks = tsh.offload("memory://", min_bytes=0)
+    model.zero_grad(set_to_none=True)
+    with hooks:  # backward inside the block: the recompute runs under our hooks
+        loss = model(X.clone().requires_grad_())
+        loss.backward()
+    _assert_equal([p.grad.clone() for p in model.parameters()], want)
+    assert hooks.stats.tensors_offloaded == outside.stats.tensors_offloaded
+    assert hooks.stats.bytes_offloaded == outside.stats.bytes_offloaded
+    hooks.close()
+    outside.close()
