@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from ._pipeline import OffloadSession
+from ._router import Router
 from ._stats import OffloadStats
 from ._store import TensorStore
 
@@ -45,6 +46,21 @@ class SessionAPI:
     def policy(self) -> Any:
         """The :class:`~tensorstore_hooks.Policy` in force."""
         return self._session.policy
+
+    @property
+    def settings(self) -> Any:
+        """The pipeline settings in force (the config's ``pipeline:`` section, resolved)."""
+        return self._session.settings
+
+    @property
+    def router(self) -> Router:
+        """The :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks."""
+        return self._session.router
+
+    @property
+    def live_records(self) -> int:
+        """Saved tensors in the store or in flight whose graph is still alive (0 once freed)."""
+        return self._session.live_records
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Any]:
         """Record a Chrome/Perfetto timeline of this session's work while the block runs.

@@ -88,6 +88,10 @@ class OffloadStats:
     be written, or read ahead and not yet unpacked."""
     peak_held_bytes: int = 0
     """The highest ``held_bytes`` since the session began (or the last ``reset()``)."""
+    heap_releases: int = 0
+    """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
+    pinned_allocations: int = 0
+    """Pinned host buffers allocated for CUDA staging (pooled: flat after the first step)."""
     per_action: dict[str, RouteStats] = field(default_factory=dict)
     """``keep``/``host``/``store`` -> counts, as the policy decided."""
     per_rule: dict[str, RouteStats] = field(default_factory=dict)
