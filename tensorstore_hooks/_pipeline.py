@@ -30,6 +30,7 @@ from ._records import Record, RecordTable, State
 from ._router import Router, inplace_error
 from ._stats import OffloadStats
 from ._store import TensorStore
+from ._trace import Timeline
 from ._writebehind import WriteBehind
 
 if TYPE_CHECKING:
@@ -102,6 +103,15 @@ class OffloadSession:
     @scope.setter
     def scope(self, scope: Any) -> None:
         self.router.scope = scope
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline ``hooks.trace()`` records into (``None``: not recording)."""
+        return self.router.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self.router.timeline = self._writer.timeline = self._prefetcher.timeline = timeline
 
     # -------------------------------------------------------------- release
     def _release(self, rec: Record) -> None:

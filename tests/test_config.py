@@ -62,7 +62,7 @@ def test_example_values() -> None:
     tf = load_config(CONFIGS / "transformer.yaml")
     assert [r.action for r in tf.policy.rules] == ["keep", "host", "store"]
     assert tf.policy.rules[1].dtype == (torch.bool,)
-    assert tf.policy.labels[1:4] == ("rules[0] head", "rules[1] masks", "rules[2] blocks")
+    assert tf.policy.labels[1:4] == ("rules[0] last-layer", "rules[1] masks", "rules[2] layers")
 
 
 def test_defaults_and_units(tmp_path: Path) -> None:
@@ -445,8 +445,8 @@ def test_check_config_prints_effective_config(capsys: pytest.CaptureFixture[str]
     assert (code, err) == (0, "")
     printed = yaml.safe_load(out)
     assert printed["policy"]["rules"][0] == {
-        "name": "head",
-        "module": "*.lm_head",
+        "name": "last-layer",
+        "module": "layers.7*",
         "action": "keep",
     }
     assert printed["pipeline"]["prefetch"] == "256MiB"  # defaults filled in
@@ -475,7 +475,7 @@ def test_console_script_check_config(tmp_path: Path) -> None:
         timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
-    assert yaml.safe_load(ok.stdout)["policy"]["rules"][2]["module"] == "blocks.*"
+    assert yaml.safe_load(ok.stdout)["policy"]["rules"][2]["module"] == "layers.*"
     bad = _write(tmp_path, "pipeline:\n  prefetch: 12 parsecs\n")
     broken = subprocess.run(
         [*_console_script(), "check-config", str(bad)], capture_output=True, text=True, timeout=120
