@@ -15,6 +15,7 @@ from ._pipeline import OffloadSession, PipelineOptions
 from ._registry import open_store
 from ._session_api import SessionAPI
 from ._store import TensorStore
+from ._windows import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
 
@@ -110,6 +111,10 @@ def offload(
     return hooks
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def make_session(
     store: str | os.PathLike[str] | TensorStore | None, config: Any, overrides: dict[str, Any]
 ) -> OffloadSession:
@@ -127,8 +132,9 @@ def make_session(
         url_s = os.fspath(url) if url is not None else None
         st, owned = open_store(url_s, **_store_options(url_s, cfg.store)), True
     options = PipelineOptions(
-        max_inflight=cfg.pipeline.max_inflight,
-        prefetch=cfg.pipeline.prefetch,
+        # Until the session derives them (NOTE [ Windows ]): the sizes they had.
+        max_inflight=_or(cfg.pipeline.max_inflight, DEFAULT_MAX_INFLIGHT),
+        prefetch=_or(cfg.pipeline.prefetch, DEFAULT_PREFETCH),
         writer_threads=cfg.pipeline.writer_threads,
         read_deadline_s=cfg.pipeline.read_deadline_s,
         release_heap_every=cfg.pipeline.release_heap_every,
