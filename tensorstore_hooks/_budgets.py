@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from ._planner import BudgetPlanner
 from ._windows import Windows, derive_windows
@@ -28,7 +29,8 @@ class BudgetControl:
 
     ``max_inflight`` / ``prefetch``: the user's sizes or ``None`` (derived).
     ``apply(windows)`` is called whenever the windows change (on the thread that
-    packs or unpacks; keep it cheap). Thread-safe.
+    packs or unpacks; keep it cheap). ``stats.replans`` (when given) follows the
+    planner's count. Thread-safe.
     """
 
     def __init__(
@@ -39,12 +41,14 @@ class BudgetControl:
         max_inflight: int | None,
         prefetch: int | None,
         apply: Callable[[Windows], None],
+        stats: Any = None,
     ) -> None:
         self.device_budget = device_budget
         self.host_budget = host_budget
         self._user_inflight = max_inflight
         self._user_prefetch = prefetch
         self._apply = apply
+        self._stats = stats
         self._lock = threading.Lock()
         # Without a device budget the planner still records the trace the windows
         # are derived from; its decisions are then ignored.
@@ -90,6 +94,8 @@ class BudgetControl:
                 return False
             self._forwarding = False
             self.planner.backward_started()
+            if self._stats is not None:
+                self._stats.replans = self.planner.replans
             self._seen = 0
             trace = self.planner.trace or ()
             windows = self._derive(sum(trace), max(trace, default=0))

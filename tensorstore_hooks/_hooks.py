@@ -139,4 +139,19 @@ def make_session(
         read_deadline_s=cfg.pipeline.read_deadline_s,
         release_heap_every=cfg.pipeline.release_heap_every,
     )
-    return OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
+    session = OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
+    from ._budgets import BudgetControl
+
+    def apply(w: Any) -> None:
+        options.max_inflight = w.max_inflight
+        options.prefetch = w.prefetch
+
+    session.budget = BudgetControl(
+        device_budget=cfg.policy.device_budget,
+        host_budget=cfg.pipeline.host_budget,
+        max_inflight=cfg.pipeline.max_inflight,
+        prefetch=cfg.pipeline.prefetch,
+        apply=apply,
+        stats=session.stats,
+    )
+    return session

@@ -244,6 +244,7 @@ class OffloadSession:
         self._pinned: Any = None
         self._streams: Any = None
         self._heap = HeapReleaser(options.release_heap_every)  # NOTE [ Heap release ]
+        self.budget: Any = None
 
     # ------------------------------------------------------------ resources
     def _io(self) -> IOPool:
@@ -292,7 +293,12 @@ class OffloadSession:
         path = self.scope.current() if self.scope is not None else None
         decision = self.policy.decide(t, path, parameter=parameter)
         action = decision.action
-        self._count(action, decision.label, nbytes)
+        label = decision.label
+        if self.budget is not None and self.budget.keep(
+            action, nbytes, accelerator=t.device.type != "cpu"
+        ):
+            action, label = "keep", "device_budget"
+        self._count(action, label, nbytes)
         if action == "host":
             self.stats.tensors_host += 1
             self.stats.bytes_host += nbytes
@@ -514,6 +520,10 @@ class OffloadSession:
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook. May run many times for one handle; never deletes."""
         self.emit_warning()
+        if self.budget is not None and self.budget.backward_started():
+            with self._lock:
+                self._cursor = len(self._order) - 1
+            self._fill()
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
                 raise inplace_error(f"a tensor of shape {tuple(packed.tensor.shape)}")

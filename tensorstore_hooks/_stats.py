@@ -49,6 +49,10 @@ class OffloadStats:
     """Saves of a tensor already saved in this session (written once)."""
     tail_hits: int = 0
     """Unpacks served from memory because the write had not finished (write cancelled)."""
+    replans: int = 0
+    """Times the ``device_budget`` plan was made again because a forward saved other
+    sizes (tensors the plan kept are counted under the ``per_rule`` label
+    ``"device_budget"`` and in ``bytes_kept``)."""
     per_action: dict[str, RouteStats] = field(default_factory=dict)
     """``keep``/``host``/``store`` -> counts, as the policy decided."""
     per_rule: dict[str, RouteStats] = field(default_factory=dict)
