@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ._planner import BudgetPlanner
-from ._windows import Windows, derive_windows
+from ._windows import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, Windows, derive_windows
 
-__all__ = ["BUDGET_LABEL", "BudgetControl"]
+__all__ = ["BUDGET_LABEL", "BudgetControl", "pinned_idle_cap"]
 
 BUDGET_LABEL = "device_budget"
 """The stats label (``stats.per_rule``) of tensors the plan kept."""
@@ -59,6 +59,26 @@ class BudgetControl:
         self._forwarding = False
         self.windows = self._derive(0, 0)
         apply(self.windows)
+
+    @classmethod
+    def for_session(
+        cls, policy: Any, settings: Any, writer: Any, prefetcher: Any, stats: Any
+    ) -> BudgetControl:
+        """The control of a session: sets ``writer.max_inflight`` and
+        ``prefetcher.window_bytes`` (now, and whenever the windows change)."""
+
+        def apply(windows: Windows) -> None:
+            writer.max_inflight = windows.max_inflight
+            prefetcher.window_bytes = windows.prefetch
+
+        return cls(
+            device_budget=getattr(policy, "device_budget", None),
+            host_budget=settings.host_budget,
+            max_inflight=settings.max_inflight,
+            prefetch=settings.prefetch,
+            apply=apply,
+            stats=stats,
+        )
 
     @property
     def derives(self) -> bool:
@@ -123,3 +143,10 @@ class BudgetControl:
         if windows != self.windows:
             self.windows = windows
             self._apply(windows)
+
+
+def pinned_idle_cap(settings: Any) -> int:
+    """Idle pinned staging buffers a session keeps: both windows at their largest."""
+    mi = DEFAULT_MAX_INFLIGHT if settings.max_inflight is None else settings.max_inflight
+    pf = DEFAULT_PREFETCH if settings.prefetch is None else settings.prefetch
+    return int(mi + pf)

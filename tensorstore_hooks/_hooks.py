@@ -1,7 +1,8 @@
 """``OffloadHooks`` and ``offload()``: the public entry points.
 
-``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``);
-the work lives in :mod:`tensorstore_hooks._pipeline` and the store.
+``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``)
+to the session's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
+(:mod:`tensorstore_hooks._pipeline` wires its units) and the store.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from typing import Any
 
 import torch
 
-from ._pipeline import OffloadSession, PipelineOptions
+from ._pipeline import OffloadSession
 from ._registry import open_store
 from ._session_api import SessionAPI
 from ._store import TensorStore
-from ._windows import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
 
@@ -33,7 +33,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         self._bind(session)
         self._scope = session.scope
         self._models: list[torch.nn.Module] = []
-        super().__init__(session.pack, session.unpack)
+        super().__init__(session.router.pack, session.router.unpack)
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
@@ -111,10 +111,6 @@ def offload(
     return hooks
 
 
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
-
-
 def make_session(
     store: str | os.PathLike[str] | TensorStore | None, config: Any, overrides: dict[str, Any]
 ) -> OffloadSession:
@@ -131,27 +127,4 @@ def make_session(
         url = store if store is not None else cfg.store.url
         url_s = os.fspath(url) if url is not None else None
         st, owned = open_store(url_s, **_store_options(url_s, cfg.store)), True
-    options = PipelineOptions(
-        # Until the session derives them (NOTE [ Windows ]): the sizes they had.
-        max_inflight=_or(cfg.pipeline.max_inflight, DEFAULT_MAX_INFLIGHT),
-        prefetch=_or(cfg.pipeline.prefetch, DEFAULT_PREFETCH),
-        writer_threads=cfg.pipeline.writer_threads,
-        read_deadline_s=cfg.pipeline.read_deadline_s,
-        release_heap_every=cfg.pipeline.release_heap_every,
-    )
-    session = OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
-    from ._budgets import BudgetControl
-
-    def apply(w: Any) -> None:
-        options.max_inflight = w.max_inflight
-        options.prefetch = w.prefetch
-
-    session.budget = BudgetControl(
-        device_budget=cfg.policy.device_budget,
-        host_budget=cfg.pipeline.host_budget,
-        max_inflight=cfg.pipeline.max_inflight,
-        prefetch=cfg.pipeline.prefetch,
-        apply=apply,
-        stats=session.stats,
-    )
-    return session
+    return OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
