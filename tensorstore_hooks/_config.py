@@ -97,6 +97,10 @@ class PipelineSettings:
     release_heap_every: int = 128 << 20
     """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
     (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``_heap.py``."""
+    mmap_threshold: int | None = 1 << 20
+    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a session starts: freed buffers
+    of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
+    at most 32 MiB). See NOTE [ Mmap threshold ] in ``_heap.py``."""
     host_budget: int = 0
     """Pinned host memory that tensors leaving an accelerator may occupy before they
     spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]."""
@@ -134,6 +138,7 @@ class EffectiveConfig:
                 "writer_threads": self.pipeline.writer_threads,
                 "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
                 "release_heap_every": exact_size(self.pipeline.release_heap_every),
+                "mmap_threshold": _opt_exact(self.pipeline.mmap_threshold),
                 "host_budget": exact_size(self.pipeline.host_budget),
             },
             "policy": {
@@ -209,6 +214,13 @@ OptSize = Annotated[int | None, BeforeValidator(_opt_size)]
 """Bytes as :data:`Size`, or ``None`` (null in YAML)."""
 Duration = Annotated[float, BeforeValidator(_duration)]
 """Seconds: a non-negative number or a string like ``"500ms"``, ``"30s"``, ``"5m"``."""
+
+
+def _mmap_threshold(value: Any) -> int | None:
+    n = _opt_size(value)
+    if n is not None and not 0 < n <= 32 << 20:
+        raise ValueError("expected a size from 1 byte to 32MiB (glibc's limit), or null")
+    return n
 
 
 def _chunk_size(value: Any) -> int:
@@ -335,6 +347,9 @@ class _PipelineModel(_Model):
     writer_threads: Annotated[int, Field(ge=1, le=64)] = PipelineSettings.writer_threads
     read_deadline_s: Duration = PipelineSettings.read_deadline_s
     release_heap_every: Size = PipelineSettings.release_heap_every
+    mmap_threshold: Annotated[int | None, BeforeValidator(_mmap_threshold)] = (
+        PipelineSettings.mmap_threshold
+    )
     host_budget: Size = PipelineSettings.host_budget
 
 
@@ -414,6 +429,7 @@ class _ConfigModel(_Model):
                 writer_threads=p.writer_threads,
                 read_deadline_s=p.read_deadline_s,
                 release_heap_every=p.release_heap_every,
+                mmap_threshold=p.mmap_threshold,
                 host_budget=p.host_budget,
             ),
             policy=Policy(
@@ -666,6 +682,7 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "default": ("policy", _PolicyModel),
     "device_budget": ("policy", _PolicyModel),
     "host_budget": ("pipeline", _PipelineModel),
+    "mmap_threshold": ("pipeline", _PipelineModel),
     "prefetch": ("pipeline", _PipelineModel),
     "max_inflight": ("pipeline", _PipelineModel),
     "writer_threads": ("pipeline", _PipelineModel),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._budgets import BudgetControl, pinned_idle_cap
 from ._device import DeviceStager
-from ._heap import HeapReleaser
+from ._heap import HeapReleaser, set_mmap_threshold
 from ._iopool import StorePool, on_io_thread, shutdown_pool
 from ._prefetch import Prefetcher
 from ._records import Record, RecordTable, State
@@ -62,6 +62,8 @@ class OffloadSession:
         self.owns_store = owns_store
         self.stats = OffloadStats()
         self.heap = HeapReleaser(settings.release_heap_every)  # NOTE [ Heap release ]
+        if settings.mmap_threshold is not None:
+            set_mmap_threshold(settings.mmap_threshold)  # NOTE [ Mmap threshold ]
         self._io = StorePool(store, settings.writer_threads + 2)
         self._closing = False
         self._closed = False

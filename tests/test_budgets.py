@@ -4,6 +4,9 @@ them (DESIGN.md "Budgets and tiers")."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -365,3 +368,46 @@ def test_windows_follow_what_forward_saves_and_the_budget() -> None:
     hooks = tsh.offload(store, min_bytes="1KiB", writer_threads=1, device_budget="128KiB")
     assert _packed_before_blocking(hooks, store, xs) <= 2
     hooks.close()
+
+
+# ------------------------------------------------------------ mmap threshold
+_HEAP_PROBE = r"""
+import os, sys, torch
+import tensorstore_hooks as tsh
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+threshold = None if sys.argv[1] == "null" else sys.argv[1]
+hooks = tsh.offload("memory://", mmap_threshold=threshold)
+x = torch.ones(4 << 20)  # 16 MiB: glibc mmaps it; its free raises the dynamic threshold
+del x
+a = torch.ones(2 << 20)  # 8 MiB: now from the heap unless the threshold was fixed
+pin = torch.ones(1024)  # a live block above it
+before = rss()
+del a
+print((before - rss()) >> 20)
+hooks.close()
+"""
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/statm").exists() or not hasattr(os, "confstr"),
+    reason="needs Linux /proc",
+)
+def test_mmap_threshold_returns_freed_buffers_at_once() -> None:
+    # NOTE [ Mmap threshold ]: a process-wide setting, so each case runs in its own process.
+    def freed_mib(threshold: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _HEAP_PROBE, threshold],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return int(out.stdout.strip().splitlines()[-1])
+
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert freed_mib("1MiB") >= 7  # the 8 MiB buffer left RSS when freed
+    assert freed_mib("null") <= 1  # glibc's dynamic threshold kept it in the heap
