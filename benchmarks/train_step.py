@@ -199,15 +199,6 @@ def _checkpoint_blocks(model: Any) -> None:
         block.forward = checkpointed
 
 
-def _mallopt_mmap_threshold(nbytes: int) -> None:
-    """glibc ``mallopt(M_MMAP_THRESHOLD, nbytes)`` in this process (experiment lever)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    if libc.mallopt(-3, int(nbytes)) != 1:  # M_MMAP_THRESHOLD
-        raise SystemExit(f"train_step: mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
-
-
 def split_mode(mode: str) -> tuple[str, str | None]:
     """``"tsh-disk@512MiB"`` -> ``("tsh-disk", "512MiB")``; ``"none"`` -> ``("none", None)``."""
     base, sep, budget = mode.partition(BUDGET_SEP)
@@ -256,8 +247,6 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     hooks: Any = None
     scratch = tempfile.mkdtemp(prefix="tsh-bench-tutorial-")
-    if mode.startswith("tsh-") and args.tsh_mmap_threshold is not None:
-        _mallopt_mmap_threshold(args.tsh_mmap_threshold)
     if mode.startswith("tsh-"):
         import tensorstore_hooks as tsh
 
@@ -419,8 +408,6 @@ def _worker_argv(
             argv += [f"--{name.replace('_', '-')}", str(value)]
     for opt in args.tsh_option:
         argv += ["--tsh-option", opt]
-    if args.tsh_mmap_threshold is not None:
-        argv += ["--tsh-mmap-threshold", str(args.tsh_mmap_threshold)]
     return argv
 
 
@@ -731,14 +718,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="diagnostic: run the workers with glibc's MALLOC_MMAP_THRESHOLD_=BYTES, so "
         "freed buffers of at least that size go back to the OS at once (RSS then tracks "
         "live memory, not the heap glibc keeps)",
-    )
-    p.add_argument(
-        "--tsh-mmap-threshold",
-        type=int,
-        metavar="BYTES",
-        help="experiment: in the tsh-* workers only (as the library could do at session "
-        "start), glibc mallopt(M_MMAP_THRESHOLD, BYTES): freed buffers of at least that "
-        "size go back to the OS at once",
     )
     p.add_argument(
         "--budget-sweep",
