@@ -53,6 +53,10 @@ class OffloadStats:
     """Times the ``device_budget`` plan was made again because a forward saved other
     sizes (tensors the plan kept are counted under the ``per_rule`` label
     ``"device_budget"`` and in ``bytes_kept``)."""
+    heap_releases: int = 0
+    """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
+    pinned_allocations: int = 0
+    """Pinned host buffers allocated for CUDA staging (pooled: flat after the first step)."""
     per_action: dict[str, RouteStats] = field(default_factory=dict)
     """``keep``/``host``/``store`` -> counts, as the policy decided."""
     per_rule: dict[str, RouteStats] = field(default_factory=dict)
