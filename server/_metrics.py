@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tensorstore_hooks.errors import ConfigError
+from tensorstore_hooks.protocol import OPS
 
 from ._config import is_loopback, parse_address
 
@@ -29,7 +30,12 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
         return
     tiers = snap["tiers"]
     for name, field, doc in (
-        ("tsh_tier_used_bytes", "used", "Payload bytes stored in the tier."),
+        (
+            "tsh_tier_used_bytes",
+            "used",
+            "Bytes counted against the tier's quota (payload + per-tensor overhead; "
+            "disk: chunk files + metadata).",
+        ),
         ("tsh_tier_reserved_bytes", "reserved", "Bytes reserved by PUTs and spills in flight."),
         ("tsh_tier_quota_bytes", "quota", "The tier's quota."),
         ("tsh_tier_tensors", "tensors", "Tensors stored in the tier."),
@@ -43,7 +49,7 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily("tsh_uptime_seconds", "Seconds since start.", value=snap["uptime_s"])
     counters = snap["counters"]
     req = CounterMetricFamily("tsh_requests", "Requests served, by op.", labels=["op"])
-    for op in ("hello", "put", "get", "delete", "list", "ping", "stats", "bye"):
+    for op in OPS:
         req.add_metric([op], float(counters[op]))
     yield req
     for name, key, doc in (

@@ -46,9 +46,18 @@ class ChunkIO(ABC):
     supports_append: bool = False
     """True if :meth:`open_append` works (cheap durable journals)."""
 
-    cheap_overwrite: bool = False
+    supports_rewrite_in_place: bool = False
     """True if rewriting an existing object costs less than deleting it and writing a
     new one (local files), so freed chunk objects are worth keeping for reuse."""
+
+    supports_direct_read: bool = False
+    """True if :meth:`readinto` reads straight into the caller's buffers piece by piece
+    (no intermediate copy; ``filled`` is called between pieces), so a reader can
+    checksum while reading. Otherwise :meth:`readinto` is a whole-object read + copy."""
+
+    is_private_memory: bool = False
+    """True if the objects live only in this process and die with this object
+    (nothing to persist, nothing another process can see)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -137,7 +146,8 @@ class LocalIO(ChunkIO):
     """A directory on a local filesystem, through plain OS calls."""
 
     supports_append = True
-    cheap_overwrite = True
+    supports_rewrite_in_place = True
+    supports_direct_read = True
 
     def __init__(self, root: str) -> None:
         super().__init__("file://" + os.path.abspath(root))
@@ -242,6 +252,8 @@ def _write_all(fd: int, part: Buffer) -> int:
 
 class MemoryIO(ChunkIO):
     """A private in-process dict (never fsspec's process-global memory filesystem)."""
+
+    is_private_memory = True
 
     def __init__(self, label: str = "memory://") -> None:
         super().__init__(label)

@@ -262,7 +262,7 @@ def _url(value: str | None) -> str | None:
     if "://" not in value and "::" not in value:
         return value  # a bare local path
     head = value.split("://", 1)[0].lower()
-    if head in ("tsh", "tsh+unix"):
+    if head in ("tsh", "tsh+unix", "tsh+tls"):
         # Never chained; and "::" may be part of an IPv6 host, e.g. tsh://[::1]:7077.
         _check_daemon_url(value, head)
         return value
@@ -271,13 +271,13 @@ def _url(value: str | None) -> str | None:
     for link in links:
         proto = (link.split("://", 1)[0] if "://" in link else link).lower()
         if proto not in known:
-            ours = "file, memory, tsh, tsh+unix"
+            ours = "file, memory, tsh, tsh+tls, tsh+unix"
             raise ValueError(
                 f"unknown URL scheme {proto!r}; use a bare path or one of {ours}, or an fsspec "
                 "protocol such as s3, gs, az, http, sftp (chains like 'simplecache::s3://b/p' "
                 "work too)"
             )
-        if proto in ("tsh", "tsh+unix"):
+        if proto in ("tsh", "tsh+unix", "tsh+tls"):
             raise ValueError(f"{proto}:// cannot be chained with other protocols")
     return value
 

@@ -25,6 +25,7 @@ _REGISTRY: dict[str, str | StoreFactory] = {
     "memory": "tensorstore_hooks._zarr_store:ZarrStore",
     "tsh": "tensorstore_hooks._daemon_client:DaemonStore",
     "tsh+unix": "tensorstore_hooks._daemon_client:DaemonStore",
+    "tsh+tls": "tensorstore_hooks._daemon_client:DaemonStore",
 }
 _FSSPEC_FACTORY = "tensorstore_hooks._zarr_store:ZarrStore"
 
