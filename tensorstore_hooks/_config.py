@@ -85,10 +85,11 @@ class StoreSettings:
 class PipelineSettings:
     """The ``pipeline:`` section: background writing and read-ahead."""
 
-    max_inflight: int = 512 << 20
-    """Bytes written behind before pack blocks (0: every write finishes before pack returns)."""
-    prefetch: int = 256 << 20
-    """Bytes read ahead during backward (0: no read-ahead)."""
+    max_inflight: int | None = None
+    """Bytes written behind before pack blocks (0: every write finishes before pack returns;
+    ``None``: derived from what the hooks saw, see NOTE [ Windows ] in ``_windows.py``)."""
+    prefetch: int | None = None
+    """Bytes read ahead during backward (0: no read-ahead; ``None``: derived, as above)."""
     writer_threads: int = 2
     """Background writer threads (1..64)."""
     read_deadline_s: float = 30.0
@@ -96,6 +97,13 @@ class PipelineSettings:
     release_heap_every: int = 128 << 20
     """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
     (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``_heap.py``."""
+    mmap_threshold: int | None = 1 << 20
+    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a session starts: freed buffers
+    of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
+    at most 32 MiB). See NOTE [ Mmap threshold ] in ``_heap.py``."""
+    host_budget: int = 0
+    """Pinned host memory that tensors leaving an accelerator may occupy before they
+    spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]."""
 
 
 @dataclass(frozen=True)
@@ -125,22 +133,29 @@ class EffectiveConfig:
                 "chunk_bytes": exact_size(self.store.chunk_bytes),
             },
             "pipeline": {
-                "max_inflight": exact_size(self.pipeline.max_inflight),
-                "prefetch": exact_size(self.pipeline.prefetch),
+                "max_inflight": _opt_exact(self.pipeline.max_inflight),
+                "prefetch": _opt_exact(self.pipeline.prefetch),
                 "writer_threads": self.pipeline.writer_threads,
                 "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
                 "release_heap_every": exact_size(self.pipeline.release_heap_every),
+                "mmap_threshold": _opt_exact(self.pipeline.mmap_threshold),
+                "host_budget": exact_size(self.pipeline.host_budget),
             },
             "policy": {
                 "min_bytes": exact_size(self.policy.min_bytes),
                 "skip_parameters": self.policy.skip_parameters,
                 "rules": [_rule_to_dict(r, sizes_as_str=True) for r in self.policy.rules],
                 "default": self.policy.default,
+                "device_budget": _opt_exact(self.policy.device_budget),
             },
         }
 
 
 _SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _opt_exact(n: int | None) -> int | str | None:
+    return None if n is None else exact_size(n)
 
 
 def _duration_str(s: float) -> str:
@@ -195,8 +210,17 @@ def _duration(value: Any) -> float:
 
 Size = Annotated[int, BeforeValidator(_size)]
 """Bytes: a non-negative int or a string like ``"512KiB"``, ``"8MiB"``, ``"1GiB"``."""
+OptSize = Annotated[int | None, BeforeValidator(_opt_size)]
+"""Bytes as :data:`Size`, or ``None`` (null in YAML)."""
 Duration = Annotated[float, BeforeValidator(_duration)]
 """Seconds: a non-negative number or a string like ``"500ms"``, ``"30s"``, ``"5m"``."""
+
+
+def _mmap_threshold(value: Any) -> int | None:
+    n = _opt_size(value)
+    if n is not None and not 0 < n <= 32 << 20:
+        raise ValueError("expected a size from 1 byte to 32MiB (glibc's limit), or null")
+    return n
 
 
 def _chunk_size(value: Any) -> int:
@@ -318,11 +342,15 @@ class _StoreModel(_Model):
 
 
 class _PipelineModel(_Model):
-    max_inflight: Size = PipelineSettings.max_inflight
-    prefetch: Size = PipelineSettings.prefetch
+    max_inflight: OptSize = PipelineSettings.max_inflight
+    prefetch: OptSize = PipelineSettings.prefetch
     writer_threads: Annotated[int, Field(ge=1, le=64)] = PipelineSettings.writer_threads
     read_deadline_s: Duration = PipelineSettings.read_deadline_s
     release_heap_every: Size = PipelineSettings.release_heap_every
+    mmap_threshold: Annotated[int | None, BeforeValidator(_mmap_threshold)] = (
+        PipelineSettings.mmap_threshold
+    )
+    host_budget: Size = PipelineSettings.host_budget
 
 
 class _RuleModel(_Model):
@@ -370,6 +398,7 @@ class _PolicyModel(_Model):
     skip_parameters: bool = _DEFAULT_POLICY.skip_parameters
     rules: list[_RuleModel] = Field(default_factory=list)
     default: Action = _DEFAULT_POLICY.default
+    device_budget: OptSize = _DEFAULT_POLICY.device_budget
 
 
 class _ConfigModel(_Model):
@@ -400,12 +429,15 @@ class _ConfigModel(_Model):
                 writer_threads=p.writer_threads,
                 read_deadline_s=p.read_deadline_s,
                 release_heap_every=p.release_heap_every,
+                mmap_threshold=p.mmap_threshold,
+                host_budget=p.host_budget,
             ),
             policy=Policy(
                 min_bytes=pol.min_bytes,
                 skip_parameters=pol.skip_parameters,
                 rules=tuple(r.build() for r in pol.rules),
                 default=pol.default,
+                device_budget=pol.device_budget,
             ),
             source=source,
         )
@@ -648,6 +680,9 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "skip_parameters": ("policy", _PolicyModel),
     "rules": ("policy", _PolicyModel),
     "default": ("policy", _PolicyModel),
+    "device_budget": ("policy", _PolicyModel),
+    "host_budget": ("pipeline", _PipelineModel),
+    "mmap_threshold": ("pipeline", _PipelineModel),
     "prefetch": ("pipeline", _PipelineModel),
     "max_inflight": ("pipeline", _PipelineModel),
     "writer_threads": ("pipeline", _PipelineModel),

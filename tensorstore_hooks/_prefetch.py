@@ -131,6 +131,12 @@ class Prefetcher(PipelineUnit):
                 f"{self.read_deadline_s:g}): {type(e.cause).__name__}: {e.cause}"
             ) from e.cause
 
+    def restart(self) -> None:
+        """A backward begins: read ahead from the newest record down."""
+        with self._table.lock:
+            self.cursor = self._table.end - 1
+        self.fill()
+
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
         if self.window_bytes <= 0:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._budgets import BUDGET_LABEL
 from ._codec import is_dense, unsupported_reason
 from ._records import Handle, RecordTable, State, dedup_key
 from ._signals import shielded
@@ -28,6 +29,7 @@ from ._warn import warn_user
 from .errors import StoreUnavailableError
 
 if TYPE_CHECKING:
+    from ._budgets import BudgetControl
     from ._prefetch import Prefetcher
     from ._writebehind import WriteBehind
 
@@ -98,6 +100,7 @@ class Router:
         writer: WriteBehind,
         prefetcher: Prefetcher,
         scope: Any = None,
+        budget: BudgetControl | None = None,
     ) -> None:
         self.policy = policy
         self.scope = scope
@@ -109,6 +112,8 @@ class Router:
         self._table = table
         self._writer = writer
         self._prefetcher = prefetcher
+        self.budget = budget
+        """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
 
     # ------------------------------------------------------------ torch hooks
     def pack(self, t: torch.Tensor) -> Any:
@@ -138,6 +143,7 @@ class Router:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
+        self.backward_step()
         if isinstance(packed, Handle):
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
                 return self.load(packed)
@@ -179,8 +185,21 @@ class Router:
         return action
 
     def route(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> str:
-        """:meth:`decide` then :meth:`account`: the action to take for ``t``."""
-        return self.account(self.decide(t, nbytes, parameter=parameter))
+        """:meth:`decide`, the budget's plan, then :meth:`account`: the action for ``t``."""
+        route = self.decide(t, nbytes, parameter=parameter)
+        budget = self.budget
+        if budget is not None and budget.keep(
+            route.action, nbytes, accelerator=t.device.type != "cpu"
+        ):
+            route = Route("keep", BUDGET_LABEL, nbytes)
+        return self.account(route)
+
+    def backward_step(self) -> None:
+        """Every unpack calls this: the first of a backward ends the forward for the
+        budget and starts the read-ahead at the newest stored tensor (the newest kept
+        ones are consumed meanwhile)."""
+        if self.budget is not None and self.budget.backward_started():
+            self._prefetcher.restart()
 
     def keep_unsupported(self, reason: str) -> None:
         """Count a tensor kept because the codec cannot store it (sparse, subclass, ...)."""
@@ -238,6 +257,7 @@ class Router:
     def load(self, handle: Handle) -> torch.Tensor:
         """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
         self.emit_warning()
+        self.backward_step()
         rec = handle.rec
         t0 = time.perf_counter()
         while True:
@@ -271,9 +291,9 @@ class Router:
         """A :class:`Kept` stand-in for ``t`` (``guard``: see :class:`Kept`)."""
         return Kept(t, guard)
 
-    @staticmethod
-    def unkeep(kept: Kept) -> Any:
+    def unkeep(self, kept: Kept) -> Any:
         """The kept tensor; raises torch's in-place error if it was modified since pack."""
+        self.backward_step()
         if kept.guard._version != kept.version:
             raise inplace_error(f"a tensor of shape {tuple(kept.tensor.shape)}")
         return kept.tensor

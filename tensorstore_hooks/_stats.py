@@ -88,6 +88,10 @@ class OffloadStats:
     be written, or read ahead and not yet unpacked."""
     peak_held_bytes: int = 0
     """The highest ``held_bytes`` since the session began (or the last ``reset()``)."""
+    replans: int = 0
+    """Times the ``device_budget`` plan was made again because a forward saved other
+    sizes (tensors the plan kept are counted under the ``per_rule`` label
+    ``"device_budget"`` and in ``bytes_kept``)."""
     heap_releases: int = 0
     """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
     pinned_allocations: int = 0
@@ -183,4 +187,5 @@ class OffloadStats:
             f"read {b(self.bytes_read)} in {self.read_s:.3f}s{rate(self.bytes_read, self.read_s)}; "
             f"stalls pack {self.pack_stall_s:.3f}s unpack {self.unpack_stall_s:.3f}s; "
             f"peak held {b(self.peak_held_bytes)}"
+            + (f"; device_budget replans {self.replans}" if self.replans else "")
         )
