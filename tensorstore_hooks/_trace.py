@@ -246,6 +246,10 @@ def describe_session(session: Any) -> str:
     from ._policy import exact_size
 
     policy, settings, store = session.policy, session.settings, session.store
+
+    def size(n: int | None, unset: str) -> int | str:
+        return unset if n is None else exact_size(n)
+
     temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
     rules = ", ".join(
         f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())
@@ -253,7 +257,8 @@ def describe_session(session: Any) -> str:
     return (
         f"offload session: store {store.url}{temporary}; policy min_bytes="
         f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "
-        f"default={policy.default} rules: {rules}; pipeline max_inflight="
-        f"{exact_size(settings.max_inflight)} prefetch={exact_size(settings.prefetch)} "
+        f"default={policy.default} device_budget={size(policy.device_budget, 'none')} "
+        f"rules: {rules}; pipeline max_inflight={size(settings.max_inflight, 'derived')} "
+        f"prefetch={size(settings.prefetch, 'derived')} "
         f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
     )
