@@ -30,15 +30,15 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
+from . import _urls
 from ._codec import TensorMeta
 from ._store import BlobStore
 from ._units import format_bytes
+from ._urls import DaemonAddress
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -69,43 +69,19 @@ __all__ = ["DaemonStore", "fetch_stats", "parse_daemon_url"]
 
 log = logging.getLogger("tensorstore_hooks.daemon_client")
 
-DEFAULT_PORT = 7077
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonAddress:
-    """Where a daemon listens: a TCP ``(host, port)`` or a Unix socket ``path``."""
-
-    url: str
-    host: str = ""
-    port: int = 0
-    path: str | None = None
-
 
 def parse_daemon_url(url: str) -> DaemonAddress:
-    """Parse ``tsh://HOST[:PORT]`` or ``tsh+unix:///path``; raises ConfigError."""
-    parts = urlsplit(url)
-    if parts.scheme == "tsh+unix":
-        path = (parts.netloc + parts.path) if parts.netloc else parts.path
-        if not path.startswith("/"):
-            raise ConfigError(f"DaemonStore: {url!r}: expected tsh+unix:///absolute/path.sock")
-        return DaemonAddress(url=f"tsh+unix://{path}", path=path)
-    if parts.scheme != "tsh":
-        raise ConfigError(f"DaemonStore: {url!r}: expected tsh://HOST:PORT or tsh+unix:///path")
-    if parts.query or parts.path not in ("", "/") or parts.username or parts.password:
+    """The daemon's address (``_urls.parse_daemon_url``: NOTE [ Store URL rules ] Rule 5).
+
+    ``tsh+tls://`` is refused until this client speaks TLS: never plaintext in its place.
+    """
+    addr = _urls.parse_daemon_url(url)
+    if addr.tls:
         raise ConfigError(
-            f"DaemonStore: {url!r}: expected tsh://HOST:PORT with no path, user or query "
-            "(pass token= to open_store or set TSH_TOKEN)"
+            f"DaemonStore: {url!r}: this client cannot speak TLS yet; use tsh://HOST:PORT "
+            "on a trusted network or tsh+unix:///path on the same machine"
         )
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as e:
-        raise ConfigError(f"DaemonStore: {url!r}: bad port: {e}") from e
-    if not host:
-        raise ConfigError(f"DaemonStore: {url!r}: missing host (tsh://127.0.0.1:7077)")
-    port = port or DEFAULT_PORT
-    shown = f"[{host}]" if ":" in host else host
-    return DaemonAddress(url=f"tsh://{shown}:{port}", host=host, port=port)
+    return addr
 
 
 class _Lost(Exception):

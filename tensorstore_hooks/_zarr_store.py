@@ -62,6 +62,8 @@ from ._index import IndexLog
 from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
+from ._urls import split_url
+from ._zarr_options import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, parse_codec
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -72,40 +74,9 @@ from .errors import (
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ZarrStore", "parse_codec", "split_url"]
 
-DEFAULT_CHUNK_BYTES = 8 << 20
-MIN_CHUNK_BYTES = 4 << 10
 _SEGMENT_CHUNKS = 1 << 32  # chunks per segment array: its shape is CHUNK * 2**32 bytes
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 FORMAT_VERSION = 1
-
-
-def parse_codec(codec: str) -> tuple[str, int | None]:
-    """``"none"``, ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"`` -> (name, level)."""
-    name, _, level = codec.partition(":")
-    if name in ("none", "lz4") and not level:
-        return name, None
-    if name == "zstd":
-        if not level:
-            return name, 3
-        if level.lstrip("-").isdigit() and -7 <= int(level) <= 22:
-            return name, int(level)
-    raise ConfigError(
-        f"ZarrStore: unknown codec {codec!r}; use 'none', 'lz4', 'zstd' or 'zstd:LEVEL' (1-22)"
-    )
-
-
-def split_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
-    """Classify a store URL: returns (kind, location) with kind local|memory|fsspec."""
-    if url is None:
-        return "local", ""
-    s = os.fspath(url)
-    if "://" not in s and "::" not in s:
-        return "local", s
-    if s.startswith("file://"):
-        return "local", s[len("file://") :]
-    if s.startswith("memory://"):
-        return "memory", s
-    return "fsspec", s
 
 
 @dataclass(slots=True)
@@ -180,7 +151,6 @@ class ZarrStore(BlobStore):
     ) -> None:
         self._closed = True  # until fully constructed: close() must be safe on failure
         try:
-            chunk = parse_bytes(chunk_bytes, what="ZarrStore chunk_bytes")
             spare = (
                 None
                 if spare_bytes is None
@@ -188,11 +158,14 @@ class ZarrStore(BlobStore):
             )
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        if chunk < MIN_CHUNK_BYTES or chunk & (chunk - 1):
-            raise ConfigError(
-                f"ZarrStore: chunk_bytes must be a power of two >= 4KiB, got {chunk_bytes!r}"
-            )
-        self._codec_name, self._codec_level = parse_codec(codec)
+        try:
+            chunk = check_chunk_bytes(chunk_bytes)
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore: chunk_bytes: {e}; got {chunk_bytes!r}") from None
+        try:
+            self._codec_name, self._codec_level = parse_codec(codec)
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
         self.codec = codec
         self.chunk_bytes = chunk
         if namespace is not None and not _NAMESPACE_RE.match(namespace):
