@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from tensorstore_hooks._units import parse_bytes, parse_duration
+from tensorstore_hooks._urls import DEFAULT_PORT
 from tensorstore_hooks.errors import ConfigError
 
 __all__ = [
@@ -36,8 +37,6 @@ __all__ = [
     "parse_address",
     "read_token",
 ]
-
-DEFAULT_PORT = 7077
 
 
 def _size(v: Any) -> int:
@@ -77,7 +76,7 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    listen: str | None = "127.0.0.1:7077"
+    listen: str | None = f"127.0.0.1:{DEFAULT_PORT}"
     """``HOST:PORT`` (port 0 picks a free one). Ignored when ``unix`` is set."""
     unix: str | None = None
     """Path of a Unix socket to listen on instead of TCP."""

@@ -185,8 +185,8 @@ def _chunk_size(value: Any) -> int:
     return check_chunk_bytes(value)
 
 
-def _codec(value: str) -> str:
-    parse_codec(value)
+def _codec(value: Any) -> Any:
+    parse_codec(value)  # also refuses None and other non-strings, with the allowed forms
     return value
 
 
@@ -214,7 +214,7 @@ class _Model(BaseModel):
 class _StoreModel(_Model):
     url: Annotated[str | None, AfterValidator(_url)] = None
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    codec: Annotated[str, AfterValidator(_codec)] = "none"
+    codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
 
 

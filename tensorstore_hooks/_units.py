@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from fractions import Fraction
+from decimal import Decimal
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator
@@ -70,13 +70,13 @@ def _bytes(value: Any) -> int | str:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is not None and m.group(2).lower() in _SIZE_UNITS:
-            exact = Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-            if exact.denominator == 1:
+            # Decimal: a decimal string times an integer unit is exact (NOTE [ Whole bytes ]).
+            exact = Decimal(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if exact == exact.to_integral_value():
                 return int(exact)
-            # see NOTE [ Whole bytes ]
             return (
-                f"expected {SIZE_HELP}; this is {float(exact):g} bytes, not a whole number "
-                "(use a smaller unit)"
+                f"expected {SIZE_HELP}; this is {exact.normalize():f} bytes, not a whole "
+                "number (use a smaller unit)"
             )
     if isinstance(value, float):
         return f"expected {SIZE_HELP}, not a float"
