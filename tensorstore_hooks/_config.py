@@ -45,7 +45,7 @@ from ._policy import (
     rule_module,
     rule_ndims,
 )
-from ._units import Duration, OptionalSize, Size
+from ._units import Duration, OptSize, Size
 from ._urls import BadURLError
 from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec
 from .errors import ConfigError
@@ -55,6 +55,7 @@ __all__ = [
     "OVERRIDE_KEYS",
     "Duration",
     "EffectiveConfig",
+    "OptSize",
     "PipelineSettings",
     "Size",
     "StoreSettings",
@@ -232,8 +233,8 @@ class _RuleModel(_Model):
     name: str | None = None
     module: Annotated[str | None, AfterValidator(rule_module)] = None
     dtype: Annotated[Any, BeforeValidator(rule_dtypes)] = None
-    min_bytes: OptionalSize = None
-    max_bytes: OptionalSize = None
+    min_bytes: OptSize = None
+    max_bytes: OptSize = None
     ndim: Annotated[Any, BeforeValidator(rule_ndims)] = None
     action: Annotated[Action, BeforeValidator(rule_action)]
     _rule: Rule = PrivateAttr()

@@ -25,7 +25,7 @@ __all__ = [
     "DURATION_HELP",
     "SIZE_HELP",
     "Duration",
-    "OptionalSize",
+    "OptSize",
     "Size",
     "check_duration",
     "check_size",
@@ -141,7 +141,7 @@ def check_duration(value: Any) -> float:
 Size = Annotated[int, BeforeValidator(check_size)]
 """Pydantic field type, bytes: see NOTE [ Whole bytes ]. Import it from here
 (``from tensorstore_hooks._units import Size``); the library and daemon share it."""
-OptionalSize = Annotated[int | None, BeforeValidator(_optional_size_field)]
+OptSize = Annotated[int | None, BeforeValidator(_optional_size_field)]
 """A :data:`Size` or ``None`` (null in YAML)."""
 Duration = Annotated[float, BeforeValidator(check_duration)]
 """Pydantic field type, seconds: a finite non-negative number or ``"500ms"``, ``"30s"``,
