@@ -66,6 +66,9 @@ class StoreKind:
     config_options: tuple[str, ...] = ()
     """The ``store:`` config fields passed to the factory as keywords by ``offload()``
     (``codec``, ``chunk_bytes``, ``storage_options``)."""
+    chainable: bool = False
+    """Whether the scheme may be a link of an fsspec chain (``simplecache::file://``):
+    only Zarr kinds, which fsspec opens; a daemon URL is never chained."""
     spread_storage_options: bool = False
     """``offload()`` passes ``store.storage_options``' items as keywords (daemon client
     options such as ``token``) instead of as ``storage_options=`` (fsspec's)."""
@@ -91,6 +94,7 @@ def _zarr_kind(scheme: str) -> StoreKind:
         parse_url=_check_zarr_url,
         option_keys=_ZARR_OPTIONS,
         config_options=("codec", "chunk_bytes", "storage_options"),
+        chainable=True,
     )
 
 
@@ -115,6 +119,7 @@ _FSSPEC_KIND = StoreKind(
     parse_url=_check_zarr_url,
     option_keys=_ZARR_OPTIONS,
     config_options=("codec", "chunk_bytes", "storage_options"),
+    chainable=True,
 )
 _LOCAL_KIND = _BUILTIN["file"]
 
@@ -208,12 +213,12 @@ def kind_of(url: str) -> StoreKind:
     scheme = scheme_of(url)
     if not scheme:
         kind = _LOCAL_KIND
-    elif scheme in _kinds and ("::" not in url or _kinds[scheme].factory != _ZARR):
+    elif scheme in _kinds and ("::" not in url or not _kinds[scheme].chainable):
         # Only Zarr kinds chain; after a daemon's "tsh://", "::" is an IPv6 host.
         kind = _kinds[scheme]
     else:
         for proto in link_protocols(url):
-            if proto in _kinds and _kinds[proto].factory != _ZARR:
+            if proto in _kinds and not _kinds[proto].chainable:
                 raise BadURLError(url, f"{proto}:// cannot be chained with other protocols")
             if proto not in _kinds and proto not in _fsspec_protocols():
                 raise BadURLError(url, _unknown_scheme(proto))
