@@ -10,6 +10,23 @@ prefetched and rehydrated onto their original device, bit-identically::
         loss = model(batch).sum()
     loss.backward()
     print(hooks.stats)
+
+Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``):
+
+* ``_hooks.py`` / ``paddle/`` - ``offload()`` and ``OffloadHooks``: pack and unpack
+  wired to the session's router; ``_session_api.py`` their shared accessors.
+* ``_pipeline.py`` - ``OffloadSession``: builds and wires the units below.
+* ``_router.py`` - ``Router``: keep / host / store for each saved tensor, and unpack.
+* ``_records.py`` - the record table: pack order, dedup, lifecycle states, finalizers.
+* ``_writebehind.py`` - bytes into the store on I/O threads, backpressure, fallback.
+* ``_device.py``, ``_staging.py`` - CUDA tensors through pinned host buffers.
+* ``_prefetch.py`` - reads ahead of backward, newest first.
+* ``_iopool.py``, ``_heap.py`` - the shared I/O threads; freed heap back to the OS.
+* ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
+  ``_registry.py`` - the stores and ``open_store``.
+* ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
+  frameworks' tensors through adapters.
+* ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from ._config import EffectiveConfig, load_config
 from ._hooks import OffloadHooks, offload
 from ._policy import Decision, Policy, Rule
 from ._registry import open_store, register_store
+from ._router import Router
 from ._stats import OffloadStats, RouteStats
 from ._store import BlobStore, TensorStore
 from ._zarr_store import ZarrStore
@@ -46,6 +64,7 @@ __all__ = [
     "Policy",
     "QuotaExceededError",
     "RouteStats",
+    "Router",
     "Rule",
     "StoreUnavailableError",
     "TensorMeta",

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._adapters import adapter_for, adapter_named, frameworks
 from .errors import IntegrityError, UnsupportedTensorError
 
 __all__ = [
@@ -85,8 +86,6 @@ def _build_dtype_table() -> dict[str, tuple[torch.dtype, str]]:
 DTYPES: dict[str, tuple[torch.dtype, str]] = _build_dtype_table()
 _NAME_OF: dict[torch.dtype, str] = {dtype: name for name, (dtype, _) in DTYPES.items()}
 
-FRAMEWORKS = ("torch", "paddle")
-
 # Bounds applied to metadata read back from a store or the wire.
 _MAX_NDIM = 64
 _MAX_NBYTES = 1 << 48
@@ -113,8 +112,8 @@ class TensorMeta:
     nbytes: int
     """Payload length in bytes."""
     framework: str = "torch"
-    """Whose tensor ``get`` rebuilds: ``"torch"`` or ``"paddle"`` (devices then read
-    ``"cpu"``, ``"gpu:0"``). See NOTE [ Paddle bridge ] in ``_paddle_bridge.py``."""
+    """Whose tensor ``get`` rebuilds: ``"torch"`` or a registered framework adapter's
+    name (``"paddle"``: devices then read ``"cpu"``, ``"gpu:0"``; see ``_adapters.py``)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -169,7 +168,7 @@ class TensorMeta:
         except KeyError as e:
             raise IntegrityError(f"tensor metadata: missing field {e.args[0]!r}") from e
         framework = d.get("framework", "torch")
-        if framework not in FRAMEWORKS:
+        if framework not in frameworks():
             raise IntegrityError(f"tensor metadata: unknown framework {framework!r}")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise IntegrityError(f"tensor metadata: unknown dtype {dtype!r}")
@@ -275,14 +274,13 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
     For a CPU tensor whose span is no larger than its element count the payload is a
     zero-copy view of the tensor's storage: the caller must finish with it before the
     tensor is modified. Other tensors are copied (gapped views are compacted, device
-    tensors come to host). A ``paddle.Tensor`` goes through the same path (see
-    NOTE [ Paddle bridge ]). Raises :class:`UnsupportedTensorError`.
+    tensors come to host). Another framework's tensor (``paddle.Tensor``) is encoded
+    by its adapter (``_adapters.py``). Raises :class:`UnsupportedTensorError`.
     """
     if not isinstance(t, torch.Tensor):
-        from ._paddle_bridge import encode_paddle, is_paddle_tensor
-
-        if is_paddle_tensor(t):
-            return encode_paddle(t)
+        adapter = adapter_for(t)
+        if adapter is not None:
+            return adapter.encode(t)
     check_supported(t)
     requires_grad = t.requires_grad  # before detach(), which clears it
     t = t.detach()
@@ -340,14 +338,14 @@ def decode(
     ``payload`` is any buffer (bytearray, numpy array, uint8 tensor) of ``meta.nbytes``
     bytes; writable buffers are used without a copy, so the caller must not reuse
     them. ``device`` defaults to the original device; ``requires_grad`` to the
-    original flag. A tensor stored from paddle comes back as a ``paddle.Tensor``
-    (``device`` then takes ``"cpu"``, ``"gpu:0"`` or a paddle place). Raises
-    :class:`IntegrityError` if the payload length is wrong.
+    original flag. A tensor stored from another framework comes back as that
+    framework's tensor, through its adapter (paddle: ``device`` then takes ``"cpu"``,
+    ``"gpu:0"`` or a paddle place). Raises :class:`IntegrityError` if the payload
+    length is wrong.
     """
-    if meta.framework == "paddle":
-        from ._paddle_bridge import decode_paddle
-
-        return decode_paddle(meta, payload, device=device, requires_grad=requires_grad)
+    if meta.framework != "torch":
+        adapter = adapter_named(meta.framework)
+        return adapter.decode(meta, payload, device=device, requires_grad=requires_grad)
     raw = _as_uint8(payload)
     if raw.numel() != meta.nbytes:
         raise IntegrityError(

@@ -1,7 +1,8 @@
 """``OffloadHooks`` and ``offload()``: the public entry points.
 
-``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``);
-the work lives in :mod:`tensorstore_hooks._pipeline` and the store.
+``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``)
+to the session's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
+(:mod:`tensorstore_hooks._pipeline` wires its units) and the store.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._pipeline import OffloadSession, PipelineOptions
+from ._pipeline import OffloadSession
 from ._registry import open_store, options_from_config
 from ._session_api import SessionAPI
 from ._store import TensorStore
@@ -32,7 +33,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         self._bind(session)
         self._scope = session.scope
         self._models: list[torch.nn.Module] = []
-        super().__init__(session.pack, session.unpack)
+        super().__init__(session.router.pack, session.router.unpack)
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
@@ -124,11 +125,4 @@ def make_session(
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
-    options = PipelineOptions(
-        max_inflight=cfg.pipeline.max_inflight,
-        prefetch=cfg.pipeline.prefetch,
-        writer_threads=cfg.pipeline.writer_threads,
-        read_deadline_s=cfg.pipeline.read_deadline_s,
-        release_heap_every=cfg.pipeline.release_heap_every,
-    )
-    return OffloadSession(st, policy=cfg.policy, options=options, owns_store=owned)
+    return OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)

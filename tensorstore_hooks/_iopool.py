@@ -4,12 +4,17 @@ A small priority pool: reads (backward is waiting) go before writes. Threads sta
 first use and stop on :meth:`IOPool.shutdown`, which runs when the owning store is
 closed and at interpreter exit. A task's exception is delivered through its Future,
 never lost in the thread.
+
+One pool serves every session on a store, sized by the first session that asks
+(``writer_threads + 2``); see :func:`pool_for` for what a later session with another
+size gets.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import queue
 import threading
 import weakref
@@ -17,11 +22,20 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["READ", "WRITE", "IOPool", "pool_for", "shutdown_pool"]
+__all__ = ["READ", "WRITE", "IOPool", "StorePool", "on_io_thread", "pool_for", "shutdown_pool"]
+
+log = logging.getLogger("tensorstore_hooks")
 
 READ = 0
 WRITE = 1
 _STOP = 99
+
+_WORKER = threading.local()
+
+
+def on_io_thread() -> bool:
+    """True on a worker thread of any :class:`IOPool` (it must never wait for its own queue)."""
+    return getattr(_WORKER, "pool", None) is not None
 
 
 class IOPool:
@@ -35,6 +49,11 @@ class IOPool:
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` ran; a closed pool takes no more tasks."""
+        return self._closed
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on a pool thread; lower ``priority`` runs first."""
@@ -55,6 +74,7 @@ class IOPool:
         t.start()
 
     def _run(self) -> None:
+        _WORKER.pool = self
         while True:
             priority, _, item = self._queue.get()
             if priority == _STOP:
@@ -93,14 +113,49 @@ _POOLS_LOCK = threading.Lock()
 
 
 def pool_for(store: Any, threads: int) -> IOPool:
-    """The pool shared by all sessions on ``store`` (made on first use)."""
+    """The pool shared by all sessions on ``store``, made with ``threads`` on first use.
+
+    The first caller sizes the pool. A later caller asking for another size gets the
+    existing pool unchanged (its sessions share those threads), and a log warning
+    naming both sizes; call :func:`shutdown_pool` first to resize.
+    """
     with _POOLS_LOCK:
         pool = _POOLS.get(store)
-        if pool is None or pool._closed:
+        if pool is None or pool.closed:
             pool = _POOLS[store] = IOPool(threads)
             # Idle workers hold no reference to the store: once it is collected, stop
             # them (without joining: a finalizer may run on any thread, even a worker).
             weakref.finalize(store, pool.shutdown, 0.0).atexit = False
+        elif pool.threads != max(1, threads):
+            log.warning(
+                "tensorstore-hooks: the store %s already has an I/O pool of %d threads; "
+                "this session asked for %d and shares the existing %d (writer_threads "
+                "applies to the first session on a store)",
+                getattr(store, "url", store),
+                pool.threads,
+                threads,
+                pool.threads,
+            )
+        return pool
+
+
+class StorePool:
+    """A session's way to its store's pool: ``pool()`` is :func:`pool_for`, cached.
+
+    A pool shut down (its store closed by another session) is replaced on next use.
+    """
+
+    __slots__ = ("_pool", "_store", "_threads")
+
+    def __init__(self, store: Any, threads: int) -> None:
+        self._store = store
+        self._threads = threads
+        self._pool: IOPool | None = None
+
+    def __call__(self) -> IOPool:
+        pool = self._pool
+        if pool is None or pool.closed:
+            pool = self._pool = pool_for(self._store, self._threads)
         return pool
 
 

@@ -14,7 +14,8 @@ original place. What the alias cannot carry travels beside it:
 * the **in-place version**: the alias has a counter of its own, so in-place checks
   read Paddle's ``inplace_version`` through :class:`PaddleVersion`.
 
-This module imports ``paddle`` only when a Paddle tensor is actually seen.
+This module imports ``paddle`` only when a Paddle tensor is actually seen; the codec
+reaches it through the adapter registry (``_adapters.py``: :data:`ADAPTER`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from ._codec import TensorMeta, decode, encode
 from .errors import UnsupportedTensorError
 
 __all__ = [
+    "ADAPTER",
     "PaddleVersion",
     "decode_paddle",
     "encode_paddle",
     "from_torch",
     "is_paddle_tensor",
+    "paddle_unsupported_reason",
     "place_name",
     "place_of",
     "to_place",
@@ -87,7 +90,7 @@ def to_place(t: Any, device: Any) -> Any:
     return t._copy_to(place, True)
 
 
-def unsupported_reason(t: Any) -> str | None:
+def paddle_unsupported_reason(t: Any) -> str | None:
     """Why paddle tensor ``t`` cannot be stored, or ``None``."""
     if not t.is_dense():
         return "sparse or distributed paddle tensor"
@@ -102,7 +105,7 @@ def to_torch(t: Any) -> torch.Tensor:
     Zero-copy for host tensors; a device tensor is copied to host first.
     Raises :class:`UnsupportedTensorError` for what DLPack cannot describe.
     """
-    reason = unsupported_reason(t)
+    reason = paddle_unsupported_reason(t)
     if reason is not None:
         raise UnsupportedTensorError(f"paddle bridge: cannot store a {reason}")
     if not (t.place.is_cpu_place() or t.place.is_cuda_pinned_place()):
@@ -160,3 +163,16 @@ def decode_paddle(
     t = decode(host, payload, device="cpu", requires_grad=False)
     want_grad = meta.requires_grad if requires_grad is None else requires_grad
     return from_torch(t, meta.device if device is None else device, stop_gradient=not want_grad)
+
+
+class _PaddleAdapter:
+    """Paddle's :class:`~tensorstore_hooks._adapters.FrameworkAdapter`."""
+
+    name = "paddle"
+    is_tensor = staticmethod(is_paddle_tensor)
+    encode = staticmethod(encode_paddle)
+    decode = staticmethod(decode_paddle)
+
+
+ADAPTER = _PaddleAdapter()
+"""The paddle entry of the framework adapter registry (``_adapters.py``)."""

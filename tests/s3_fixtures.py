@@ -30,12 +30,13 @@ from typing import Any
 
 import pytest
 from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-from moto.moto_server.werkzeug_app import (
-    DomainDispatcherApplication,
-    MotoRequestHandler,
-    create_backend_app,
-)
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import make_server
+
+try:
+    from moto.moto_server.werkzeug_app import MotoRequestHandler as _BaseHandler
+except ImportError:  # moto >= 5.2 serves with werkzeug's own handler
+    from werkzeug.serving import WSGIRequestHandler as _BaseHandler
 
 __all__ = [
     "FaultPlan",
@@ -137,7 +138,7 @@ class FaultPlan:
             return None
 
 
-class _Handler(MotoRequestHandler):
+class _Handler(_BaseHandler):
     """moto's request handler, quiet, sending one ``Server`` header, failing on plan.
 
     werkzeug sends ``Server: Werkzeug/...`` and moto adds ``server: amazon.com``;

@@ -30,9 +30,10 @@ from tensorstore_hooks import (
     Policy,
     StoreUnavailableError,
 )
+from tensorstore_hooks._config import PipelineSettings
 from tensorstore_hooks._heap import HeapReleaser, malloc_trim
 from tensorstore_hooks._iopool import pool_for, shutdown_pool
-from tensorstore_hooks._pipeline import OffloadSession, PipelineOptions
+from tensorstore_hooks._pipeline import OffloadSession
 
 from .store_conformance import WrappedStore
 
@@ -64,7 +65,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
 def session_hooks(store: Any, **options: Any) -> OffloadHooks:
     """Hooks over an OffloadSession built directly (pipeline options offload() may not expose)."""
     policy = Policy(min_bytes=0)
-    session = OffloadSession(store, policy=policy, options=PipelineOptions(**options))
+    session = OffloadSession(store, policy=policy, settings=PipelineSettings(**options))
     return OffloadHooks(session)
 
 
@@ -707,7 +708,7 @@ def test_cuda_pinned_pool_reused_across_steps() -> None:
         hooks.flush()
         loss.backward()
         del loss
-        pool = hooks._session._pinned
+        pool = hooks._session.stager.pinned
         assert pool is not None
         allocations.append(pool.allocations)
     offloaded_per_step = hooks.stats.tensors_offloaded // 6
@@ -760,13 +761,13 @@ def test_heap_releaser_trims_every_n_bytes() -> None:
 
 def test_io_threads_release_the_heap_as_configured() -> None:
     hooks = tsh.offload("memory://", min_bytes=0, release_heap_every="64KiB")
-    assert hooks._session.options.release_heap_every == 64 << 10
+    assert hooks._session.settings.release_heap_every == 64 << 10
     x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
     with hooks:
         loss = sin_chain(x, 4)
     hooks.flush()
     loss.backward()
-    heap = hooks._session._heap
+    heap = hooks._session.heap
     if malloc_trim is None:  # not glibc: the option is accepted and does nothing
         assert heap.releases == 0
     else:

@@ -30,12 +30,13 @@ from .._hooks import make_session
 from .._paddle_bridge import (
     PaddleVersion,
     from_torch,
+    paddle_unsupported_reason,
     place_of,
     to_place,
     to_torch,
-    unsupported_reason,
 )
-from .._pipeline import OffloadSession, inplace_error
+from .._pipeline import OffloadSession
+from .._router import Host, Kept
 from .._session_api import SessionAPI
 from .._store import TensorStore
 from ._scope import LayerScope
@@ -45,30 +46,6 @@ __all__ = ["OffloadHooks", "offload"]
 # See NOTE [ Paddle hook nesting ]. Process-wide, like Paddle's own registry.
 _STACK_LOCK = threading.RLock()
 _ACTIVE: list[OffloadHooks] = []
-
-
-class _Kept:
-    """A paddle tensor left in place, with its in-place version at pack.
-
-    Holds ``t.detach()``: holding ``t`` itself closes a reference cycle through the
-    graph node that saved it (see NOTE [ Detached aliases ] in ``_pipeline.py``).
-    """
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: Any) -> None:
-        self.tensor = t.detach()
-        self.version = t.inplace_version
-
-
-class _Host:
-    """A device tensor moved to pinned host memory by a ``host`` rule."""
-
-    __slots__ = ("place", "tensor")
-
-    def __init__(self, t: Any, place: str) -> None:
-        self.tensor = t
-        self.place = place
 
 
 class _Stored:
@@ -144,13 +121,13 @@ class OffloadHooks(SessionAPI):
             raise
 
     def _pack(self, t: Any) -> Any:
-        session = self._session
-        session.emit_warning()
-        reason = unsupported_reason(t)
+        router = self._session.router
+        router.emit_warning()
+        reason = paddle_unsupported_reason(t)
         dtype = _torch_dtype_of(t)
         if reason is not None or dtype is None:
-            session.keep_unsupported(reason or f"paddle dtype {t.dtype}")
-            return _Kept(t)
+            router.keep_unsupported(reason or f"paddle dtype {t.dtype}")
+            return router.keep(t, PaddleVersion(t))
         nbytes = t.size * t.element_size()
         on_host = t.place.is_cpu_place()
         if on_host:
@@ -159,28 +136,27 @@ class OffloadHooks(SessionAPI):
             import torch
 
             view = torch.empty(list(t.shape), dtype=dtype, device="meta")
-        action = session.route(view, nbytes, parameter=bool(t.persistable))
+        action = router.route(view, nbytes, parameter=bool(t.persistable))
         if action == "store":
             if on_host:
-                handle = session.pack_store(view, nbytes, guard=PaddleVersion(t))
+                handle = router.store(view, nbytes, guard=PaddleVersion(t))
             else:
                 # A host copy taken now holds the values as saved: no guard needed.
-                handle = session.pack_store(to_torch(t), nbytes)
+                handle = router.store(to_torch(t), nbytes)
             return _Stored(handle, place_of(t), bool(t.stop_gradient))
         if action == "host" and not on_host:
-            return _Host(t.pin_memory(), place_of(t))
-        return _Kept(t)
+            return Host(t.pin_memory(), place_of(t))
+        return router.keep(t, PaddleVersion(t))
 
     def _unpack(self, packed: Any) -> Any:
+        router = self._session.router
         if isinstance(packed, _Stored):
-            t = self._session.unpack(packed.handle)
+            t = router.load(packed.handle)
             return from_torch(t, packed.place, stop_gradient=packed.stop_gradient)
-        self._session.emit_warning()
-        if isinstance(packed, _Kept):
-            if packed.tensor.inplace_version != packed.version:
-                raise inplace_error(f"a paddle tensor of shape {list(packed.tensor.shape)}")
-            return packed.tensor
-        return to_place(packed.tensor, packed.place)
+        router.emit_warning()
+        if isinstance(packed, Kept):
+            return router.unkeep(packed)
+        return to_place(packed.tensor, packed.device)
 
     # ------------------------------------------------------------- public
     def attach(self, layer: Any) -> OffloadHooks:

@@ -1,0 +1,179 @@
+"""The prefetcher: stored records read back ahead of backward, newest first.
+
+NOTE [ Prefetch order ]
+Backward unpacks roughly in reverse pack order. Records sit in the record table in
+pack order; each unpack of a stored record moves a cursor to just below it, and the
+prefetcher walks the cursor downwards (newest first), reading records ahead while
+the bytes read but not yet consumed stay within the ``prefetch`` window. An unpack
+that finds its read already done or running is a hit; one that has to start its own
+read is a miss. Out-of-order access (branches, several graphs) is correct, only
+slower: the cursor simply jumps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ._device import DeviceStager
+from ._heap import HeapReleaser
+from ._iopool import READ, IOPool
+from ._records import Record, RecordTable, State
+from ._stats import OffloadStats
+from ._store import TensorStore
+from .errors import (
+    IntegrityError,
+    KeyNotFoundError,
+    StoreUnavailableError,
+    TensorStoreError,
+    UnsupportedTensorError,
+)
+
+__all__ = ["Prefetcher"]
+
+log = logging.getLogger("tensorstore_hooks")
+
+
+class Prefetcher:
+    """Cursor and window of read-ahead; :meth:`read` is the one way bytes come back."""
+
+    def __init__(
+        self,
+        table: RecordTable,
+        store: TensorStore,
+        stats: OffloadStats,
+        stager: DeviceStager,
+        io: Callable[[], IOPool],
+        heap: HeapReleaser,
+        *,
+        window_bytes: int,
+        read_deadline_s: float,
+    ) -> None:
+        self._table = table
+        self._store = store
+        self._stats = stats
+        self._stager = stager
+        self._io = io
+        self._heap = heap
+        self.window_bytes = window_bytes
+        self.read_deadline_s = read_deadline_s
+        self.cursor = -1  # pack position the next read-ahead looks at
+        self._window = 0  # bytes read ahead and not yet consumed
+
+    # ---------------------------------------------------------------- unpack
+    def claim(self, rec: Record) -> Future[Any] | None:
+        """Take the read running ahead for STORED ``rec``, or ``None`` (lock held).
+
+        Without one, the cursor jumps to just below ``rec`` (NOTE [ Prefetch order ]).
+        """
+        fut = rec.fetch
+        if fut is not None:
+            rec.fetch = None
+            self._window -= rec.nbytes
+        else:
+            self.cursor = rec.pos - 1
+        return fut
+
+    def take(self, rec: Record, fut: Future[Any] | None, t0: float) -> torch.Tensor:
+        """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss)."""
+        if fut is not None:
+            self._stats.prefetch_hits += 1
+            try:
+                out = fut.result()
+            except BaseException:
+                out = self.read(rec)  # retried with a deadline, then raised
+        else:
+            self._stats.prefetch_misses += 1
+            self.fill()
+            out = self.read(rec)
+        self._stats.unpack_stall_s += time.perf_counter() - t0
+        self.fill()
+        return self._stager.finish(out)
+
+    # ------------------------------------------------------------------ read
+    def read(self, rec: Record) -> Any:
+        """Read one record back, retrying transient errors until the deadline.
+
+        Returns the tensor on its device (CUDA: ``(tensor, event)`` for
+        :meth:`DeviceStager.finish`). Runs on I/O threads and the caller's.
+        """
+        key = rec.key
+        if key is None:
+            raise StoreUnavailableError(
+                f"offload: a saved tensor was freed before it was read ({self._store.url})"
+            )
+        t = self._get(key)
+        with self._table.lock:  # reader threads run this concurrently
+            self._stats.bytes_read += rec.nbytes
+        self._heap.note(rec.nbytes)
+        t = t.detach()
+        if rec.device.type == "cuda":
+            return self._stager.to_device(t, rec.device, rec.offset)
+        if rec.device.type != "cpu":
+            return t.to(rec.device)
+        return t
+
+    def _get(self, key: str) -> torch.Tensor:
+        deadline = time.monotonic() + self.read_deadline_s
+        delay = 0.01
+        while True:
+            try:
+                return self._store.get(key, device="cpu")
+            except (KeyNotFoundError, IntegrityError, UnsupportedTensorError):
+                raise
+            except Exception as e:
+                if isinstance(e, TensorStoreError) and not isinstance(e, StoreUnavailableError):
+                    raise  # not transient
+                if time.monotonic() + delay > deadline:
+                    raise StoreUnavailableError(
+                        f"offload: reading key {key!r} from {self._store.url} failed for "
+                        f"{self.read_deadline_s:g}s: {e}"
+                    ) from e
+                log.debug("read of %r failed (%r), retrying", key, e)
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+
+    def fill(self) -> None:
+        """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
+        if self.window_bytes <= 0:
+            return
+        submit = []
+        table = self._table
+        with table.lock:
+            while self.cursor >= 0:
+                rec = table.at(self.cursor)
+                if rec is not None and rec.state == State.STORED and rec.fetch is None:
+                    if self._window and self._window + rec.nbytes > self.window_bytes:
+                        break
+                    rec.fetch = Future()  # a placeholder: claimed, submitted below
+                    self._window += rec.nbytes
+                    submit.append(rec)
+                self.cursor -= 1
+        pool = self._io() if submit else None
+        for rec in submit:
+            assert pool is not None
+            fut = pool.submit(READ, self.read, rec)
+            with table.lock:
+                if rec.fetch is not None:
+                    rec.fetch = fut
+                else:
+                    fut.cancel()
+
+    # --------------------------------------------------------------- release
+    def forget(self, rec: Record) -> None:
+        """``rec`` was freed: cancel its read ahead (lock held)."""
+        if rec.fetch is not None:
+            rec.fetch.cancel()
+            rec.fetch = None
+            self._window -= rec.nbytes
+
+    def reset(self) -> None:
+        """Nothing is live: start over (lock held)."""
+        self.cursor = -1
+        self._window = 0

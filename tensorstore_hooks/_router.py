@@ -1,0 +1,256 @@
+"""The router: what pack and unpack do with each saved tensor, for any framework.
+
+Both the PyTorch hooks (:meth:`Router.pack` / :meth:`Router.unpack`) and the Paddle
+hooks (which see their tensors through a zero-copy torch alias) go through one
+:class:`Router` per session. Pack asks the policy (:meth:`Router.decide`), counts the
+decision (:meth:`Router.account`) and then keeps the tensor (:class:`Kept`), moves it
+to pinned host memory (:class:`Host`) or hands it to the record table and the
+write-behind (:meth:`Router.store`); unpack reverses that (:meth:`Router.load` for a
+stored tensor, :meth:`Router.unkeep` for a kept one). A planner that overrides the
+policy (budgets) sits between :meth:`decide` and :meth:`account`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._codec import is_dense, unsupported_reason
+from ._records import Handle, RecordTable, State, dedup_key
+from ._stats import OffloadStats, RouteStats
+from .errors import StoreUnavailableError
+
+if TYPE_CHECKING:
+    from ._prefetch import Prefetcher
+    from ._writebehind import WriteBehind
+
+__all__ = ["Host", "Kept", "Route", "Router", "inplace_error"]
+
+
+def inplace_error(what: str) -> RuntimeError:
+    """Torch's error for a saved tensor modified in place (NOTE [ In-place checks ])."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation ({what} was saved for backward by an offloaded op and changed "
+        "afterwards). tensorstore-hooks keeps torch's rule: do not modify saved tensors in "
+        "place, or clone them before modifying."
+    )
+
+
+class Kept:
+    """A tensor left in place, with its version at pack (see NOTE [ In-place checks ]).
+
+    Holds ``t.detach()``: see NOTE [ Detached aliases ]. ``guard`` is what the version
+    is read from (``_version``): the tensor itself, or another framework's counter.
+    """
+
+    __slots__ = ("guard", "tensor", "version")
+
+    def __init__(self, t: Any, guard: Any = None) -> None:
+        self.tensor = t.detach()
+        self.guard = self.tensor if guard is None else guard
+        self.version: int = self.guard._version
+
+
+class Host:
+    """A tensor moved to pinned host memory by a ``host`` rule, and where it came from."""
+
+    __slots__ = ("device", "tensor")
+
+    def __init__(self, t: Any, device: Any) -> None:
+        self.tensor = t
+        self.device = device
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The decision for one saved tensor, before it is counted."""
+
+    action: str
+    """``"keep"``, ``"host"`` or ``"store"``."""
+    label: str
+    """The policy rule that decided (``"default"``, ``"rules[0] module=..."``, ...)."""
+    nbytes: int
+
+
+class Router:
+    """Routes saved tensors of one session. Made by the session; used by the hooks.
+
+    Not thread-safe for pack (autograd packs on the forward thread); :meth:`load` may
+    run on several threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: Any,
+        stats: OffloadStats,
+        table: RecordTable,
+        writer: WriteBehind,
+        prefetcher: Prefetcher,
+        scope: Any = None,
+    ) -> None:
+        self.policy = policy
+        self.scope = scope
+        self.stats = stats
+        self.closing = False
+        """Set when the session closes: from then on every tensor is kept."""
+        self._table = table
+        self._writer = writer
+        self._prefetcher = prefetcher
+
+    # ------------------------------------------------------------ torch hooks
+    def pack(self, t: torch.Tensor) -> Any:
+        """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
+        self.emit_warning()
+        reason = unsupported_reason(t)
+        if reason is not None:
+            self.keep_unsupported(reason)
+            return Kept(t)
+        nbytes = t.numel() * t.element_size()
+        action = self.route(t, nbytes)
+        if action == "store":
+            return self.store(t, nbytes)
+        if action == "host":
+            return _pack_host(t)
+        return Kept(t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
+        if isinstance(packed, Handle):
+            return self.load(packed)
+        self.emit_warning()
+        if isinstance(packed, Kept):
+            return self.unkeep(packed)
+        assert isinstance(packed, Host)
+        return packed.tensor.to(packed.device, non_blocking=True)
+
+    # --------------------------------------------------------------- routing
+    def decide(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> Route:
+        """The policy's decision for supported tensor ``t`` (``nbytes`` of payload).
+
+        ``parameter`` overrides the policy's own parameter test (for tensors of another
+        framework). Counts nothing: see :meth:`account`.
+        """
+        path = self.scope.current() if self.scope is not None else None
+        decision = self.policy.decide(t, path, parameter=parameter)
+        return Route(decision.action, decision.label, nbytes)
+
+    def account(self, route: Route) -> str:
+        """Count ``route`` and return the action to take: ``keep``, ``host`` or ``store``.
+
+        A ``keep`` and a ``host`` are counted as kept/host here; a ``store`` is
+        counted by :meth:`store`. Once the session is closing, a ``store`` is kept.
+        """
+        action, nbytes = route.action, route.nbytes
+        self._count(action, route.label, nbytes)
+        if action == "host":
+            self.stats.tensors_host += 1
+            self.stats.bytes_host += nbytes
+            return action
+        if action != "store" or self.closing:
+            self.stats.tensors_kept += 1
+            self.stats.bytes_kept += nbytes
+            return "keep"
+        return action
+
+    def route(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> str:
+        """:meth:`decide` then :meth:`account`: the action to take for ``t``."""
+        return self.account(self.decide(t, nbytes, parameter=parameter))
+
+    def keep_unsupported(self, reason: str) -> None:
+        """Count a tensor kept because the codec cannot store it (sparse, subclass, ...)."""
+        self._count("keep", f"unsupported: {reason}", 0)
+        self.stats.tensors_kept += 1
+
+    def _count(self, action: str, label: str, nbytes: int) -> None:
+        for table, name in ((self.stats.per_action, action), (self.stats.per_rule, label)):
+            route = table.get(name)
+            if route is None:
+                route = table[name] = RouteStats()
+            route.tensors += 1
+            route.bytes += nbytes
+
+    # ----------------------------------------------------------------- store
+    def store(self, t: torch.Tensor, nbytes: int, *, guard: Any = None) -> Handle:
+        """Queue ``t`` for write-behind and return its handle (blocks at ``max_inflight``).
+
+        ``guard``: the object whose ``_version`` tells whether the saved tensor was
+        modified in place (default ``t``; another framework passes its own tensor's
+        counter, since a zero-copy alias has a counter of its own).
+        """
+        table = self._table
+        # Dedup needs torch's version counter in the key; a guarded alias has none.
+        key = dedup_key(t) if guard is None else None
+        with table.lock:
+            rec = table.reuse(t, key)
+            if rec is not None:
+                self.stats.dedup_hits += 1
+                return table.handle(rec)
+            self._writer.admit(nbytes)  # backpressure
+            rec = table.add(t, nbytes, guard, key)
+            self._writer.enqueue(rec)
+        self._writer.start(rec, t)
+        return table.handle(rec)
+
+    def load(self, handle: Handle) -> torch.Tensor:
+        """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
+        self.emit_warning()
+        rec = handle.rec
+        t0 = time.perf_counter()
+        while True:
+            with self._table.lock:
+                state = rec.state
+                src = rec.source
+                if state in (State.QUEUED, State.WRITING, State.MEMORY) and src is not None:
+                    self._writer.cancel(rec)  # the tail shortcut
+                    if rec.modified():
+                        raise inplace_error(f"a tensor of shape {tuple(src.shape)}")
+                    return src
+                if state == State.DIRTY:
+                    raise inplace_error("a tensor")
+                if state in (State.MEMORY, State.FREED):
+                    raise StoreUnavailableError(
+                        f"offload: a saved tensor is no longer available ({state.name.lower()}); "
+                        "was the graph freed or the session closed?"
+                    )
+                if state == State.STORED:
+                    fut = self._prefetcher.claim(rec)
+                    break
+                done = rec.writing_done  # a CUDA tensor copied to host, not yet written
+            done.wait()
+        return self._prefetcher.take(rec, fut, t0)
+
+    # ------------------------------------------------------------------ kept
+    @staticmethod
+    def keep(t: Any, guard: Any = None) -> Kept:
+        """A :class:`Kept` stand-in for ``t`` (``guard``: see :class:`Kept`)."""
+        return Kept(t, guard)
+
+    @staticmethod
+    def unkeep(kept: Kept) -> Any:
+        """The kept tensor; raises torch's in-place error if it was modified since pack."""
+        if kept.guard._version != kept.version:
+            raise inplace_error(f"a tensor of shape {tuple(kept.tensor.shape)}")
+        return kept.tensor
+
+    def emit_warning(self) -> None:
+        """Issue the pending one-time fallback warning (on the caller's thread)."""
+        msg = self._writer.take_warning()
+        if msg is not None:
+            warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+def _pack_host(t: torch.Tensor) -> Any:
+    if t.device.type == "cpu":
+        return Kept(t)  # already in host memory; a copy would only add memory
+    if is_dense(tuple(t.shape), tuple(t.stride())):
+        packed = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+    else:
+        packed = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    packed.copy_(t.detach(), non_blocking=True)
+    return Host(packed, t.device)
