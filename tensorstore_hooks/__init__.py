@@ -15,7 +15,8 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 
 * ``_hooks.py`` / ``paddle/`` - ``offload()`` and ``OffloadHooks``: pack and unpack
   wired to the session's router; ``_session_api.py`` their shared accessors.
-* ``_pipeline.py`` - ``OffloadSession``: builds and wires the units below.
+* ``_pipeline.py`` - ``OffloadSession``: builds and wires the units below
+  (``_parts.py``: what they share).
 * ``_router.py`` - ``Router``: keep / host / store for each saved tensor, and unpack.
 * ``_records.py`` - the record table: pack order, dedup, lifecycle states, finalizers.
 * ``_writebehind.py`` - bytes into the store on I/O threads, backpressure, fallback.

@@ -11,6 +11,7 @@ CPU tensors never come here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,16 +36,19 @@ class HostCopy:
 class DeviceStager:
     """Pinned buffers (``cap_bytes`` kept idle at most) and copy streams, made on first use."""
 
-    def __init__(self, table: RecordTable, cap_bytes: int) -> None:
+    def __init__(
+        self, table: RecordTable, cap_bytes: int, on_allocate: Callable[[], None] | None = None
+    ) -> None:
         self._table = table
         self._cap_bytes = cap_bytes
+        self._on_allocate = on_allocate  # told of each pinned buffer allocated
         self.pinned: PinnedPool | None = None
         self._streams: StreamSet | None = None
         self._pending: deque[Record] = deque()
 
     def _tools(self) -> tuple[PinnedPool, StreamSet]:
         if self.pinned is None or self._streams is None:
-            self.pinned = PinnedPool(cap_bytes=self._cap_bytes)
+            self.pinned = PinnedPool(cap_bytes=self._cap_bytes, on_allocate=self._on_allocate)
             self._streams = StreamSet()
         return self.pinned, self._streams
 

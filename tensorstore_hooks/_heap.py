@@ -54,11 +54,17 @@ class HeapReleaser:
     lock of yours: a release walks glibc's heaps under their locks.
     """
 
-    __slots__ = ("_every", "_moved", "_trim", "releases")
+    __slots__ = ("_every", "_moved", "_on_release", "_trim", "releases")
 
-    def __init__(self, every_bytes: int, trim: Callable[[int], int] | None = malloc_trim) -> None:
+    def __init__(
+        self,
+        every_bytes: int,
+        trim: Callable[[int], int] | None = malloc_trim,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self._every = every_bytes if trim is not None else 0
         self._trim = trim
+        self._on_release = on_release  # told after each release (the session's counter)
         self._moved = 0
         self.releases = 0
 
@@ -70,6 +76,8 @@ class HeapReleaser:
         if self._moved >= self._every:
             self._moved = 0
             self.releases += 1
+            if self._on_release is not None:
+                self._on_release()
             assert self._trim is not None
             try:
                 self._trim(0)

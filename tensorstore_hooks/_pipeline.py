@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ._device import DeviceStager
 from ._heap import HeapReleaser
 from ._iopool import StorePool, on_io_thread, shutdown_pool
+from ._parts import SessionParts
 from ._prefetch import Prefetcher
 from ._records import Record, RecordTable, State
 from ._router import Router, inplace_error
@@ -59,29 +60,24 @@ class OffloadSession:
         self.store = store
         self.settings = settings
         self.owns_store = owns_store
-        self.stats = OffloadStats()
-        self.heap = HeapReleaser(settings.release_heap_every)  # NOTE [ Heap release ]
+        self.stats = stats = OffloadStats()
+        # Counters bump ``stats`` directly: a bound method of ours would be a cycle.
+        self.heap = HeapReleaser(  # NOTE [ Heap release ]
+            settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
+        )
         self._io = StorePool(store, settings.writer_threads + 2)
         self._closing = False
         self._closed = False
         self._table = RecordTable(self._release)
-        self.stager = DeviceStager(self._table, settings.max_inflight + settings.prefetch)
-        self._writer = WriteBehind(
+        self.stager = DeviceStager(
             self._table,
-            store,
-            self.stats,
-            self.stager,
-            self._io,
-            self.heap,
-            settings.max_inflight,
+            settings.max_inflight + settings.prefetch,
+            on_allocate=lambda: _bump(stats, "pinned_allocations"),
         )
+        parts = SessionParts(self._table, store, stats, self.stager, self._io, self.heap)
+        self._writer = WriteBehind(parts, max_inflight=settings.max_inflight)
         self._prefetcher = Prefetcher(
-            self._table,
-            store,
-            self.stats,
-            self.stager,
-            self._io,
-            self.heap,
+            parts,
             window_bytes=settings.prefetch,
             read_deadline_s=settings.read_deadline_s,
         )
@@ -178,3 +174,7 @@ class OffloadSession:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _bump(stats: OffloadStats, name: str) -> None:
+    setattr(stats, name, getattr(stats, name) + 1)

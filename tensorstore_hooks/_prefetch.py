@@ -15,18 +15,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from ._device import DeviceStager
-from ._heap import HeapReleaser
-from ._iopool import READ, IOPool
-from ._records import Record, RecordTable, State
-from ._stats import OffloadStats
-from ._store import TensorStore
+from ._iopool import READ
+from ._parts import PipelineUnit, SessionParts
+from ._records import Record, State
 from .errors import (
     IntegrityError,
     KeyNotFoundError,
@@ -40,27 +36,11 @@ __all__ = ["Prefetcher"]
 log = logging.getLogger("tensorstore_hooks")
 
 
-class Prefetcher:
+class Prefetcher(PipelineUnit):
     """Cursor and window of read-ahead; :meth:`read` is the one way bytes come back."""
 
-    def __init__(
-        self,
-        table: RecordTable,
-        store: TensorStore,
-        stats: OffloadStats,
-        stager: DeviceStager,
-        io: Callable[[], IOPool],
-        heap: HeapReleaser,
-        *,
-        window_bytes: int,
-        read_deadline_s: float,
-    ) -> None:
-        self._table = table
-        self._store = store
-        self._stats = stats
-        self._stager = stager
-        self._io = io
-        self._heap = heap
+    def __init__(self, parts: SessionParts, *, window_bytes: int, read_deadline_s: float) -> None:
+        super().__init__(parts)
         self.window_bytes = window_bytes
         self.read_deadline_s = read_deadline_s
         self.cursor = -1  # pack position the next read-ahead looks at

@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 from ._pipeline import OffloadSession
+from ._router import Router
 from ._stats import OffloadStats
 from ._store import TensorStore
 
@@ -43,6 +44,21 @@ class SessionAPI:
     def policy(self) -> Any:
         """The :class:`~tensorstore_hooks.Policy` in force."""
         return self._session.policy
+
+    @property
+    def settings(self) -> Any:
+        """The pipeline settings in force (the config's ``pipeline:`` section, resolved)."""
+        return self._session.settings
+
+    @property
+    def router(self) -> Router:
+        """The :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks."""
+        return self._session.router
+
+    @property
+    def live_records(self) -> int:
+        """Saved tensors in the store or in flight whose graph is still alive (0 once freed)."""
+        return self._session.live_records
 
     def flush(self) -> None:
         """Block until every pending write has reached the store.

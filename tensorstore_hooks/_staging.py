@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,10 +33,12 @@ class PinnedPool:
     ``pin_memory=True`` only when no free buffer of that class exists; ``give``
     returns it. Idle buffers are kept up to ``cap_bytes`` in total, so a training
     loop pays for ``cudaHostAlloc`` in its first step only. Thread-safe.
+    ``on_allocate`` is told of each new buffer (the session's counter).
     """
 
-    def __init__(self, cap_bytes: int) -> None:
+    def __init__(self, cap_bytes: int, on_allocate: Callable[[], None] | None = None) -> None:
         self.cap_bytes = cap_bytes
+        self._on_allocate = on_allocate
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
@@ -53,6 +56,8 @@ class PinnedPool:
                 self._idle_bytes -= size
                 return bucket.pop()
             self.allocations += 1
+        if self._on_allocate is not None:
+            self._on_allocate()
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def give(self, buf: torch.Tensor) -> None:

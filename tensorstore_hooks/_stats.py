@@ -49,6 +49,10 @@ class OffloadStats:
     """Saves of a tensor already saved in this session (written once)."""
     tail_hits: int = 0
     """Unpacks served from memory because the write had not finished (write cancelled)."""
+    heap_releases: int = 0
+    """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
+    pinned_allocations: int = 0
+    """Pinned host buffers allocated for CUDA staging (pooled: flat after the first step)."""
     per_action: dict[str, RouteStats] = field(default_factory=dict)
     """``keep``/``host``/``store`` -> counts, as the policy decided."""
     per_rule: dict[str, RouteStats] = field(default_factory=dict)

@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._device import DeviceStager
-from ._heap import HeapReleaser
-from ._iopool import WRITE, IOPool
-from ._records import Record, RecordTable, State
-from ._stats import OffloadStats
-from ._store import TensorStore
+from ._iopool import WRITE
+from ._parts import PipelineUnit, SessionParts
+from ._records import Record, State
 
 __all__ = ["WriteBehind"]
 
@@ -40,25 +36,11 @@ class _Dirty(Exception):
     """Internal: the saved tensor changed in place before its bytes were copied."""
 
 
-class WriteBehind:
+class WriteBehind(PipelineUnit):
     """Queues records for writing, bounds the bytes in flight, falls back on failures."""
 
-    def __init__(
-        self,
-        table: RecordTable,
-        store: TensorStore,
-        stats: OffloadStats,
-        stager: DeviceStager,
-        io: Callable[[], IOPool],
-        heap: HeapReleaser,
-        max_inflight: int,
-    ) -> None:
-        self._table = table
-        self._store = store
-        self._stats = stats
-        self._stager = stager
-        self._io = io
-        self._heap = heap
+    def __init__(self, parts: SessionParts, *, max_inflight: int) -> None:
+        super().__init__(parts)
         self.max_inflight = max_inflight
         self._inflight = 0
         self._warned = False

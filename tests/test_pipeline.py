@@ -569,7 +569,7 @@ def test_graph_dies_with_del_loss_for_self_saving_ops(min_bytes: int | str) -> N
     ref = weakref.ref(r.untyped_storage())
     del r, loss  # no gc.collect(): freeing must not depend on the collector
     assert ref() is None, "the graph outlived `del loss`"
-    assert hooks._session.live_records == 0 and len(store) == 0
+    assert hooks.live_records == 0 and len(store) == 0
     shutdown_pool(store)
 
 
@@ -588,7 +588,7 @@ def test_graph_dropped_while_writes_are_blocked_frees_everything() -> None:
     opener.join()
     hooks.flush()
     assert ref() is None
-    assert hooks._session.live_records == 0
+    assert hooks.live_records == 0
     assert len(store) == 0, "a write that finished after the graph died left its key"
     shutdown_pool(store)
 
@@ -708,9 +708,7 @@ def test_cuda_pinned_pool_reused_across_steps() -> None:
         hooks.flush()
         loss.backward()
         del loss
-        pool = hooks._session.stager.pinned
-        assert pool is not None
-        allocations.append(pool.allocations)
+        allocations.append(hooks.stats.pinned_allocations)
     offloaded_per_step = hooks.stats.tensors_offloaded // 6
     # Pinned buffers come from the pool: after the first step no new cudaHostAlloc,
     # and even the first step allocated fewer buffers than it moved tensors twice.
@@ -761,16 +759,15 @@ def test_heap_releaser_trims_every_n_bytes() -> None:
 
 def test_io_threads_release_the_heap_as_configured() -> None:
     hooks = tsh.offload("memory://", min_bytes=0, release_heap_every="64KiB")
-    assert hooks._session.settings.release_heap_every == 64 << 10
+    assert hooks.settings.release_heap_every == 64 << 10
     x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
     with hooks:
         loss = sin_chain(x, 4)
     hooks.flush()
     loss.backward()
-    heap = hooks._session.heap
     if malloc_trim is None:  # not glibc: the option is accepted and does nothing
-        assert heap.releases == 0
+        assert hooks.stats.heap_releases == 0
     else:
-        assert heap.releases >= 4  # 4 writes and 4 reads of 128 KiB each
+        assert hooks.stats.heap_releases >= 4  # 4 writes and 4 reads of 128 KiB each
     with pytest.raises(tsh.ConfigError, match="release_heap_every"):
         tsh.offload("memory://", release_heap_every="lots")

@@ -67,8 +67,8 @@ def test_illegal_transition_is_an_internal_error_not_a_user_error() -> None:
 # ------------------------------------------------------------------- router
 def test_router_is_public_and_both_hooks_share_it() -> None:
     hooks = tsh.offload("memory://", min_bytes=0)
-    router = hooks.pack_hook.__self__
-    assert isinstance(router, tsh.Router)
+    router = hooks.router
+    assert isinstance(router, tsh.Router) and hooks.pack_hook == router.pack
     x = torch.randn(1024, requires_grad=True)
     route = router.decide(x * 1, 4096)
     assert (route.action, route.label, route.nbytes) == ("store", "default", 4096)
@@ -80,7 +80,7 @@ def test_router_is_public_and_both_hooks_share_it() -> None:
 
 def test_router_keeps_after_close() -> None:
     hooks = tsh.offload("memory://", min_bytes=0)
-    router = hooks.pack_hook.__self__
+    router = hooks.router
     hooks.close()
     assert router.route(torch.randn(1024), 4096) == "keep"
     assert hooks.stats.tensors_kept == 1
