@@ -24,7 +24,9 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 * ``_prefetch.py`` - reads ahead of backward, newest first.
 * ``_iopool.py``, ``_heap.py`` - the shared I/O threads; freed heap back to the OS.
 * ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
-  ``_registry.py`` - the stores and ``open_store``.
+  ``_registry.py`` - the stores and ``open_store`` (one registry entry per URL
+  scheme); ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
+  and codec checks.
 * ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
 * ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.
