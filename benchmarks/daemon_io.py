@@ -5,7 +5,8 @@ Part 1 (single client): put+get of ``--size`` tensors (default 8 MiB) through a 
 bytes the same way (the client sends N bytes, the server receives them into a
 preallocated buffer and sends them back). Both report bytes moved per second (put
 bytes + get bytes); the ratio is what the design's figure is about (target: daemon
->= 1 GB/s where the raw socket does about 2 GB/s).
+>= 1 GB/s where the raw socket does about 2 GB/s). A third row runs the same through
+a ``tsh+tls://`` daemon (target >= 0.5 GB/s; certificates made by ``trustme``).
 
 Part 2 (pressure): ``--procs`` client processes (default 8), each doing ``--ops`` PUTs
 (default 200) of ``--pressure-size`` tensors in training-like steps (``--step``
@@ -137,7 +138,7 @@ def bench_raw(size: int, iters: int) -> float:
         proc.stdout.close()
 
 
-def bench_daemon(url: str, size: int, iters: int) -> dict[str, float]:
+def bench_daemon(url: str, size: int, iters: int, **options: Any) -> dict[str, float]:
     """Bytes per second of put+get of ``size``-byte float32 tensors through the daemon."""
     import torch
 
@@ -145,7 +146,7 @@ def bench_daemon(url: str, size: int, iters: int) -> dict[str, float]:
 
     x = torch.randn(size // 4)
     put_s = get_s = 0.0
-    with DaemonStore(url) as store:
+    with DaemonStore(url, **options) as store:
         for i in range(iters + 3):
             t0 = time.perf_counter()
             key = store.put(x)
@@ -162,6 +163,33 @@ def bench_daemon(url: str, size: int, iters: int) -> dict[str, float]:
         "put_bytes_per_s": size * iters / put_s,
         "get_bytes_per_s": size * iters / get_s,
     }
+
+
+def bench_tls(tmp: Path, size: int, iters: int, rounds: int) -> dict[str, float] | None:
+    """Part 1 through a ``tsh+tls://`` daemon (certificates made by trustme)."""
+    try:
+        import trustme
+    except ImportError:
+        print("  daemon over TLS  skipped: pip install trustme (the test extra has it)")
+        return None
+    ca = trustme.CA()
+    ca_pem, cert_pem = tmp / "ca.pem", tmp / "server.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
+    proc, url = _start_daemon(
+        "--memory-quota",
+        "1GiB",
+        "--tls-cert",
+        str(cert_pem),
+        "--tls-key",
+        str(cert_pem),
+        log=tmp / "d-tls.log",
+    )
+    try:
+        runs = [bench_daemon(url, size, iters, tls_ca=str(ca_pem)) for _ in range(rounds)]
+    finally:
+        _stop(proc)
+    return {k: max(r[k] for r in runs) for k in runs[0]}
 
 
 # --------------------------------------------------------- many clients, pressure
@@ -365,6 +393,7 @@ def main() -> int:
     p.add_argument("--memory-quota", default="64MiB", help="daemon RAM quota in part 2")
     p.add_argument("--disk-quota", default="64MiB", help="daemon disk quota in part 2")
     p.add_argument("--skip-pressure", action="store_true")
+    p.add_argument("--skip-tls", action="store_true", help="no TLS row (needs trustme)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args()
     size = parse_bytes(args.size)
@@ -405,6 +434,15 @@ def main() -> int:
         )
         print(f"  raw socket      {raw_best / 1e9:6.2f} GB/s")
         print(f"  ratio (median of rounds) {ratio:.2f}")
+        if not args.skip_tls:
+            tls = bench_tls(Path(tmp), size, args.iters, args.rounds)
+            if tls is not None:
+                results["tls"] = tls
+                print(
+                    f"  daemon over TLS {tls['put_get_bytes_per_s'] / 1e9:6.2f} GB/s   (put "
+                    f"{tls['put_bytes_per_s'] / 1e9:.2f}, get {tls['get_bytes_per_s'] / 1e9:.2f}; "
+                    "target >= 0.5)"
+                )
         if not args.skip_pressure:
             psize = parse_bytes(args.pressure_size)
             proc, url = _start_daemon(

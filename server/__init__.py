@@ -8,13 +8,16 @@ Run it with ``tensorstore-hooks serve`` (see ``docs/daemon.md``); embed it with:
 The library never imports this package; it imports the library (codec, stores,
 protocol). Modules: ``_config`` (settings), ``_wire`` (framed socket I/O), ``_tiers``
 (RAM/disk placement and quotas), ``_sessions`` (ownership and leases), ``_journal``
-(what survives a crash), ``_app`` (connections and dispatch), ``_metrics``
+(what survives a crash), ``_app`` (lifecycle, leases), ``_listen`` (binding),
+``_connection`` (handshake, request loop), ``_handlers`` (the handler table),
+``_stats`` (counters, snapshot), ``_metrics``
 (Prometheus).
 """
 
 from __future__ import annotations
 
 from ._app import Daemon, serve
+from ._checks import check_config
 from ._config import LimitsConfig, ServerConfig, load_config
 
-__all__ = ["Daemon", "LimitsConfig", "ServerConfig", "load_config", "serve"]
+__all__ = ["Daemon", "LimitsConfig", "ServerConfig", "check_config", "load_config", "serve"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from typing import Annotated, Any, NamedTuple
+import stat
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -24,7 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-from tensorstore_hooks._units import parse_bytes, parse_duration
+# The library's unit types: one parser of "512MiB" and "30s" for library and daemon.
+from tensorstore_hooks._units import Duration as Seconds
+from tensorstore_hooks._units import Size
 from tensorstore_hooks._urls import DEFAULT_PORT
 from tensorstore_hooks.errors import ConfigError
 
@@ -39,26 +41,17 @@ __all__ = [
 ]
 
 
-def _size(v: Any) -> int:
-    return parse_bytes(v, what="size")
-
-
-def _duration(v: Any) -> float:
-    return parse_duration(v, what="duration")
-
-
-Size = Annotated[int, BeforeValidator(_size)]
-Seconds = Annotated[float, BeforeValidator(_duration)]
-
-
 class LimitsConfig(BaseModel):
     """Resource limits; the defaults suit one training job per daemon."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
     max_connections: int = Field(256, ge=1, le=65536)
-    handshake_timeout_s: Seconds = Field(10.0, alias="handshake_timeout", gt=0)
-    """A connection must send HELLO within this time."""
+    """Authenticated connections (HELLO done); more are refused with BUSY."""
+    max_unauthenticated: int = Field(64, ge=1, le=65536)
+    """Connections still in their handshake; a new one beyond this drops the oldest."""
+    handshake_timeout_s: Seconds = Field(5.0, alias="handshake_timeout", gt=0)
+    """A connection must finish TLS and HELLO within this time."""
     idle_timeout_s: Seconds = Field(600.0, alias="idle_timeout", gt=0)
     """An authenticated connection silent this long is closed (its session lives on)."""
     read_timeout_s: Seconds = Field(30.0, alias="read_timeout", gt=0)
@@ -89,6 +82,12 @@ class ServerConfig(BaseModel):
     """A session without traffic for this long is ended and its tensors freed."""
     metrics: str | None = None
     """``HOST:PORT`` for a Prometheus text endpoint (needs prometheus-client)."""
+    tls_cert: str | None = None
+    """PEM certificate chain: serve TLS (``tsh+tls://``) with it. Needs ``tls_key``."""
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_client_ca: str | None = None
+    """PEM CA bundle: refuse clients without a certificate signed by it (mutual TLS)."""
     log_level: str = "INFO"
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig.model_validate({}))
 
@@ -107,11 +106,24 @@ class ServerConfig(BaseModel):
             raise ValueError(
                 f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}"
             )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (or neither)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (a TLS listener)")
+        if self.tls_cert is not None and self.unix is not None:
+            raise ValueError(
+                "TLS applies to TCP listeners; a Unix socket is protected by file "
+                "permissions: drop tls_* or use listen"
+            )
         if self.root is None and self.memory_quota_bytes == 0:
             raise ValueError(
                 "memory_quota is 0 and there is no 'root': the daemon could store nothing"
             )
         return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def disk_enabled(self) -> bool:
@@ -152,6 +164,8 @@ def read_token(path: str) -> str:
     """Read a token file (surrounding whitespace stripped). Raises ConfigError."""
     try:
         with open(path, encoding="utf-8") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OSError("not a regular file")
             token = f.read().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"daemon config: token_file {path!r} cannot be read: {e}") from e
@@ -167,6 +181,32 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+DAEMON_KEYS: frozenset[str] = frozenset(
+    {f.alias or name for name, f in ServerConfig.model_fields.items()}
+)
+"""The top-level keys of a daemon config (``check-config`` tells it from a library one)."""
+
+
+def _allowed(model: type[BaseModel]) -> str:
+    return ", ".join(sorted(f.alias or name for name, f in model.model_fields.items()))
+
+
+def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at pydantic location ``loc`` (its key for a field)."""
+    line = None
+    for i, part in enumerate(loc):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for key_node, value_node in node.value:
+            if getattr(key_node, "value", None) == part:
+                line = key_node.start_mark.line + 1
+                node = value_node if i < len(loc) - 1 else key_node
+                break
+        else:
+            break
+    return line
+
+
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServerConfig:
     """Build a :class:`ServerConfig` from a YAML file and keyword overrides.
 
@@ -177,10 +217,13 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """
     source = str(path) if path is not None else "command line"
     data: dict[str, Any] = {}
+    node: yaml.Node | None = None
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f)
+                text = f.read()
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            loaded = yaml.safe_load(text)
         except OSError as e:
             raise ConfigError(f"daemon config {source}: cannot read: {e}") from e
         except yaml.YAMLError as e:
@@ -206,9 +249,17 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         cfg = ServerConfig.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        field = _loc(tuple(err["loc"]))
-        where = "command line" if field.split(".")[0] in cli_fields else source
+        loc = tuple(err["loc"])
+        field = _loc(loc)
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if field.split(".")[0] in cli_fields:
+            where = "command line"
+        else:
+            line = _line(node, loc) if loc else None
+            where = f"{source}:{line}" if line is not None else source
+        if err.get("type") == "extra_forbidden":
+            model: type[BaseModel] = LimitsConfig if loc[:1] == ("limits",) else ServerConfig
+            msg = f"unknown key; allowed: {_allowed(model)}"
         raise ConfigError(f"daemon config {where}: field {field}: {msg}") from e
     if cfg.unix is None and cfg.listen is not None and cfg.token_file is None:
         host = parse_address(cfg.listen).host

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tensorstore_hooks.errors import ConfigError
+from tensorstore_hooks.protocol import OPS
 
 from ._config import is_loopback, parse_address
 
@@ -43,7 +44,7 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily("tsh_uptime_seconds", "Seconds since start.", value=snap["uptime_s"])
     counters = snap["counters"]
     req = CounterMetricFamily("tsh_requests", "Requests served, by op.", labels=["op"])
-    for op in ("hello", "put", "get", "delete", "list", "ping", "stats", "bye"):
+    for op in OPS:
         req.add_metric([op], float(counters[op]))
     yield req
     for name, key, doc in (

@@ -144,7 +144,7 @@ class Tiers:
         disk: BlobStore | None,
         journal: StateJournal | None,
         pool: Executor,
-        staging_bytes: int,
+        staging_bytes: int | None,
     ) -> None:
         self.memory_quota = memory_quota
         self.disk_quota = disk_quota if disk is not None else 0
@@ -152,7 +152,9 @@ class Tiers:
         self.journal = journal
         self._pool = pool
         self._admit = asyncio.Lock()
-        self._staging = _ByteBudget(staging_bytes)
+        # None: the caller counts staged payload bytes as they arrive (the daemon's
+        # StagingBudget, see NOTE [ Staging as bytes arrive ] in server/_staging.py).
+        self._staging = _ByteBudget(staging_bytes) if staging_bytes is not None else None
         # RAM entries that may be spilled, oldest first. See NOTE [ Quota accounting ].
         self._lru: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self._spill_tasks: set[asyncio.Task[None]] = set()
@@ -190,7 +192,7 @@ class Tiers:
             if res is None:
                 self.quota_rejected += 1
                 raise TierError(ErrorCode.QUOTA_EXCEEDED, self._full_message(n))
-        if res.tier == "ram":
+        if res.tier == "ram" or self._staging is None:
             return res
         try:
             await self._staging.acquire(n)
@@ -352,6 +354,7 @@ class Tiers:
             self.disk_reserved -= res.nbytes
         if res.staged:
             res.staged = False
+            assert self._staging is not None
             self._staging.release(res.nbytes)
 
     def commit_ram(
@@ -387,6 +390,7 @@ class Tiers:
         self.disk_used += n
         if res.staged:
             res.staged = False
+            assert self._staging is not None
             self._staging.release(n)
         if owner.ended:
             self._delete_disk(dk, n)
@@ -491,5 +495,5 @@ class Tiers:
                 "quota": self.disk_quota,
                 "tensors": self.disk_entries,
             },
-            "staging_bytes": self._staging.used,
+            "staging_bytes": self._staging.used if self._staging is not None else 0,
         }

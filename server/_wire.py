@@ -10,18 +10,29 @@ on Linux and macOS; uvloop works too).
 
 Every read of a frame runs under a deadline, so a peer that stops mid-frame (or
 sends one byte a minute) is dropped after ``read_timeout_s``.
+
+TLS: after :meth:`FrameConn.start_tls` the socket is a non-blocking
+``ssl.SSLSocket``. It has no ``sendmsg`` (so each buffer is sent on its own, and
+the TLS layer copies it into records anyway), and it may want to write while
+reading or read while writing (``SSLWantWriteError``/``SSLWantReadError``): every
+I/O loop here waits for whichever the TLS layer asks for. Bytes the TLS layer
+already decrypted are not visible to the selector, so every loop tries the
+socket before it waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from tensorstore_hooks.protocol import (
+    MAGIC,
     MAX_FRAME_PAYLOAD,
     PREFIX_BYTES,
     ErrorCode,
@@ -34,9 +45,12 @@ from tensorstore_hooks.protocol import (
     unpack_header,
 )
 
+from ._staging import PIECE_BYTES
+
 __all__ = ["ConnectionClosed", "FrameConn", "Head", "with_timeout"]
 
 T = TypeVar("T")
+Reserve = Callable[[int], Awaitable[None]]
 
 
 class ConnectionClosed(Exception):
@@ -62,6 +76,13 @@ else:  # pragma: no cover - Python 3.10
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+async def _want(conn: FrameConn, e: ssl.SSLError) -> None:
+    if isinstance(e, ssl.SSLWantWriteError):
+        await conn._writable()
+    else:
+        await conn._readable()
 
 
 class Head:
@@ -90,6 +111,57 @@ class FrameConn:
         self._loop = asyncio.get_running_loop()
         self._prefix = bytearray(PREFIX_BYTES)
         self._scratch: bytearray | None = None
+        self.tls = False
+
+    async def start_tls(self, ctx: ssl.SSLContext, timeout_s: float) -> None:
+        """Run the server side of a TLS handshake within ``timeout_s``.
+
+        A peer that starts with a plaintext frame is answered, in plaintext, with an
+        ``UNAUTHORIZED`` error saying that this daemon needs ``tsh+tls://``.
+        Raises :class:`ConnectionClosed` when the handshake fails (bad or missing
+        client certificate, not TLS at all), ``TimeoutError`` past the deadline.
+        """
+        await with_timeout(self._start_tls(ctx), timeout_s)
+
+    async def _start_tls(self, ctx: ssl.SSLContext) -> None:
+        while True:
+            try:
+                first = self.sock.recv(4, socket.MSG_PEEK)
+                break
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+            except OSError as e:
+                raise ConnectionClosed(str(e)) from e
+        if not first:
+            raise ConnectionClosed("peer closed the connection before the TLS handshake")
+        if MAGIC.startswith(first):
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                "this daemon only speaks TLS: connect with tsh+tls://HOST:PORT "
+                "(and tls_ca= if its certificate is not from a public CA)",
+                fatal=True,
+            )
+        tls = ctx.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+        self.sock = tls
+        self.tls = True
+        while True:
+            try:
+                tls.do_handshake()
+                return
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                await _want(self, e)
+            except (ssl.SSLError, OSError) as e:
+                raise ConnectionClosed(f"TLS handshake failed: {e}") from e
+
+    def has_input(self) -> bool:
+        """True if a request (or part of one) is waiting to be read (never blocks)."""
+        if self.tls and isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
+        try:
+            readable, _, _ = select.select([self._fd], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
 
     # ------------------------------------------------------------ readiness
     async def _wait(self, add: Callable[..., Any], remove: Callable[[int], Any]) -> None:
@@ -116,6 +188,9 @@ class FrameConn:
             except (BlockingIOError, InterruptedError):
                 await self._readable()
                 continue
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                await _want(self, e)
+                continue
             except OSError as e:
                 raise ConnectionClosed(str(e)) from e
             if n == 0:
@@ -131,8 +206,11 @@ class FrameConn:
         view = memoryview(self._prefix)
         try:
             got = self.sock.recv_into(view)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
             got = -1
+        except ssl.SSLWantWriteError:
+            await with_timeout(self._writable(), idle_timeout_s)
+            got = 0
         except OSError as e:
             raise ConnectionClosed(str(e)) from e
         if got == 0:
@@ -163,10 +241,15 @@ class FrameConn:
             )
         return Head(header, payload_len, size)
 
-    async def read_body(self, head: Head, dest: memoryview | None) -> None:
+    async def read_body(
+        self, head: Head, dest: memoryview | None, reserve: Reserve | None = None
+    ) -> None:
         """Receive the message's payload into ``dest`` (``None``: read and discard).
 
         ``dest`` must be exactly ``head.size`` bytes. Each frame has its own deadline.
+        ``reserve(n)``, if given, is awaited before each piece of at most
+        ``PIECE_BYTES`` is received (the staging budget, see NOTE [ Staging as bytes
+        arrive ]); time spent waiting in it does not count against the deadline.
         """
         if dest is not None and len(dest) != head.size:
             raise ValueError("destination does not match the message size")
@@ -174,13 +257,27 @@ class FrameConn:
         frame_len = head.first_len
         while True:
             if frame_len:
-                await with_timeout(self._recv_part(dest, pos, frame_len), self.read_timeout_s)
+                if reserve is not None and dest is not None:
+                    await self._recv_reserved(dest, pos, frame_len, reserve)
+                else:
+                    await with_timeout(self._recv_part(dest, pos, frame_len), self.read_timeout_s)
                 pos += frame_len
             if pos >= head.size:
                 return
             frame_len = await with_timeout(
                 self._read_continuation(head.size - pos), self.read_timeout_s
             )
+
+    async def _recv_reserved(self, dest: memoryview, pos: int, n: int, reserve: Reserve) -> None:
+        left_s = self.read_timeout_s  # this frame's deadline, paused while reserving
+        end = pos + n
+        while pos < end:
+            k = min(PIECE_BYTES, end - pos)
+            await reserve(k)
+            t0 = self._loop.time()
+            await with_timeout(self.recv_into(dest[pos : pos + k]), max(0.001, left_s))
+            left_s -= self._loop.time() - t0
+            pos += k
 
     async def _recv_part(self, dest: memoryview | None, pos: int, n: int) -> None:
         if dest is not None:
@@ -233,6 +330,9 @@ class FrameConn:
         await with_timeout(self._sendmsg_all(buffers), self.read_timeout_s * frames)
 
     async def _sendmsg_all(self, buffers: list[Any]) -> None:
+        if self.tls:
+            await self._send_tls(buffers)
+            return
         sock = self.sock
         bufs = [memoryview(b).cast("B") for b in buffers]
         while bufs:
@@ -254,6 +354,25 @@ class FrameConn:
                     n = 0
             while bufs and not bufs[0]:
                 bufs.pop(0)
+
+    async def _send_tls(self, buffers: list[Any]) -> None:
+        sock = self.sock
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            while view:
+                try:
+                    n = sock.send(view)
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                    # Retry with the same buffer: OpenSSL requires it after a WANT.
+                    await _want(self, e)
+                    continue
+                except (BlockingIOError, InterruptedError):
+                    await self._writable()
+                    continue
+                except OSError as e:
+                    raise ConnectionClosed(str(e)) from e
+                self.bytes_out += n
+                view = view[n:]
 
     def send_nowait(self, header: dict[str, Any]) -> None:
         """Best effort, never blocks: used for a last error frame before closing."""
@@ -284,6 +403,9 @@ class FrameConn:
                 n = self.sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
                 await self._readable()
+                continue
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                await _want(self, e)
                 continue
             if n == 0:
                 return

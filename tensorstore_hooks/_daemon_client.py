@@ -21,24 +21,32 @@ it is freed with the session (``close()`` or the lease).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import random
-import socket
+import stat
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-from . import _urls
 from ._codec import TensorMeta
+from ._daemon_conn import (
+    Connection,
+    ConnectionPool,
+    DaemonAddress,
+    Lost,
+    TlsOptions,
+    hello_request,
+    parse_daemon_url,
+)
+from ._daemon_session import DaemonSession
 from ._store import BlobStore
 from ._units import format_bytes
-from ._urls import DaemonAddress
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -49,193 +57,49 @@ from .errors import (
 )
 from .protocol import (
     MAX_KEYS_PER_REQUEST,
-    PREFIX_BYTES,
-    PROTOCOL_VERSION,
+    Bye,
+    Delete,
     ErrorCode,
+    Get,
+    ListKeys,
+    Ping,
     ProtocolError,
-    body_size,
-    frame_chunks,
+    Put,
+    Request,
+    Stats,
     is_valid_key,
-    is_valid_session_id,
-    message_head,
-    pack_prefix,
-    parse_prefix,
-    raise_for_error,
     unpack_body,
-    unpack_header,
 )
 
-__all__ = ["DaemonStore", "fetch_stats", "parse_daemon_url"]
+__all__ = ["DaemonAddress", "DaemonStore", "fetch_stats", "parse_daemon_url"]
 
 log = logging.getLogger("tensorstore_hooks.daemon_client")
 
+_Lost = Lost  # the retry loop in DaemonStore._call catches this
 
-def parse_daemon_url(url: str) -> DaemonAddress:
-    """The daemon's address (``_urls.parse_daemon_url``: NOTE [ Store URL rules ] Rule 5).
 
-    ``tsh+tls://`` is refused until this client speaks TLS: never plaintext in its place.
-    """
-    addr = _urls.parse_daemon_url(url)
-    if addr.tls:
-        raise ConfigError(
-            f"DaemonStore: {url!r}: this client cannot speak TLS yet; use tsh://HOST:PORT "
-            "on a trusted network or tsh+unix:///path on the same machine"
+def read_token_file(path: str | os.PathLike[str], who: str) -> str:
+    """A token file's contents, stripped; warns if other users may read it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            token = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"{who}: cannot read token_file {os.fspath(path)!r}: {e}") from e
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warnings.warn(
+            f"{who}: token file {os.fspath(path)!r} is readable by other users (mode "
+            f"{stat.S_IMODE(mode):o}): chmod 600 it",
+            stacklevel=3,
         )
-    return addr
+    if not token:
+        raise ConfigError(f"{who}: token_file {os.fspath(path)!r} is empty")
+    return token
 
 
-class _Lost(Exception):
-    """The connection died or could not be made; the request may be retried."""
-
-
-class _Conn:
-    """One blocking socket speaking the protocol. Used by one thread at a time."""
-
-    def __init__(self, addr: DaemonAddress, connect_timeout_s: float, io_timeout_s: float) -> None:
-        try:
-            if addr.path is not None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    sock.settimeout(connect_timeout_s)
-                    sock.connect(addr.path)
-                except BaseException:
-                    sock.close()
-                    raise
-            else:
-                sock = socket.create_connection((addr.host, addr.port), timeout=connect_timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as e:
-            raise _Lost(f"cannot connect: {e}") from e
-        sock.settimeout(io_timeout_s)
-        self.sock = sock
-        self.broken = False
-        self.session: str | None = None
-        self._ids = itertools.count(1)
-        self._prefix = bytearray(PREFIX_BYTES)
-
-    def close(self) -> None:
-        self.broken = True
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    def call(self, header: dict[str, Any], payload: Any = None) -> tuple[dict[str, Any], Any]:
-        """Send a request, return ``(answer header, payload or None)``.
-
-        Raises :class:`_Lost` (retryable: transport failure or a connection-level
-        error frame) or :class:`ProtocolError` (the daemon refused this request).
-        """
-        rid = next(self._ids)
-        header["id"] = rid
-        try:
-            self._send(header, payload)
-            answer, body = self._recv()
-        except (OSError, EOFError) as e:
-            self.close()
-            raise _Lost(str(e) or type(e).__name__) from e
-        except ProtocolError as e:
-            self.close()  # the daemon's bytes made no sense: never reuse this stream
-            raise _Lost(f"protocol error from the daemon: {e}") from e
-        got = answer.get("id")
-        if got is None and answer.get("ok") is not True:
-            # A connection-level error (idle timeout, session kicked, busy): retryable,
-            # except a refused token which no retry can fix.
-            self.close()
-            try:
-                raise_for_error(answer)
-            except ProtocolError as e:
-                if e.code is ErrorCode.UNAUTHORIZED:
-                    raise
-                raise _Lost(str(e)) from e
-        if got != rid:
-            self.close()
-            raise _Lost(f"answer for request {got!r} while waiting for {rid}")
-        try:
-            raise_for_error(answer)
-        except ProtocolError as e:
-            if e.fatal:
-                self.close()
-            raise
-        return answer, body
-
-    def _send(self, header: dict[str, Any], payload: Any) -> None:
-        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
-        size = len(view)
-        if size:
-            header["size"] = size
-        bufs: list[Any] = []
-        for i, (start, stop) in enumerate(frame_chunks(size)):
-            bufs.append(
-                message_head(header, stop - start) if i == 0 else pack_prefix(0, stop - start)
-            )
-            if stop > start:
-                bufs.append(view[start:stop])
-        sock = self.sock
-        while bufs:
-            n = sock.sendmsg(bufs)
-            while n:
-                if n >= len(bufs[0]):
-                    n -= len(bufs[0])
-                    bufs.pop(0)
-                else:
-                    bufs[0] = memoryview(bufs[0])[n:]
-                    n = 0
-            while bufs and not len(bufs[0]):
-                bufs.pop(0)
-
-    def _recv_exact(self, view: memoryview) -> None:
-        sock = self.sock
-        while view:
-            n = sock.recv_into(view)
-            if n == 0:
-                raise EOFError("the daemon closed the connection")
-            view = view[n:]
-
-    def _recv(self) -> tuple[dict[str, Any], Any]:
-        prefix = memoryview(self._prefix)
-        self._recv_exact(prefix)
-        header_len, payload_len = parse_prefix(self._prefix)
-        if header_len == 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "answer without a header", fatal=True)
-        raw = bytearray(header_len)
-        self._recv_exact(memoryview(raw))
-        header = unpack_header(raw)
-        size = body_size(header)
-        if payload_len > size:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "frame larger than its message", fatal=True)
-        if not size:
-            return header, None
-        body = np.empty(size, dtype=np.uint8)
-        view = body.data
-        self._recv_exact(view[:payload_len])
-        pos = payload_len
-        while pos < size:
-            self._recv_exact(prefix)
-            hl, pl = parse_prefix(self._prefix)
-            if hl != 0 or pl == 0 or pos + pl > size:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "bad continuation frame", fatal=True)
-            self._recv_exact(view[pos : pos + pl])
-            pos += pl
-        return header, body
-
-
-class _Pool:
-    """Connections and the keepalive stop flag: what the finalizer may touch (never the store)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.idle: list[_Conn] = []
-        self.open = 0
-        self.closed = False
-        self.stop = threading.Event()
-
-    def close_all(self) -> None:
-        self.stop.set()
-        with self.cond:
-            self.closed = True
-            conns, self.idle = self.idle, []
-            self.cond.notify_all()
-        for c in conns:
-            c.close()
+def env_token() -> str | None:
+    """``TSH_TOKEN``, surrounding whitespace (a trailing newline from a file) stripped."""
+    return os.environ.get("TSH_TOKEN", "").strip() or None
 
 
 def _keepalive(
@@ -257,9 +121,20 @@ def _keepalive(
 class DaemonStore(BlobStore):
     """A :class:`TensorStore` kept by a ``tensorstore-hooks serve`` daemon.
 
-    ``url``: ``tsh://HOST:PORT`` or ``tsh+unix:///path.sock``. ``token``: the daemon's
-    token; else the contents of ``token_file``; else the ``TSH_TOKEN`` environment
-    variable. Nothing is sent until the first request.
+    ``url``: ``tsh://HOST:PORT``, ``tsh+tls://HOST:PORT`` or ``tsh+unix:///path.sock``.
+    ``token``: the daemon's token; else the contents of ``token_file`` (a warning if
+    other users may read it); else the ``TSH_TOKEN`` environment variable (stripped).
+
+    * Opening connects once and says HELLO (``check=False`` skips that): an
+      unreachable daemon or a refused token raises :class:`StoreUnavailableError`
+      naming the URL here, not at the first write.
+    * TLS (``tsh+tls://``): ``tls_ca`` is the CA bundle that signed the daemon's
+      certificate (default: the system's); the certificate and host name are always
+      verified. ``tls_cert``/``tls_key``: this client's certificate, for a daemon
+      that requires one (``--tls-client-ca``).
+    * Unix socket: before sending the token, the client checks that the process
+      listening is its own user's or root's (``SO_PEERCRED``); ``peer_uid`` names
+      another uid to trust instead.
 
     * Thread-safe: up to ``connections`` sockets, each used by one thread at a time.
     * ``put`` raises :class:`QuotaExceededError` when the daemon's RAM and disk tiers
@@ -282,37 +157,49 @@ class DaemonStore(BlobStore):
         io_timeout_s: float = 120.0,
         reconnect_deadline_s: float = 30.0,
         keepalive: bool = True,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        peer_uid: int | None = None,
+        check: bool = True,
     ) -> None:
         self._addr = parse_daemon_url(url)
+        who = f"DaemonStore({self._addr.url})"
         if token is None and token_file is not None:
-            try:
-                with open(token_file, encoding="utf-8") as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise ConfigError(
-                    f"DaemonStore({self._addr.url}): cannot read token_file: {e}"
-                ) from e
+            token = read_token_file(token_file, who)
         if token is None:
-            token = os.environ.get("TSH_TOKEN") or None
+            token = env_token()
         if connections < 1:
             raise ConfigError(f"DaemonStore: connections must be >= 1, got {connections}")
-        self._token = token
-        self._max_conns = connections
-        self._connect_timeout_s = connect_timeout_s
-        self._io_timeout_s = io_timeout_s
+        given_tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+        self._tls = None
+        if self._addr.tls:
+            self._tls = TlsOptions(
+                *(os.fspath(v) if v is not None else None for v in given_tls.values())
+            ).context(self._addr.url)
+        elif any(v is not None for v in given_tls.values()):
+            raise ConfigError(
+                f"{who}: {', '.join(k for k, v in given_tls.items() if v is not None)} "
+                "apply only to tsh+tls:// URLs; use tsh+tls://HOST:PORT for a TLS daemon"
+            )
+        self._sess = DaemonSession(
+            self._addr,
+            token,
+            tls=self._tls,
+            peer_uid=peer_uid,
+            connect_timeout_s=connect_timeout_s,
+            io_timeout_s=io_timeout_s,
+            on_open=self._start_keepalive,
+        )
+        self._connect = self._sess.connect
         self._reconnect_deadline_s = reconnect_deadline_s
         self._keepalive_enabled = keepalive
-        self._pool = _Pool()
-        self._session_lock = threading.Lock()
-        self._session: str | None = None
-        self._lease_s = 60.0
-        self._limits: dict[str, Any] = {}
+        self._pool = ConnectionPool(connections)
         self._last_activity = time.monotonic()
         self._keepalive_thread: threading.Thread | None = None
-        self._pid = os.getpid()
-        self.sessions_lost = 0
-        """How many times the daemon had forgotten this store's session (keys lost)."""
-        self._finalizer = weakref.finalize(self, _Pool.close_all, self._pool)
+        self._finalizer = weakref.finalize(self, ConnectionPool.close_all, self._pool)
+        if check:
+            self._check_reachable()
 
     # -------------------------------------------------------------- plumbing
     @property
@@ -325,70 +212,40 @@ class DaemonStore(BlobStore):
     @property
     def session_id(self) -> str | None:
         """The daemon session (a secret: with the token it grants access to the keys)."""
-        return self._session
+        return self._sess.id
+
+    @property
+    def sessions_lost(self) -> int:
+        """How many times the daemon had forgotten this store's session (keys lost)."""
+        return self._sess.lost
 
     def _fail(self, msg: str) -> str:
         return f"DaemonStore({self.url}): {msg}"
 
-    def _connect(self) -> _Conn:
-        conn = _Conn(self._addr, self._connect_timeout_s, self._io_timeout_s)
+    def _check_reachable(self) -> None:
+        # Issue 13: a wrong URL or token must fail at open, not 30 s into backward.
         try:
-            with self._session_lock:
-                sid = self._session
-                try:
-                    answer = self._hello(conn, sid)
-                except ProtocolError as e:
-                    if e.code is not ErrorCode.NOT_FOUND or sid is None:
-                        raise
-                    self.sessions_lost += 1
-                    log.warning(
-                        "%s: the daemon no longer knows this store's session (lease expired); "
-                        "opened a new one: tensors stored before are gone",
-                        self.url,
-                    )
-                    answer = self._hello(conn, None)
-                new_sid = answer.get("session")
-                if not is_valid_session_id(new_sid):
-                    raise _Lost("HELLO answer without a valid session id")
-                self._session = conn.session = new_sid
-                lease = answer.get("lease_s")
-                if isinstance(lease, int | float) and lease > 0:
-                    self._lease_s = float(lease)
-                limits = answer.get("limits")
-                if isinstance(limits, dict):
-                    self._limits = limits
-                self._start_keepalive()
-        except ProtocolError as e:
-            conn.close()
-            if e.code is ErrorCode.UNAUTHORIZED:
-                raise StoreUnavailableError(
-                    self._fail(f"the daemon refused the connection: {e.message}")
-                ) from e
-            if e.code is ErrorCode.BUSY:
-                raise _Lost(str(e)) from e
-            raise StoreUnavailableError(self._fail(f"handshake failed: {e}")) from e
+            conn = self._acquire()
+        except Lost as e:
+            self._pool.close_all()
+            self._finalizer.detach()
+            hint = (
+                "try again when it has room"
+                if "BUSY" in str(e)
+                else "is `tensorstore-hooks serve` running there, and is this its URL?"
+            )
+            raise StoreUnavailableError(self._fail(f"cannot reach the daemon: {e}; {hint}")) from e
         except BaseException:
-            conn.close()
+            self._pool.close_all()
+            self._finalizer.detach()
             raise
-        return conn
-
-    def _hello(self, conn: _Conn, sid: str | None) -> dict[str, Any]:
-        answer, _ = conn.call(
-            {
-                "op": "hello",
-                "version": PROTOCOL_VERSION,
-                "token": self._token,
-                "session": sid,
-                "client": f"tensorstore-hooks pid {os.getpid()}",
-            }
-        )
-        return answer
+        self._release(conn)
 
     def _start_keepalive(self) -> None:
-        # Called with the session lock held: one thread per store.
+        # Called by DaemonSession.connect with its lock held: one thread per store.
         if not self._keepalive_enabled or self._keepalive_thread is not None:
             return
-        every = max(0.05, self._lease_s / 3)
+        every = max(0.05, self._sess.lease_s / 3)
         t = threading.Thread(
             target=_keepalive,
             args=(weakref.ref(self), self._pool.stop, every),
@@ -398,70 +255,28 @@ class DaemonStore(BlobStore):
         self._keepalive_thread = t
         t.start()
 
-    def _acquire(self) -> _Conn:
-        if self._pid != os.getpid():
-            self._after_fork()
-        pool = self._pool
-        with pool.cond:
-            while True:
-                if pool.closed:
-                    raise StoreUnavailableError(self._fail("the store is closed; open a new one"))
-                if pool.idle:
-                    return pool.idle.pop()
-                if pool.open < self._max_conns:
-                    pool.open += 1
-                    break
-                pool.cond.wait()
-        try:
-            return self._connect()
-        except BaseException:
-            with pool.cond:
-                pool.open -= 1
-                pool.cond.notify()
-            raise
+    def _acquire(self) -> Connection:
+        if self._pool.forked:
+            self._keepalive_thread = None  # the parent's thread did not follow the fork
+        return self._pool.acquire(self._connect, self._fail("the store is closed; open a new one"))
 
-    def _after_fork(self) -> None:
-        # A forked child (a DataLoader worker, say) must not talk on its parent's
-        # sockets: close its copies (the parent's connections stay up) and start over.
-        self._pid = os.getpid()
-        pool = self._pool
-        with pool.cond:
-            conns, pool.idle = pool.idle, []
-            pool.open = 0
-        for c in conns:
-            c.close()
-        self._keepalive_thread = None
-
-    def _release(self, conn: _Conn) -> None:
-        pool = self._pool
-        with pool.cond:
-            if conn.broken or pool.closed:
-                pool.open -= 1
-                conn.close()
-            else:
-                pool.idle.append(conn)
-            pool.cond.notify()
+    def _release(self, conn: Connection) -> None:
+        self._pool.release(conn)
 
     def _drop_idle(self) -> None:
-        pool = self._pool
-        with pool.cond:
-            conns, pool.idle = pool.idle, []
-            pool.open -= len(conns)
-            pool.cond.notify_all()
-        for c in conns:
-            c.close()
+        self._pool.drop_idle()
 
     def _call(
-        self, header: dict[str, Any], payload: Any = None, *, retry: bool = True
+        self, req: Request, payload: Any = None, *, retry: bool = True
     ) -> tuple[dict[str, Any], Any]:
         """One request with reconnect/retry; daemon error codes become library errors."""
         deadline: float | None = None
         attempt = 0
         while True:
-            conn: _Conn | None = None
+            conn: Connection | None = None
             try:
                 conn = self._acquire()
-                answer, body = conn.call(dict(header), payload)
+                answer, body = conn.call(req, payload)
             except _Lost as e:
                 if conn is not None:
                     self._release(conn)
@@ -485,12 +300,12 @@ class DaemonStore(BlobStore):
             except ProtocolError as e:
                 if conn is not None:
                     self._release(conn)
-                raise self._translate(e, header) from e
+                raise self._translate(e, req) from e
             self._release(conn)
             self._last_activity = time.monotonic()
             return answer, body
 
-    def _translate(self, e: ProtocolError, header: dict[str, Any]) -> TensorStoreError:
+    def _translate(self, e: ProtocolError, req: Request) -> TensorStoreError:
         if e.code is ErrorCode.NOT_FOUND:
             return KeyNotFoundError(self._fail(e.message))
         if e.code in (ErrorCode.QUOTA_EXCEEDED, ErrorCode.TOO_LARGE):
@@ -499,14 +314,14 @@ class DaemonStore(BlobStore):
             return StoreUnavailableError(self._fail(f"refused: {e.message}"))
         if e.code is ErrorCode.INTERNAL:
             return StoreUnavailableError(self._fail(f"the daemon failed: {e.message}"))
-        return TensorStoreError(self._fail(f"{header.get('op', '?').upper()} rejected: {e}"))
+        return TensorStoreError(self._fail(f"{req.op.upper()} rejected: {e}"))
 
     def _ping_if_idle(self, idle_s: float) -> None:
-        if time.monotonic() - self._last_activity >= idle_s and self._session is not None:
-            self._call({"op": "ping"}, retry=False)
+        if time.monotonic() - self._last_activity >= idle_s and self._sess.id is not None:
+            self._call(Ping(id=0), retry=False)
 
     def _ping(self) -> dict[str, Any]:
-        answer, _ = self._call({"op": "ping"})
+        answer, _ = self._call(Ping(id=0))
         return answer
 
     @staticmethod
@@ -516,7 +331,7 @@ class DaemonStore(BlobStore):
     # ------------------------------------------------------------- the store
     def put_blob(self, meta: TensorMeta, payload: Any) -> str:
         n = meta.nbytes
-        limit = self._limits.get("max_tensor_bytes")
+        limit = self._sess.limits.get("max_tensor_bytes")
         if isinstance(limit, int) and n > limit:
             raise QuotaExceededError(
                 self._fail(
@@ -527,7 +342,7 @@ class DaemonStore(BlobStore):
         data = memoryview(payload).cast("B") if n else None
         if data is not None and len(data) != n:
             raise IntegrityError(self._fail(f"payload has {len(data)} bytes, metadata says {n}"))
-        answer, _ = self._call({"op": "put", "meta": meta.to_dict(), "size": n}, data)
+        answer, _ = self._call(Put(id=0, meta=meta, size=n), data)
         key = answer.get("key")
         if not is_valid_key(key):
             raise TensorStoreError(self._fail(f"PUT answer carries an invalid key {key!r}"))
@@ -536,7 +351,7 @@ class DaemonStore(BlobStore):
     def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, body = self._call({"op": "get", "key": key})
+        answer, body = self._call(Get(id=0, key=key))
         meta = TensorMeta.from_dict(answer.get("meta"))
         if body is None:
             body = np.empty(0, dtype=np.uint8)
@@ -549,23 +364,23 @@ class DaemonStore(BlobStore):
     def meta(self, key: str) -> TensorMeta:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, _ = self._call({"op": "get", "key": key, "head": True})
+        answer, _ = self._call(Get(id=0, key=key, head=True))
         return TensorMeta.from_dict(answer.get("meta"))
 
     def delete(self, key: str) -> None:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, _ = self._call({"op": "delete", "keys": [key]})
+        answer, _ = self._call(Delete(id=0, keys=(key,)))
         if answer.get("missing"):
             raise KeyNotFoundError(self._fail(f"no key {key!r} to delete"))
 
     def delete_many(self, keys: Iterable[str]) -> None:
         valid = [k for k in keys if is_valid_key(k)]
         for i in range(0, len(valid), MAX_KEYS_PER_REQUEST):
-            self._call({"op": "delete", "keys": valid[i : i + MAX_KEYS_PER_REQUEST]})
+            self._call(Delete(id=0, keys=tuple(valid[i : i + MAX_KEYS_PER_REQUEST])))
 
     def keys(self) -> Iterator[str]:
-        _, body = self._call({"op": "list"})
+        _, body = self._call(ListKeys(id=0))
         keys = unpack_body(body) if body is not None else []
         if not isinstance(keys, list) or not all(is_valid_key(k) for k in keys):
             raise TensorStoreError(self._fail("LIST answer is not a list of keys"))
@@ -589,7 +404,7 @@ class DaemonStore(BlobStore):
 
     def stats(self) -> dict[str, Any]:
         """The daemon's statistics (what ``tensorstore-hooks stats`` shows)."""
-        _, body = self._call({"op": "stats"})
+        _, body = self._call(Stats(id=0))
         snap = unpack_body(body) if body is not None else {}
         if not isinstance(snap, dict):
             raise TensorStoreError(self._fail("STATS answer is not a map"))
@@ -604,18 +419,19 @@ class DaemonStore(BlobStore):
         with pool.cond:
             if pool.closed:
                 return
-            conn = pool.idle.pop() if pool.idle else None
+        conn = pool.take_idle()
         pool.stop.set()
         if self._keepalive_thread is not None:
             self._keepalive_thread.join(timeout=5.0)
-        if self._session is not None:
+        sess = self._sess
+        if sess.id is not None:
             try:
                 if conn is None:
-                    conn = _Conn(self._addr, min(1.0, self._connect_timeout_s), 5.0)
-                    self._hello(conn, self._session)
+                    conn = sess.new_conn(min(1.0, sess.connect_timeout_s), 5.0)
+                    sess.hello(conn, sess.id)
                 conn.sock.settimeout(5.0)
-                conn.call({"op": "bye"})
-            except (_Lost, ProtocolError, OSError) as e:
+                conn.call(Bye(id=0))
+            except (_Lost, ProtocolError, OSError, TensorStoreError) as e:
                 log.debug(
                     "%s: BYE failed (%s); the daemon frees the session after its lease", self.url, e
                 )
@@ -625,28 +441,29 @@ class DaemonStore(BlobStore):
         self._finalizer.detach()
 
 
-def fetch_stats(url: str, *, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+def fetch_stats(
+    url: str,
+    *,
+    token: str | None = None,
+    timeout_s: float = 10.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> dict[str, Any]:
     """One STATS request on an observer connection (no session is opened)."""
     addr = parse_daemon_url(url)
     if token is None:
-        token = os.environ.get("TSH_TOKEN") or None
+        token = env_token()
+    tls = TlsOptions(tls_ca, tls_cert, tls_key).context(addr.url) if addr.tls else None
     try:
-        conn = _Conn(addr, timeout_s, timeout_s)
+        conn = Connection(addr, timeout_s, timeout_s, tls=tls)
     except _Lost as e:
         raise StoreUnavailableError(f"stats: cannot reach the daemon at {addr.url}: {e}") from e
     try:
-        conn.call(
-            {
-                "op": "hello",
-                "version": PROTOCOL_VERSION,
-                "token": token,
-                "open_session": False,
-                "client": "tensorstore-hooks stats",
-            }
-        )
-        _, body = conn.call({"op": "stats"})
+        conn.call(hello_request(token, None, client="tensorstore-hooks stats", open_session=False))
+        _, body = conn.call(Stats(id=0))
         with contextlib.suppress(_Lost, ProtocolError):
-            conn.call({"op": "bye"})
+            conn.call(Bye(id=0))
     except (_Lost, ProtocolError) as e:
         raise StoreUnavailableError(f"stats: {addr.url}: {e}") from e
     finally:

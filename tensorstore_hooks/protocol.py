@@ -29,7 +29,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -43,9 +43,11 @@ __all__ = [
     "MAX_KEYS_PER_REQUEST",
     "MAX_KEY_LEN",
     "MAX_TOKEN_LEN",
+    "OPS",
     "PREFIX",
     "PREFIX_BYTES",
     "PROTOCOL_VERSION",
+    "REQUEST_TYPES",
     "Bye",
     "Delete",
     "ErrorCode",
@@ -93,8 +95,9 @@ _MAX_HEADER_STR = 4096
 _MAX_HEADER_ARRAY = MAX_KEYS_PER_REQUEST
 _MAX_HEADER_MAP = 32
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % MAX_KEY_LEN)  # noqa: UP031 - regex braces
-_SESSION_RE = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
+# fullmatch, never "$": "$" also matches before a trailing newline.
+_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_KEY_LEN)  # noqa: UP031 - regex braces
+_SESSION_RE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
 
 class ErrorCode(str, Enum):
@@ -242,11 +245,11 @@ def frame_chunks(size: int) -> Iterator[tuple[int, int]]:
 
 
 def is_valid_key(key: object) -> bool:
-    return isinstance(key, str) and _KEY_RE.match(key) is not None
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
 
 
 def is_valid_session_id(sid: object) -> bool:
-    return isinstance(sid, str) and _SESSION_RE.match(sid) is not None
+    return isinstance(sid, str) and _SESSION_RE.fullmatch(sid) is not None
 
 
 def error_header(
@@ -279,10 +282,18 @@ def raise_for_error(header: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------- requests
+# NOTE [ Request types ]
+# Each request type names its op once (``op``), encodes itself for the client
+# (``to_header``) and parses an untrusted header for the daemon (``from_header``).
+# ``REQUEST_TYPES`` is the one list of ops: the daemon's handler table, its counters
+# and the metrics all derive from it, and the client never spells an op by hand.
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
     """Authenticate the connection and open, join or resume a session."""
 
+    op: ClassVar[str] = "hello"
     id: int
     version: int
     """Protocol version of the client; must equal :data:`PROTOCOL_VERSION`."""
@@ -294,62 +305,147 @@ class Hello:
     open_session: bool
     """False: an observer connection (``stats`` CLI) that may only PING/STATS/BYE."""
 
+    def to_header(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "id": self.id,
+            "version": self.version,
+            "token": self.token,
+            "session": self.session,
+            "client": self.client,
+            "open_session": self.open_session,
+        }
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], req_id: int) -> Hello:
+        token = _field(h, "token", str, None)
+        if token is not None and len(token) > MAX_TOKEN_LEN:
+            raise _bad("token too long")
+        session = _field(h, "session", str, None)
+        if session is not None and not is_valid_session_id(session):
+            raise _bad("field 'session': invalid session id")
+        return cls(
+            id=req_id,
+            version=_field(h, "version", int),
+            token=token,
+            session=session,
+            client=str(_field(h, "client", str, ""))[:256],
+            open_session=_field(h, "open_session", bool, True),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Put:
     """Store ``size`` payload bytes described by ``meta``; answered with a new key."""
 
+    op: ClassVar[str] = "put"
     id: int
     meta: TensorMeta
     size: int
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.op, "id": self.id, "meta": self.meta.to_dict(), "size": self.size}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], req_id: int) -> Put:
+        size = _field(h, "size", int)
+        try:
+            meta = TensorMeta.from_dict(h.get("meta"))
+        except IntegrityError as e:
+            raise _bad(f"field 'meta': {e}") from e
+        if size != meta.nbytes:
+            raise _bad(f"field 'size' ({size}) differs from meta.nbytes ({meta.nbytes})")
+        return cls(id=req_id, meta=meta, size=size)
 
 
 @dataclass(frozen=True, slots=True)
 class Get:
     """Read a key; ``head`` returns only its metadata (no payload)."""
 
+    op: ClassVar[str] = "get"
     id: int
     key: str
-    head: bool
+    head: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.op, "id": self.id, "key": self.key, "head": self.head}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], req_id: int) -> Get:
+        return cls(id=req_id, key=_key(h), head=_field(h, "head", bool, False))
 
 
 @dataclass(frozen=True, slots=True)
 class Delete:
     """Delete keys of the caller's session; answered with the keys that were missing."""
 
+    op: ClassVar[str] = "delete"
     id: int
     keys: tuple[str, ...]
 
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.op, "id": self.id, "keys": list(self.keys)}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], req_id: int) -> Delete:
+        keys = _field(h, "keys", list)
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise _bad(f"at most {MAX_KEYS_PER_REQUEST} keys per DELETE")
+        if not all(is_valid_key(k) for k in keys):
+            raise _bad("field 'keys': every key must be a valid key string")
+        return cls(id=req_id, keys=tuple(keys))
+
 
 @dataclass(frozen=True, slots=True)
-class ListKeys:
+class _Bare:
+    """A request that carries nothing but its id."""
+
+    op: ClassVar[str]
+    id: int
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.op, "id": self.id}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], req_id: int) -> Any:
+        return cls(id=req_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ListKeys(_Bare):
     """The caller's session's keys, as a msgpack array in the payload."""
 
-    id: int
+    op: ClassVar[str] = "list"
 
 
 @dataclass(frozen=True, slots=True)
-class Ping:
+class Ping(_Bare):
     """Renew the lease; answered with the session's key count and bytes."""
 
-    id: int
+    op: ClassVar[str] = "ping"
 
 
 @dataclass(frozen=True, slots=True)
-class Stats:
+class Stats(_Bare):
     """Daemon-wide statistics, as a msgpack map in the payload."""
 
-    id: int
+    op: ClassVar[str] = "stats"
 
 
 @dataclass(frozen=True, slots=True)
-class Bye:
+class Bye(_Bare):
     """End the session (its tensors are freed at once) and close the connection."""
 
-    id: int
+    op: ClassVar[str] = "bye"
 
 
 Request = Hello | Put | Get | Delete | ListKeys | Ping | Stats | Bye
+
+REQUEST_TYPES: tuple[type[Request], ...] = (Hello, Put, Get, Delete, ListKeys, Ping, Stats, Bye)
+"""Every request type; see NOTE [ Request types ]."""
+OPS: tuple[str, ...] = tuple(t.op for t in REQUEST_TYPES)
+"""Every op name, in :data:`REQUEST_TYPES` order."""
+_BY_OP: dict[str, type[Request]] = {t.op: t for t in REQUEST_TYPES}
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -388,45 +484,8 @@ def parse_request(h: dict[str, Any]) -> Request:
     req_id = _field(h, "id", int)
     if not 0 <= req_id < 1 << 63:
         raise _bad("field 'id' out of range")
-    if op == "hello":
-        token = _field(h, "token", str, None)
-        if token is not None and len(token) > MAX_TOKEN_LEN:
-            raise _bad("token too long")
-        session = _field(h, "session", str, None)
-        if session is not None and not is_valid_session_id(session):
-            raise _bad("field 'session': invalid session id")
-        return Hello(
-            id=req_id,
-            version=_field(h, "version", int),
-            token=token,
-            session=session,
-            client=str(_field(h, "client", str, ""))[:256],
-            open_session=_field(h, "open_session", bool, True),
-        )
-    if op == "put":
-        size = _field(h, "size", int)
-        try:
-            meta = TensorMeta.from_dict(h.get("meta"))
-        except IntegrityError as e:
-            raise _bad(f"field 'meta': {e}") from e
-        if size != meta.nbytes:
-            raise _bad(f"field 'size' ({size}) differs from meta.nbytes ({meta.nbytes})")
-        return Put(id=req_id, meta=meta, size=size)
-    if op == "get":
-        return Get(id=req_id, key=_key(h), head=_field(h, "head", bool, False))
-    if op == "delete":
-        keys = _field(h, "keys", list)
-        if len(keys) > MAX_KEYS_PER_REQUEST:
-            raise _bad(f"at most {MAX_KEYS_PER_REQUEST} keys per DELETE")
-        if not all(is_valid_key(k) for k in keys):
-            raise _bad("field 'keys': every key must be a valid key string")
-        return Delete(id=req_id, keys=tuple(keys))
-    if op == "list":
-        return ListKeys(id=req_id)
-    if op == "ping":
-        return Ping(id=req_id)
-    if op == "stats":
-        return Stats(id=req_id)
-    if op == "bye":
-        return Bye(id=req_id)
-    raise _bad(f"unknown op {op[:32]!r}")
+    kind = _BY_OP.get(op)
+    if kind is None:
+        raise _bad(f"unknown op {op[:32]!r}")
+    req: Request = kind.from_header(h, req_id)
+    return req

@@ -29,10 +29,48 @@ def run(args: argparse.Namespace) -> int:
     from .._config import dump_config, load_config
     from ..errors import ConfigError
 
+    if _is_daemon_config(args.file):
+        return _check_daemon(args.file)
     try:
         config = load_config(args.file)
     except ConfigError as e:
         print(f"check-config: invalid config\n{e}", file=sys.stderr)
         return 1
     sys.stdout.write(dump_config(config, redact=True))
+    return 0
+
+
+def _is_daemon_config(path: str) -> bool:
+    """True for a ``tensorstore-hooks serve`` config: daemon keys, no library sections."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False  # the library loader reports it with file and line
+    if not isinstance(data, dict) or {"store", "pipeline", "policy"} & set(data):
+        return False
+    from ..server._config import DAEMON_KEYS
+
+    return bool(DAEMON_KEYS & set(data))
+
+
+def _check_daemon(path: str) -> int:
+    from ..errors import ConfigError
+    from ..server import check_config
+    from ..server import load_config as load_daemon_config
+
+    try:
+        config = load_daemon_config(path)
+        warnings = check_config(config)
+    except ConfigError as e:
+        print(f"check-config: invalid daemon config\n{e}", file=sys.stderr)
+        return 1
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(
+        f"{path}: a daemon config (for `tensorstore-hooks serve --config {path}`); valid, "
+        f"would listen on {config.unix or config.listen}"
+    )
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 __all__ = ["add_arguments", "register", "run"]
 
@@ -56,8 +57,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus text on /metrics")
     parser.add_argument(
+        "--tls-cert", metavar="CERT.pem", help="serve TLS (tsh+tls://) with this certificate chain"
+    )
+    parser.add_argument("--tls-key", metavar="KEY.pem", help="private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca",
+        metavar="CA.pem",
+        help="refuse clients without a certificate signed by this CA (mutual TLS)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the settings (and TLS files) and exit: 0 if valid, 2 if not",
+    )
+    parser.add_argument(
         "--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="daemon log level (INFO)"
     )
+
+
+def _check(config: Any) -> int:
+    """``serve --check``: what ``serve`` would refuse or warn about, without binding."""
+    from ..server import check_config
+
+    for warning in check_config(config):
+        print(f"warning: {warning}", file=sys.stderr)
+    where = config.unix or config.listen
+    print(f"daemon config OK: would listen on {where}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
             lease=args.lease,
             metrics=args.metrics,
             log_level=args.log_level,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
         )
+        if args.check:
+            return _check(config)
     except ConfigError as e:
         print(f"tensorstore-hooks serve: {e}", file=sys.stderr)
         return 2

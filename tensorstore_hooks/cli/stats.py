@@ -21,9 +21,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "from --token-file or the TSH_TOKEN environment variable."
         ),
     )
-    parser.add_argument("url", metavar="URL", help="tsh://HOST:PORT or tsh+unix:///path")
+    parser.add_argument(
+        "url", metavar="URL", help="tsh://HOST:PORT, tsh+tls://HOST:PORT or tsh+unix:///path"
+    )
     parser.add_argument("--token-file", metavar="FILE", help="file holding the daemon's token")
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
+    parser.add_argument("--tls-ca", metavar="CA.pem", help="tsh+tls://: CA of the daemon's cert")
+    parser.add_argument("--tls-cert", metavar="CERT.pem", help="tsh+tls://: client certificate")
+    parser.add_argument("--tls-key", metavar="KEY.pem", help="tsh+tls://: client key")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
     parser.set_defaults(func=run)
 
@@ -119,7 +124,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"tensorstore-hooks stats: cannot read --token-file: {e}", file=sys.stderr)
             return 2
     try:
-        snap = fetch_stats(args.url, token=token, timeout_s=args.timeout)
+        snap = fetch_stats(
+            args.url,
+            token=token,
+            timeout_s=args.timeout,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
     except (StoreUnavailableError, ConfigError) as e:
         print(f"tensorstore-hooks stats: {e}", file=sys.stderr)
         return 1
