@@ -28,8 +28,9 @@ from ._checks import check_config
 from ._config import ServerConfig, read_token
 from ._connection import Client, serve_connection
 from ._handlers import Handlers
-from ._journal import DISK_NAMESPACE, StateJournal
+from ._journal import StateJournal
 from ._listen import Listener, accept_loop, bind, server_tls_context
+from ._recovery import open_disk, recover
 from ._sessions import Session, SessionTable
 from ._staging import StagingBudget
 from ._stats import DaemonStats, server_version
@@ -95,23 +96,20 @@ class Daemon:
         cfg = self.config
         if cfg.disk_enabled:
             assert cfg.root is not None
-            from tensorstore_hooks._zarr_store import ZarrStore
-
-            # No spare chunk files: the disk quota counts live bytes, and the
-            # directory must hold no more than that.
-            self._disk = ZarrStore(cfg.root, namespace=DISK_NAMESPACE, spare_bytes=0)
-            self.journal = StateJournal(cfg.root)
+            self._disk, self.journal = open_disk(cfg.root)
         self.tiers = Tiers(
             memory_quota=cfg.memory_quota_bytes,
             disk_quota=cfg.disk_quota_bytes,
             disk=self._disk,
-            journal=self.journal,
             pool=self.pool,
             staging_bytes=None,  # counted as bytes arrive: self.staging
         )
-        self.sessions = SessionTable(self.tiers, self.journal, cfg.lease_s)
+        self.sessions = SessionTable(
+            self.tiers, self.journal, cfg.lease_s, session_quota=cfg.session_quota_bytes
+        )
         if self._disk is not None:
-            self._recover()
+            assert self.journal is not None
+            recover(self.sessions, self._disk, self.journal)
         loop = asyncio.get_running_loop()
         for warning in check_config(cfg):
             log.warning("%s", warning)
@@ -252,33 +250,6 @@ class Daemon:
                 self.stats.refresh(self)
             except Exception:  # pragma: no cover - keep the daemon alive
                 log.exception("housekeeping failed")
-
-    def _recover(self) -> None:
-        """Re-adopt the previous run's sessions and disk-tier tensors; collect orphans."""
-        assert self.journal is not None and self._disk is not None
-        sessions, keys = self.journal.load()
-        for sid, created in sessions.items():
-            self.sessions.restore(sid, created)
-        on_disk = set(self._disk.keys())
-        adopted: set[str] = set()
-        for key, rec in keys.items():
-            owner = self.sessions.get(rec.session)
-            if owner is None or rec.disk_key not in on_disk or rec.disk_key in adopted:
-                continue
-            self.tiers.restore(key, owner, rec)
-            adopted.add(rec.disk_key)
-        orphans = sorted(on_disk - adopted)
-        if orphans:
-            self._disk.delete_many(orphans)
-        self.sessions.compact_journal()
-        if sessions or on_disk:
-            log.info(
-                "recovered %d sessions and %d disk-tier tensors (%d bytes); collected %d orphans",
-                len(sessions),
-                len(adopted),
-                self.tiers.disk_used,
-                len(orphans),
-            )
 
     def snapshot(self) -> dict[str, Any]:
         """Everything ``stats`` and the metrics endpoint show (msgpack-safe)."""

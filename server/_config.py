@@ -77,6 +77,8 @@ class ServerConfig(BaseModel):
     """Disk tier URL (``file:///path`` or a bare path). None: RAM tier only."""
     memory_quota_bytes: Size = Field(1 << 30, alias="memory_quota")
     disk_quota_bytes: Size = Field(16 << 30, alias="disk_quota")
+    session_quota_bytes: Size | None = Field(None, alias="session_quota")
+    """What one session may hold, RAM + disk (payload + per-tensor overhead). None: no cap."""
     token_file: str | None = None
     lease_s: Seconds = Field(60.0, alias="lease", gt=0)
     """A session without traffic for this long is ended and its tensors freed."""

@@ -141,9 +141,8 @@ class Handlers:
     async def put(self, c: Client, req: Put, head: Head) -> bool:
         s = c.session
         assert s is not None
-        tiers = self.d.tiers
         try:
-            res: Reservation = await tiers.admit(req.size)
+            res: Reservation = await self.d.sessions.admit(s, req.size)
         except TierError as err:
             await c.conn.read_body(head, None)
             return await self.error(c, err.code, err.message, req.id)
@@ -160,13 +159,13 @@ class Handlers:
                 return await self.error(c, ErrorCode.NOT_FOUND, "the session has ended", req.id)
             key = secrets.token_urlsafe(16)
             if res.tier == "ram":
-                tiers.commit_ram(res, key, s, req.meta, buf)
+                self.d.sessions.store_ram(s, res, key, req.meta, buf)
             else:
-                await tiers.commit_disk(res, key, s, req.meta, buf)
+                await self.d.sessions.store_disk(s, res, key, req.meta, buf)
         except TierError as err:
             return await self.error(c, err.code, err.message, req.id)
         finally:
-            tiers.release(res)
+            self.d.sessions.release(s, res)
             if ticket is not None:
                 staging.close(ticket)
         s.last_seen = time.monotonic()
@@ -199,7 +198,7 @@ class Handlers:
             if entry is None:
                 missing.append(key)
             else:
-                self.d.tiers.free(entry)
+                self.d.sessions.free(entry)
         await c.conn.send(
             {"id": req.id, "ok": True, "deleted": len(req.keys) - len(missing), "missing": missing}
         )

@@ -3,9 +3,10 @@
 The disk tier (a :class:`~tensorstore_hooks.ZarrStore` namespace ``daemon``) already
 persists its own keys. This journal adds ownership: ``session id -> created`` and
 ``daemon key -> (session id, disk key, nbytes)``, appended under
-``ROOT/daemon/sessions/`` through the library's :class:`IndexLog` (length-prefixed
-msgpack records, replayed on start; a record is written before the request that
-caused it is acknowledged, and a torn last record is ignored).
+``ROOT/daemon/sessions/`` through the library's :class:`IndexLog` (framed, checksummed
+msgpack records, NOTE [ Journal records ] in ``_index.py``; replayed on start; a record
+is written before the request that caused it is acknowledged, and a torn last record
+is ignored). What replay does with damage: NOTE [ Journal damage ] in ``_recovery``.
 
 Only local roots can append cheaply; for other roots the journal is disabled and a
 restarted daemon starts with no sessions (its orphaned disk keys are collected).
@@ -20,15 +21,18 @@ disk key the journal does not reference, so both cases end clean.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorstore_hooks._chunkio import LocalIO
-from tensorstore_hooks._index import IndexLog
+from tensorstore_hooks._index import MAGIC, Damage, IndexLog
 from tensorstore_hooks._zarr_store import split_url
 
-__all__ = ["DISK_NAMESPACE", "KeyRecord", "StateJournal"]
+from ._model import KeyRecord
+
+__all__ = ["DISK_NAMESPACE", "Replay", "StateJournal", "damaged_readings"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -36,11 +40,22 @@ DISK_NAMESPACE = "daemon"
 """ZarrStore namespace of the disk tier (fixed, so a restart resumes it)."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    session: str
-    disk_key: str
-    nbytes: int
+@dataclass(slots=True)
+class Replay:
+    """What :meth:`StateJournal.load` found."""
+
+    sessions: dict[str, float] = field(default_factory=dict)
+    """Session id -> created (wall time), for sessions whose last record is a put."""
+    keys: dict[str, KeyRecord] = field(default_factory=dict)
+    """Daemon key -> its owner record, for keys whose last record is a put."""
+    ended: set[str] = field(default_factory=set)
+    """Session ids whose last record is a delete (the session ended)."""
+    damage: list[Damage] = field(default_factory=list)
+    """Damaged regions of the journal or snapshot (their records are lost)."""
+    readings: list[str] = field(default_factory=list)
+    """Best-effort readings of the damaged records (untrusted: for the log only)."""
+    quarantined: list[str] = field(default_factory=list)
+    """Intact records with unusable content, described (file + record), skipped."""
 
 
 class StateJournal:
@@ -51,7 +66,8 @@ class StateJournal:
         self.enabled = kind == "local"
         self._log: IndexLog | None = None
         if self.enabled:
-            self._log = IndexLog(LocalIO(location), f"{DISK_NAMESPACE}/sessions")
+            self._io = LocalIO(location)
+            self._log = IndexLog(self._io, f"{DISK_NAMESPACE}/sessions", warn=False)
         else:
             log.warning(
                 "root %s is not a local path: sessions are not journaled, so after a crash "
@@ -60,25 +76,32 @@ class StateJournal:
             )
         self._live = 0
 
-    def load(self) -> tuple[dict[str, float], dict[str, KeyRecord]]:
-        """Replay: ``(session id -> created wall time, key -> KeyRecord)``."""
-        sessions: dict[str, float] = {}
-        keys: dict[str, KeyRecord] = {}
+    def load(self) -> Replay:
+        """Replay the journal. Damage and unusable records are reported, never fatal."""
+        out = Replay()
         if self._log is None:
-            return sessions, keys
+            return out
+        where = f"{self._io.url}/{DISK_NAMESPACE}/sessions"
         for name, entry in self._log.load().items():
             kind, _, ident = name.partition(":")
-            if kind == "s":
+            if kind == "s" and ident:
                 created = entry.get("created")
-                sessions[ident] = (
+                out.sessions[ident] = (
                     float(created) if isinstance(created, int | float) else time.time()
                 )
-            elif kind == "k":
+                continue
+            if kind == "k" and ident:
                 sid, dk, n = entry.get("s"), entry.get("d"), entry.get("n")
                 if isinstance(sid, str) and isinstance(dk, str) and isinstance(n, int) and n >= 0:
-                    keys[ident] = KeyRecord(sid, dk, n)
-        self._live = len(sessions) + len(keys)
-        return sessions, keys
+                    out.keys[ident] = KeyRecord(sid, dk, n)
+                    continue
+            out.quarantined.append(f"{where}: record {name!r} has unusable content {entry!r:.120}")
+        out.ended = {name[2:] for name in self._log.retired_keys if name.startswith("s:")}
+        out.damage = list(self._log.damage)
+        for d in out.damage:
+            out.readings.extend(damaged_readings(self._io, d))
+        self._live = len(out.sessions) + len(out.keys)
+        return out
 
     def session_opened(self, sid: str, created: float) -> None:
         self._put(f"s:{sid}", {"created": created})
@@ -119,3 +142,33 @@ class StateJournal:
         if self._log is not None:
             self._log.record_delete(name)
             self._live = max(0, self._live - 1)
+
+
+_KEY_RE = re.compile(rb"k:([A-Za-z0-9_-]{8,64})")
+_SID_RE = re.compile(rb"(?<![A-Za-z0-9_-])(?:s:)?([A-Za-z0-9_-]{32})(?![A-Za-z0-9_-])")
+
+
+def damaged_readings(io: LocalIO, d: Damage) -> list[str]:
+    """What the damaged region ``d`` seems to have said: the key and session names still
+    legible in its bytes (a flipped bit rarely hits them all).
+
+    Only for the log (which sessions and keys were probably lost): a record whose
+    checksum fails is never trusted to adopt anything.
+    """
+    rel = d.path.removeprefix(io.url).lstrip("/")
+    try:
+        region = bytes(io.read(rel))[d.offset : d.offset + d.nbytes]
+    except OSError:
+        return []
+    out: list[str] = []
+    starts = [0, *(m.start() for m in re.finditer(re.escape(MAGIC), region) if m.start())]
+    for i, start in enumerate(starts[:64]):
+        piece = region[start : starts[i + 1] if i + 1 < len(starts) else len(region)]
+        keys = _KEY_RE.findall(piece)
+        sids = _SID_RE.findall(piece)
+        if keys:
+            owner = f" of session {sids[0][:8].decode()}" if sids else ""
+            out.append(f"key {keys[0].decode()}{owner}")
+        elif sids:
+            out.append(f"session {sids[0][:8].decode()}")
+    return out

@@ -30,7 +30,12 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
         return
     tiers = snap["tiers"]
     for name, field, doc in (
-        ("tsh_tier_used_bytes", "used", "Payload bytes stored in the tier."),
+        (
+            "tsh_tier_used_bytes",
+            "used",
+            "Bytes counted against the tier's quota (payload + per-tensor overhead; "
+            "disk: chunk files + metadata).",
+        ),
         ("tsh_tier_reserved_bytes", "reserved", "Bytes reserved by PUTs and spills in flight."),
         ("tsh_tier_quota_bytes", "quota", "The tier's quota."),
         ("tsh_tier_tensors", "tensors", "Tensors stored in the tier."),

@@ -1,66 +1,58 @@
-"""Sessions: who owns which keys, and the lease that frees them when a client vanishes."""
+"""Sessions: who owns which keys, what each holds, what the journal says, and the lease
+that frees them when a client vanishes.
+
+The :class:`SessionTable` is the only place that changes a session's entries and byte
+counts and the only writer of session events to the journal; the tiers it drives
+(``_tiers``) only place bytes and report finished spills back through a callback.
+"""
 
 from __future__ import annotations
 
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from ._journal import KeyRecord
+import numpy as np
 
-if TYPE_CHECKING:
-    from ._journal import StateJournal
-    from ._tiers import Entry, Tiers
+from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._units import format_bytes
+from tensorstore_hooks.protocol import ErrorCode
+
+from ._costs import RAM_OVERHEAD_BYTES, ram_charge
+from ._journal import StateJournal
+from ._model import Entry, KeyRecord, Session
+from ._tiers import Reservation, TierError, Tiers
 
 __all__ = ["Session", "SessionTable"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
 
-@dataclass(eq=False, slots=True)
-class Session:
-    """One client's namespace of keys. Event-loop thread only."""
-
-    id: str
-    """Secret: whoever knows it (and the token) can resume the session. Never logged whole."""
-    created: float
-    """Wall-clock time of creation (survives restarts through the journal)."""
-    last_seen: float
-    """``time.monotonic()`` of the last request on any of its connections."""
-    entries: dict[str, Entry] = field(default_factory=dict)
-    ram_bytes: int = 0
-    disk_bytes: int = 0
-    conns: set[Any] = field(default_factory=set)
-    """Live connections attached to this session (kicked when it ends)."""
-    persisted: bool = False
-    """True once the journal knows this session (it has had a tensor on disk)."""
-    ended: bool = False
-    requests: int = 0
-
-    @property
-    def label(self) -> str:
-        """A loggable prefix of the id."""
-        return self.id[:8]
-
-    @property
-    def nbytes(self) -> int:
-        return self.ram_bytes + self.disk_bytes
-
-
 class SessionTable:
-    """All sessions; opens, resumes, ends and expires them."""
+    """All sessions; opens, resumes, ends and expires them, and stores and frees their
+    tensors through the tiers. Event-loop thread only."""
 
-    def __init__(self, tiers: Tiers, journal: StateJournal | None, lease_s: float) -> None:
+    def __init__(
+        self,
+        tiers: Tiers,
+        journal: StateJournal | None,
+        lease_s: float,
+        *,
+        session_quota: int | None = None,
+    ) -> None:
         self.tiers = tiers
         self.journal = journal
         self.lease_s = lease_s
+        self.session_quota = session_quota
+        """Most one session may hold (:attr:`Session.charged_bytes`); None: no cap."""
+        self.session_rejected = 0
         self.sessions: dict[str, Session] = {}
         self.opened = 0
         self.expired = 0
         self.expired_bytes = 0
+        tiers.on_spilled = self._spilled
 
+    # ------------------------------------------------------------- lifecycle
     def open(self) -> Session:
         sid = secrets.token_urlsafe(24)
         s = Session(id=sid, created=time.time(), last_seen=time.monotonic())
@@ -85,7 +77,7 @@ class SessionTable:
         s.ended = True
         freed = s.nbytes
         for entry in list(s.entries.values()):
-            self.tiers.free(entry)
+            self.free(entry)
         s.entries.clear()
         self.sessions.pop(s.id, None)
         if s.persisted and self.journal is not None:
@@ -101,6 +93,110 @@ class SessionTable:
             self.expired_bytes += self.end(s, f"lease of {self.lease_s:g}s expired")
         return out
 
+    # --------------------------------------------------------------- tensors
+    async def admit(self, s: Session, n: int) -> Reservation:
+        """Reserve room for an ``n``-byte PUT of ``s``: its session quota, then the tiers.
+
+        Raises TierError(QUOTA_EXCEEDED) naming the quota that is full. Pair with
+        :meth:`release` (after the store_* call or the failure).
+        """
+        charge = ram_charge(n)
+        quota = self.session_quota
+        if quota is not None and s.charged_bytes + charge > quota:
+            self.session_rejected += 1
+            self.tiers.quota_rejected += 1
+            raise TierError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"session quota: session {s.label} holds {format_bytes(s.charged_bytes)} of "
+                f"its {format_bytes(quota)} (--session-quota), no room for "
+                f"{format_bytes(n)} + {format_bytes(RAM_OVERHEAD_BYTES)} overhead; the client "
+                "keeps the tensor",
+            )
+        s.reserved_bytes += charge
+        try:
+            res = await self.tiers.admit(n)
+        except BaseException:
+            s.reserved_bytes -= charge
+            raise
+        res.session_charge = charge
+        return res
+
+    def release(self, s: Session, res: Reservation) -> None:
+        """The PUT of ``s`` holding ``res`` is over (stored or failed). Idempotent."""
+        s.reserved_bytes -= res.session_charge
+        res.session_charge = 0
+        self.tiers.release(res)
+
+    def store_ram(
+        self, s: Session, res: Reservation, key: str, meta: TensorMeta, buf: np.ndarray
+    ) -> Entry:
+        """Keep a received payload in RAM under ``key`` for ``s`` (``res`` is in RAM)."""
+        e = Entry(key, s, meta, buf)
+        self.tiers.commit_ram(res, e)
+        s.entries[key] = e
+        s.ram_bytes += e.nbytes
+        return e
+
+    async def store_disk(
+        self, s: Session, res: Reservation, key: str, meta: TensorMeta, buf: np.ndarray
+    ) -> Entry:
+        """Write a disk-placed payload, journal it, and only then return (the ack follows).
+
+        Raises TierError: INTERNAL if the disk failed, NOT_FOUND if ``s`` ended meanwhile.
+        """
+        e = Entry(key, s, meta, None)
+        await self.tiers.commit_disk(res, e, buf)
+        if s.ended:
+            self.tiers.free(e)
+            raise TierError(ErrorCode.NOT_FOUND, "the session ended while the tensor was written")
+        self._journal_on_disk(e)
+        s.entries[key] = e
+        s.disk_bytes += e.nbytes
+        return e
+
+    def free(self, e: Entry) -> None:
+        """Forget ``e`` and release its bytes. Idempotent.
+
+        The journal forgets a disk tensor before its chunks are deleted (NOTE [ Crash
+        ordering ] in ``_journal``).
+        """
+        if e.freed:
+            return
+        s = e.owner
+        s.entries.pop(e.key, None)
+        if e.buf is not None:
+            s.ram_bytes -= e.nbytes
+        else:
+            s.disk_bytes -= e.nbytes
+            if self.journal is not None:
+                self.journal.key_freed(e.key)
+        self.tiers.free(e)
+
+    def restore_key(self, key: str, s: Session, meta: TensorMeta, rec: KeyRecord) -> Entry:
+        """Re-adopt a journaled disk-tier tensor after a restart."""
+        e = Entry(key, s, meta, None, disk_key=rec.disk_key)
+        self.tiers.restore(e)
+        s.entries[key] = e
+        s.disk_bytes += e.nbytes
+        return e
+
+    def _spilled(self, e: Entry) -> None:
+        """The tiers moved ``e`` from RAM to disk: journal it, move its owner's bytes."""
+        e.owner.ram_bytes -= e.nbytes
+        e.owner.disk_bytes += e.nbytes
+        self._journal_on_disk(e)
+
+    def _journal_on_disk(self, e: Entry) -> None:
+        if self.journal is None:
+            return
+        assert e.disk_key is not None
+        owner = e.owner
+        if not owner.persisted:
+            self.journal.session_opened(owner.id, owner.created)
+            owner.persisted = True
+        self.journal.key_on_disk(e.key, KeyRecord(owner.id, e.disk_key, e.nbytes))
+
+    # --------------------------------------------------------------- journal
     def compact_journal(self) -> None:
         """Rewrite the journal as the live sessions and their disk-tier keys."""
         if self.journal is None:

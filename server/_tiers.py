@@ -21,8 +21,9 @@ Placement of an ``n``-byte PUT:
 4. Otherwise QUOTA_EXCEEDED. Stored tensors are never dropped to make room:
    eviction means spilling, never losing live data.
 
-Quotas count payload bytes (what the tensors occupy), not the disk tier's padding.
 A disk-tier tensor stays counted until its chunks are actually deleted.
+
+What each tensor counts against a quota: NOTE [ What a tensor costs ] in ``_costs``.
 """
 
 from __future__ import annotations
@@ -30,24 +31,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._store import BlobStore
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.errors import KeyNotFoundError
 from tensorstore_hooks.protocol import ErrorCode
 
-from ._journal import KeyRecord, StateJournal
+from ._costs import DiskCosts, ram_charge
+from ._model import Entry
 
-if TYPE_CHECKING:
-    from ._sessions import Session
-
-__all__ = ["Entry", "Reservation", "TierError", "Tiers"]
+__all__ = ["Reservation", "TierError", "Tiers"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -62,32 +61,16 @@ class TierError(Exception):
 
 
 @dataclass(eq=False, slots=True)
-class Entry:
-    """One stored tensor. In RAM while ``buf`` is set (also while spilling), else on disk."""
-
-    key: str
-    owner: Session
-    meta: TensorMeta
-    buf: np.ndarray | None
-    disk_key: str | None = None
-    spilling: bool = False
-    freed: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.meta.nbytes
-
-    @property
-    def tier(self) -> str:
-        return "ram" if self.buf is not None else "disk"
-
-
-@dataclass(eq=False, slots=True)
 class Reservation:
     """Bytes promised to one PUT; released by commit or :meth:`Tiers.release`."""
 
     tier: str
     nbytes: int
+    """Bytes charged to ``tier`` (payload + overhead, see NOTE [ What a tensor costs ])."""
+    payload: int
+    """The tensor's payload bytes (what staging holds for a disk-bound PUT)."""
+    session_charge: int = 0
+    """Bytes held against the owner's session quota (the session table releases them)."""
     staged: bool = False
     active: bool = True
 
@@ -134,7 +117,13 @@ class _ByteBudget:
 
 
 class Tiers:
-    """RAM tier + optional disk tier (a BlobStore run on ``pool``). Event-loop thread only."""
+    """RAM tier + optional disk tier (a BlobStore run on ``pool``). Event-loop thread only.
+
+    Places bytes and counts them per tier; knows nothing of sessions beyond the
+    :class:`Entry` values it is handed. A finished spill is reported through
+    :attr:`on_spilled` (the session table moves the owner's accounting and journals
+    the tensor's new home).
+    """
 
     def __init__(
         self,
@@ -142,14 +131,15 @@ class Tiers:
         memory_quota: int,
         disk_quota: int,
         disk: BlobStore | None,
-        journal: StateJournal | None,
         pool: Executor,
         staging_bytes: int | None,
     ) -> None:
         self.memory_quota = memory_quota
         self.disk_quota = disk_quota if disk is not None else 0
         self.disk = disk
-        self.journal = journal
+        self.on_spilled: Callable[[Entry], None] = _ignore
+        """Called (event-loop thread) once a spilled entry's bytes are on disk and its
+        RAM is released; ``entry.disk_key`` is set. Not called for freed entries."""
         self._pool = pool
         self._admit = asyncio.Lock()
         # None: the caller counts staged payload bytes as they arrive (the daemon's
@@ -162,6 +152,9 @@ class Tiers:
         """Bytes of RAM tensors being written to disk (freed when the writes finish)."""
         self._pending_deletes: list[tuple[str, int]] = []
         self._delete_task: asyncio.Task[None] | None = None
+        self._costs = DiskCosts(disk)
+        self.disk_metadata = 0
+        """Bytes of the directory's other files (NOTE [ What a tensor costs ])."""
         self.ram_used = 0
         self.ram_reserved = 0
         self.disk_used = 0
@@ -178,10 +171,21 @@ class Tiers:
         return self.memory_quota - self.ram_used - self.ram_reserved
 
     def _disk_free(self) -> int:
-        return self.disk_quota - self.disk_used - self.disk_reserved
+        return self.disk_quota - self.disk_used - self.disk_reserved - self.disk_metadata
+
+    def disk_charge(self, n: int) -> int:
+        """What an ``n``-byte tensor counts against the disk quota."""
+        return self._costs.charge(n)
+
+    def refresh_metadata(self, *, force: bool = False) -> None:
+        """Re-measure the disk root's non-chunk files (at most every 0.5 s unless forced)."""
+        measured = self._costs.metadata(self.disk_entries, force=force)
+        if measured is not None:
+            self.disk_metadata = measured
 
     async def admit(self, n: int) -> Reservation:
         """Reserve room for an ``n``-byte PUT. Raises TierError(QUOTA_EXCEEDED)."""
+        self.refresh_metadata()
         async with self._admit:
             res = await self._place(n)
             if res is None and self._deletes_in_flight():
@@ -195,7 +199,7 @@ class Tiers:
         if res.tier == "ram" or self._staging is None:
             return res
         try:
-            await self._staging.acquire(n)
+            await self._staging.acquire(res.payload)
         except BaseException:
             self.release(res)
             raise
@@ -203,17 +207,19 @@ class Tiers:
         return res
 
     async def _place(self, n: int) -> Reservation | None:
-        """Reserve ``n`` bytes in RAM (spilling if need be) or on disk; None if neither fits."""
-        fits_ram = 0 < n <= self.memory_quota or (n == 0 and self.memory_quota > 0)
-        if fits_ram and (
-            self._ram_free() >= n or (self.disk is not None and await self._make_room(n))
+        """Reserve room for ``n`` payload bytes in RAM (spilling if need be) or on disk;
+        None if neither fits."""
+        rc = ram_charge(n)
+        if rc <= self.memory_quota and (
+            self._ram_free() >= rc or (self.disk is not None and await self._make_room(rc))
         ):
-            self.ram_reserved += n
-            return Reservation("ram", n)
-        if self.disk is None or self._disk_free() < n:
+            self.ram_reserved += rc
+            return Reservation("ram", rc, n)
+        dc = self.disk_charge(n)
+        if self.disk is None or self._disk_free() < dc:
             return None
-        self.disk_reserved += n
-        return Reservation("disk", n)
+        self.disk_reserved += dc
+        return Reservation("disk", dc, n)
 
     def _deletes_in_flight(self) -> bool:
         return self._delete_task is not None and not self._delete_task.done()
@@ -224,14 +230,15 @@ class Tiers:
             await asyncio.shield(self._delete_task)
 
     def _full_message(self, n: int) -> str:
-        in_use = format_bytes(self.disk_used + self.disk_reserved)
+        in_use = format_bytes(self.disk_used + self.disk_reserved + self.disk_metadata)
         disk = (
             f"disk {in_use} of {format_bytes(self.disk_quota)}"
             if self.disk is not None
             else "no disk tier (start the daemon with --root)"
         )
         return (
-            f"no room for {format_bytes(n)}: RAM {format_bytes(self.ram_used + self.ram_reserved)} "
+            f"no room for {format_bytes(n)} (+ per-tensor overhead): "
+            f"RAM {format_bytes(self.ram_used + self.ram_reserved)} "
             f"of {format_bytes(self.memory_quota)}, {disk} in use; the client keeps the tensor"
         )
 
@@ -246,7 +253,7 @@ class Tiers:
             deficit = n - self._ram_free() - self.ram_spilling
             if deficit > 0:
                 victims = self._pick(deficit)
-                if sum(e.nbytes for e in victims) < deficit:
+                if sum(ram_charge(e.nbytes) for e in victims) < deficit:
                     return False  # the rest of RAM is held by PUTs in flight, or disk is full
                 self._start_spills(victims)
             if self.spill_failures != failures or not self._spill_tasks:
@@ -258,12 +265,15 @@ class Tiers:
         """The oldest RAM tensors adding up to ``nbytes`` (fewer if RAM or disk runs out)."""
         victims: list[Entry] = []
         total = 0
+        on_disk = 0
         disk_free = self._disk_free()
         for e in self._lru.values():
-            if total >= nbytes or total + e.nbytes > disk_free:
+            dc = self.disk_charge(e.nbytes)
+            if total >= nbytes or on_disk + dc > disk_free:
                 break
             victims.append(e)
-            total += e.nbytes
+            total += ram_charge(e.nbytes)
+            on_disk += dc
         return victims
 
     def _start_spills(self, victims: list[Entry]) -> None:
@@ -271,8 +281,8 @@ class Tiers:
         for e in victims:
             del self._lru[e.key]
             e.spilling = True
-            self.ram_spilling += e.nbytes
-            self.disk_reserved += e.nbytes
+            self.ram_spilling += ram_charge(e.nbytes)
+            self.disk_reserved += self.disk_charge(e.nbytes)
             task = loop.create_task(self._spill(e))
             self._spill_tasks.add(task)
             task.add_done_callback(self._spill_tasks.discard)
@@ -296,6 +306,7 @@ class Tiers:
 
     async def _spill(self, e: Entry) -> None:
         n = e.nbytes
+        rc, dc = ram_charge(n), self.disk_charge(n)
         assert self.disk is not None
         loop = asyncio.get_running_loop()
         try:
@@ -304,8 +315,8 @@ class Tiers:
             log.exception(
                 "spilling %s (%s) to disk failed; it stays in RAM", e.key, format_bytes(n)
             )
-            self.disk_reserved -= n
-            self.ram_spilling -= n
+            self.disk_reserved -= dc
+            self.ram_spilling -= rc
             self.spill_failures += 1
             e.spilling = False
             if e.freed:
@@ -314,33 +325,27 @@ class Tiers:
                 self._lru[e.key] = e
                 self._lru.move_to_end(e.key, last=False)
             return
-        self.disk_reserved -= n
-        self.disk_used += n
-        self.ram_spilling -= n
+        self.disk_reserved -= dc
+        self.disk_used += dc
+        self.ram_spilling -= rc
         e.spilling = False
         if e.freed:  # deleted while being written: see free()
             self._drop_ram(e)
-            self._delete_disk(dk, n)
+            self._delete_disk(dk, dc)
             return
-        self._record_on_disk(e, dk)
         e.buf = None
         e.disk_key = dk
-        self.ram_used -= n
+        self.ram_used -= rc
         self.ram_entries -= 1
         self.disk_entries += 1
-        e.owner.ram_bytes -= n
-        e.owner.disk_bytes += n
         self.spills += 1
         self.spill_bytes += n
-
-    def _record_on_disk(self, e: Entry, dk: str) -> None:
-        if self.journal is None:
-            return
-        owner = e.owner
-        if not owner.persisted:
-            self.journal.session_opened(owner.id, owner.created)
-            owner.persisted = True
-        self.journal.key_on_disk(e.key, KeyRecord(owner.id, dk, e.nbytes))
+        try:
+            self.on_spilled(e)
+        except Exception:
+            # The bytes are on disk and counted; only the journal record may be missing
+            # (then a restart collects the tensor as an orphan).
+            log.exception("recording the spill of %s failed", e.key)
 
     # ----------------------------------------------------------------- commit
     def release(self, res: Reservation) -> None:
@@ -355,34 +360,30 @@ class Tiers:
         if res.staged:
             res.staged = False
             assert self._staging is not None
-            self._staging.release(res.nbytes)
+            self._staging.release(res.payload)
 
-    def commit_ram(
-        self, res: Reservation, key: str, owner: Session, meta: TensorMeta, buf: np.ndarray
-    ) -> Entry:
-        """Store a received RAM-tier payload under ``key`` for ``owner``."""
+    def commit_ram(self, res: Reservation, e: Entry) -> None:
+        """Keep ``e`` (its received payload in ``e.buf``) in RAM, using ``res``."""
+        assert e.buf is not None
         n = res.nbytes
         self.release(res)
-        e = Entry(key, owner, meta, buf)
         self.ram_used += n
         self.ram_entries += 1
-        self._lru[key] = e
-        owner.entries[key] = e
-        owner.ram_bytes += n
+        self._lru[e.key] = e
         self._spill_ahead()
-        return e
 
-    async def commit_disk(
-        self, res: Reservation, key: str, owner: Session, meta: TensorMeta, buf: np.ndarray
-    ) -> Entry:
-        """Write a disk-placed payload, journal it, and only then return (the ack follows)."""
+    async def commit_disk(self, res: Reservation, e: Entry, buf: np.ndarray) -> None:
+        """Write a disk-placed payload for ``e`` and set ``e.disk_key``.
+
+        Raises TierError(INTERNAL) if the write fails (the reservation is released).
+        """
         assert self.disk is not None
         loop = asyncio.get_running_loop()
         try:
-            dk = await loop.run_in_executor(self._pool, self.disk.put_blob, meta, buf)
+            dk = await loop.run_in_executor(self._pool, self.disk.put_blob, e.meta, buf)
         except Exception as exc:
             self.release(res)
-            log.exception("writing %s to the disk tier failed", format_bytes(res.nbytes))
+            log.exception("writing %s to the disk tier failed", format_bytes(res.payload))
             raise TierError(ErrorCode.INTERNAL, f"the daemon's disk tier failed: {exc}") from exc
         n = res.nbytes
         res.active = False  # the reservation becomes usage
@@ -391,27 +392,15 @@ class Tiers:
         if res.staged:
             res.staged = False
             assert self._staging is not None
-            self._staging.release(n)
-        if owner.ended:
-            self._delete_disk(dk, n)
-            raise TierError(ErrorCode.NOT_FOUND, "the session ended while the tensor was written")
-        e = Entry(key, owner, meta, None, disk_key=dk)
-        self._record_on_disk(e, dk)
+            self._staging.release(res.payload)
+        e.disk_key = dk
         self.disk_entries += 1
-        owner.entries[key] = e
-        owner.disk_bytes += n
-        return e
 
-    def restore(self, key: str, owner: Session, rec: KeyRecord) -> Entry:
-        """Re-adopt a journaled disk-tier tensor after a restart."""
-        assert self.disk is not None
-        meta = self.disk.meta(rec.disk_key)
-        e = Entry(key, owner, meta, None, disk_key=rec.disk_key)
-        self.disk_used += meta.nbytes
+    def restore(self, e: Entry) -> None:
+        """Count a disk-tier tensor re-adopted after a restart (``e.disk_key`` set)."""
+        assert self.disk is not None and e.disk_key is not None and e.buf is None
+        self.disk_used += self.disk_charge(e.nbytes)
         self.disk_entries += 1
-        owner.entries[key] = e
-        owner.disk_bytes += meta.nbytes
-        return e
 
     # ------------------------------------------------------------ read / free
     async def read(self, e: Entry) -> Any:
@@ -430,28 +419,22 @@ class Tiers:
         return buf
 
     def free(self, e: Entry) -> None:
-        """Forget ``e`` and release its bytes (a spill in flight finishes the job)."""
+        """Release ``e``'s bytes (a spill in flight finishes the job). Idempotent."""
         if e.freed:
             return
         e.freed = True
-        owner = e.owner
-        owner.entries.pop(e.key, None)
         if e.buf is not None:
-            owner.ram_bytes -= e.nbytes
             if not e.spilling:
                 self._lru.pop(e.key, None)
                 self._drop_ram(e)
             return
-        owner.disk_bytes -= e.nbytes
         self.disk_entries -= 1
-        if self.journal is not None:
-            self.journal.key_freed(e.key)
         if e.disk_key is not None:
-            self._delete_disk(e.disk_key, e.nbytes)
+            self._delete_disk(e.disk_key, self.disk_charge(e.nbytes))
 
     def _drop_ram(self, e: Entry) -> None:
         e.buf = None
-        self.ram_used -= e.nbytes
+        self.ram_used -= ram_charge(e.nbytes)
         self.ram_entries -= 1
 
     def _delete_disk(self, dk: str, n: int) -> None:
@@ -490,10 +473,15 @@ class Tiers:
             },
             "disk": {
                 "enabled": self.disk is not None,
-                "used": self.disk_used,
+                "used": self.disk_used + self.disk_metadata,
+                "metadata": self.disk_metadata,
                 "reserved": self.disk_reserved,
                 "quota": self.disk_quota,
                 "tensors": self.disk_entries,
             },
             "staging_bytes": self._staging.used if self._staging is not None else 0,
         }
+
+
+def _ignore(e: Entry) -> None:
+    pass

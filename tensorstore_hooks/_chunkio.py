@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -47,9 +48,18 @@ class ChunkIO(ABC):
     supports_append: bool = False
     """True if :meth:`open_append` works (cheap durable journals)."""
 
-    cheap_overwrite: bool = False
+    supports_rewrite_in_place: bool = False
     """True if rewriting an existing object costs less than deleting it and writing a
     new one (local files), so freed chunk objects are worth keeping for reuse."""
+
+    supports_direct_read: bool = False
+    """True if :meth:`readinto` reads straight into the caller's buffers piece by piece
+    (no intermediate copy; ``filled`` is called between pieces), so a reader can
+    checksum while reading. Otherwise :meth:`readinto` is a whole-object read + copy."""
+
+    is_private_memory: bool = False
+    """True if the objects live only in this process and die with this object
+    (nothing to persist, nothing another process can see)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -130,6 +140,16 @@ class ChunkIO(ABC):
         self.write(dst, [self.read(src)])
         self.delete([src])
 
+    def lock(self, path: str) -> Callable[[], None] | None:
+        """Take an exclusive lock named by ``path`` for as long as this process holds it
+        (released by the returned function, or when the process dies).
+
+        Returns None where the backend has no locks (object stores, private memory).
+        Raises ``BlockingIOError`` whose ``strerror`` names the holder if another
+        object (in this or another process) holds it. Never waits.
+        """
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
         """Release connections or sessions this object holds (idempotent; default none)."""
 
@@ -138,7 +158,8 @@ class LocalIO(ChunkIO):
     """A directory on a local filesystem, through plain OS calls."""
 
     supports_append = True
-    cheap_overwrite = True
+    supports_rewrite_in_place = True
+    supports_direct_read = True
 
     def __init__(self, root: str) -> None:
         super().__init__("file://" + os.path.abspath(root))
@@ -232,6 +253,43 @@ class LocalIO(ChunkIO):
     def replace(self, src: str, dst: str) -> None:
         os.replace(self._full(src), self._full(dst))
 
+    def lock(self, path: str) -> Callable[[], None] | None:
+        # flock, not fcntl record locks: flock locks belong to the open file, so two
+        # objects in one process exclude each other too, and the kernel drops the lock
+        # when the process dies (no stale lock after SIGKILL).
+        import fcntl
+
+        full = self._full(path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        fd = os.open(full, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            raise BlockingIOError(e.errno, f"held by {holder}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        with contextlib.suppress(OSError):
+            me = f"pid {os.getpid()} on {socket.gethostname()}".encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
+
+        held = [fd]
+
+        def release() -> None:
+            if not held:
+                return  # idempotent: never close a descriptor number twice
+            fd = held.pop()
+            with contextlib.suppress(OSError):
+                # Unlock explicitly: a forked child may share this open file.
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+        return release
+
 
 def _write_all(fd: int, part: Buffer) -> int:
     mv = memoryview(part).cast("B")
@@ -243,6 +301,8 @@ def _write_all(fd: int, part: Buffer) -> int:
 
 class MemoryIO(ChunkIO):
     """A private in-process dict (never fsspec's process-global memory filesystem)."""
+
+    is_private_memory = True
 
     def __init__(self, label: str = "memory://") -> None:
         super().__init__(label)

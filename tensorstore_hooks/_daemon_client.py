@@ -197,7 +197,7 @@ class DaemonStore(BlobStore):
         self._pool = ConnectionPool(connections)
         self._last_activity = time.monotonic()
         self._keepalive_thread: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, ConnectionPool.close_all, self._pool)
+        self._finalizer = weakref.finalize(self, ConnectionPool.finish, self._pool)
         if check:
             self._check_reachable()
 

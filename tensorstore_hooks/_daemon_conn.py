@@ -32,6 +32,7 @@ from .protocol import (
     MAGIC,
     PREFIX_BYTES,
     PROTOCOL_VERSION,
+    Bye,
     ErrorCode,
     Hello,
     ProtocolError,
@@ -425,6 +426,20 @@ class ConnectionPool:
     @property
     def forked(self) -> bool:
         return self._pid != os.getpid()
+
+    def finish(self) -> None:
+        """The store was dropped without ``close()`` (garbage, or the interpreter exits):
+        end its session with a best-effort BYE on an idle connection, so the daemon frees
+        it at once rather than after its lease, then close everything. Never from a
+        forked child (the session is its parent's); waits at most 0.5 s."""
+        with self.cond:  # the store is gone: nothing else can be using the pool now
+            live = not self.closed and not self.forked
+            conn = next((c for c in self.idle if c.session is not None), None) if live else None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.sock.settimeout(0.5)
+                conn.call(Bye(id=0))
+        self.close_all()
 
     def close_all(self) -> None:
         self.stop.set()

@@ -421,7 +421,10 @@ def test_metrics_endpoint(daemons: DaemonLauncher) -> None:
             return samples
 
         m = wait_until(
-            lambda: (s := scrape()).get('tsh_tier_used_bytes{tier="ram"}') == 1 << 20 and s,
+            # 1 MiB + the per-tensor overhead (NOTE [ What a tensor costs ])
+            lambda: (
+                (s := scrape()).get('tsh_tier_used_bytes{tier="ram"}') == (1 << 20) + 2048 and s
+            ),
             10,
             "the RAM gauge to show the tensor",
         )

@@ -20,6 +20,9 @@ from .daemon_fixtures import DaemonLauncher, daemons, wait_until
 __all__ = ["daemons"]  # the fixture, re-exported for pytest
 
 MiB = 1 << 20
+SLACK = 64 << 10  # per-tensor overhead + the disk tier's metadata files
+RAM_OVERHEAD = 2048  # NOTE [ What a tensor costs ]
+DISK_RECORD = 512
 
 
 def _mib_tensor(i: int) -> torch.Tensor:
@@ -27,17 +30,21 @@ def _mib_tensor(i: int) -> torch.Tensor:
 
 
 def test_spill_then_quota_then_fallback(daemons: DaemonLauncher, tmp_path: Path) -> None:
+    # Room for 4 + 8 tensors of 1 MiB with their per-tensor overhead (documented in
+    # NOTE [ What a tensor costs ]) and the disk tier's metadata files.
     d = daemons.start(
-        "--memory-quota", "4MiB", "--root", str(tmp_path / "root"), "--disk-quota", "8MiB"
-    )
+        "--memory-quota", str(4 * MiB + SLACK), "--root", str(tmp_path / "root"),
+        "--disk-quota", str(8 * MiB + SLACK),
+    )  # fmt: skip
     with DaemonStore(d.url) as store:
         keys = [store.put(_mib_tensor(i)) for i in range(12)]  # 4 in RAM, 8 spilled
         with pytest.raises(QuotaExceededError, match="no room"):
             store.put(_mib_tensor(99))
         snap = store.stats()
         ram, disk = snap["tiers"]["ram"], snap["tiers"]["disk"]
-        assert (ram["used"], ram["tensors"]) == (4 * MiB, 4)
-        assert (disk["used"], disk["tensors"]) == (8 * MiB, 8)
+        assert (ram["used"], ram["tensors"]) == (4 * (MiB + RAM_OVERHEAD), 4)
+        assert disk["tensors"] == 8
+        assert disk["used"] - disk["metadata"] == 8 * (MiB + 4 + DISK_RECORD)  # chunk + crc32c
         assert snap["counters"]["spills"] == 8
         assert snap["counters"]["quota_rejected"] == 1
         # The oldest went to disk, the newest stayed in RAM; nothing was lost.
@@ -49,7 +56,9 @@ def test_spill_then_quota_then_fallback(daemons: DaemonLauncher, tmp_path: Path)
         store.put(_mib_tensor(100))
         assert torch.equal(store.get(keys[11]), _mib_tensor(11))
         store.delete_many(list(store.keys()))
-        wait_until(lambda: store.stats()["tiers"]["disk"]["used"] == 0, 10, "disk bytes freed")
+        wait_until(
+            lambda: store.stats()["tiers"]["disk"]["tensors"] == 0, 10, "disk bytes freed"
+        )
 
     # Training through the full daemon: refused writes become fallbacks, the
     # gradients stay identical and every tensor comes back.
@@ -83,15 +92,17 @@ def test_memory_quota_zero_is_disk_only(daemons: DaemonLauncher, tmp_path: Path)
         snap = store.stats()
         assert snap["tiers"]["ram"]["used"] == 0 and snap["tiers"]["ram"]["quota"] == 0
         assert snap["tiers"]["disk"]["tensors"] == 5
-        assert snap["tiers"]["disk"]["used"] == sum(t.numel() * 4 for t in tensors)
+        disk = snap["tiers"]["disk"]
+        assert disk["used"] - disk["metadata"] >= sum(t.numel() * 4 for t in tensors)
         for key, t in zip(keys, tensors, strict=True):
             assert torch.equal(store.get(key), t)
 
 
 def test_concurrent_puts_never_exceed_quota(daemons: DaemonLauncher, tmp_path: Path) -> None:
     d = daemons.start(
-        "--memory-quota", "8MiB", "--root", str(tmp_path / "root"), "--disk-quota", "16MiB"
-    )
+        "--memory-quota", str(8 * MiB + SLACK), "--root", str(tmp_path / "root"),
+        "--disk-quota", str(16 * MiB + SLACK),
+    )  # fmt: skip
     stop = threading.Event()
     violations: list[str] = []
     samples = [0]
@@ -166,7 +177,7 @@ def test_killed_client_is_freed_after_its_lease(daemons: DaemonLauncher) -> None
     assert out.returncode == -9 and "stored" in out.stdout, out.stderr
     snap = fetch_stats(d.url)
     # Its tensors may still be there (the lease has not run out yet) ...
-    assert snap["tiers"]["ram"]["used"] in (0, 3 * MiB)
+    assert snap["tiers"]["ram"]["used"] in (0, 3 * (MiB + RAM_OVERHEAD))
 
     def freed() -> bool:
         s = fetch_stats(d.url)

@@ -25,8 +25,11 @@ from torch import nn
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import StoreUnavailableError, TensorStore
+from tensorstore_hooks._chunkio import ChunkIO, FsspecIO
 from tensorstore_hooks._retry import Failure, Retrier, RetriesExhausted, RetryPolicy, classify
+from tensorstore_hooks._zarr_store import make_io
 
+from .chunkio_conformance import ChunkIOConformance
 from .s3_fixtures import *  # noqa: F403 - the fixtures
 from .s3_fixtures import FaultPlan, S3Server
 from .store_conformance import StoreConformance
@@ -99,6 +102,32 @@ class TestS3Conformance(StoreConformance):
         s = tsh.open_store(conformance_url, storage_options=s3_server.storage_options)
         yield s
         s.close()
+
+
+class TestS3ChunkIO(ChunkIOConformance):
+    """The ChunkIO contract on S3: FsspecIO over s3fs, a fresh prefix per test."""
+
+    @pytest.fixture
+    def io(self, conformance_url: str, s3_server: S3Server) -> Iterator[ChunkIO]:
+        url = f"{conformance_url}-io-{next(_PREFIXES)}"
+        io = make_io(url, s3_server.storage_options)
+        assert isinstance(io, FsspecIO)
+        yield io
+        io.remove_tree("")
+        io.close()
+
+    def set_raw(self, io: ChunkIO, path: str, data: bytes) -> None:
+        assert isinstance(io, FsspecIO)
+        io.fs.pipe_file(f"{io.root}/{path}", data)
+
+    def get_raw(self, io: ChunkIO, path: str) -> bytes | None:
+        assert isinstance(io, FsspecIO)
+        full = f"{io.root}/{path}"
+        io.fs.invalidate_cache()
+        return bytes(io.fs.cat_file(full)) if io.fs.isfile(full) else None
+
+
+_PREFIXES = itertools.count()
 
 
 # ----------------------------------------------------------------- training

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import msgpack
 import numpy as np
 import pytest
@@ -29,19 +30,39 @@ def _namespaces(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir())
 
 
+def _records(raw: bytes) -> list[list[Any]]:
+    """Framed records as docs/layout.md describes them (magic, u32 length, u32 crc32c
+    of the length bytes and the body, msgpack body), parsed without the library."""
+    out = []
+    pos = 0
+    while pos + 12 <= len(raw):
+        magic, n, want = struct.unpack_from("<4sII", raw, pos)
+        assert magic == b"\xc1TSH"
+        body = raw[pos + 12 : pos + 12 + n]
+        assert crc32c.crc32c(body, crc32c.crc32c(raw[pos + 4 : pos + 8])) == want
+        out.append(msgpack.unpackb(body, raw=False))
+        pos += 12 + n
+    assert pos == len(raw)
+    return out
+
+
+def _frame(record: list[Any]) -> bytes:
+    body = msgpack.packb(record)
+    length = struct.pack("<I", len(body))
+    check = struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(length)))
+    return b"\xc1TSH" + length + check + body
+
+
 def _journal_entries(ns_dir: Path) -> dict[str, dict[str, Any]]:
     """Replay ``index/snapshot`` + ``index/journal`` as docs/layout.md describes."""
     entries: dict[str, dict[str, Any]] = {}
     snap = ns_dir / "index" / "snapshot"
     if snap.exists():
-        entries.update(msgpack.unpackb(snap.read_bytes(), raw=False))
+        header, *puts = _records(snap.read_bytes())
+        assert header[0] == "snap" and header[2]["records"] == len(puts)
+        entries.update((key, entry) for _, key, entry in puts)
     journal = ns_dir / "index" / "journal"
-    raw = journal.read_bytes() if journal.exists() else b""
-    pos = 0
-    while pos + 4 <= len(raw):
-        (n,) = struct.unpack_from("<I", raw, pos)
-        op, key, entry = msgpack.unpackb(raw[pos + 4 : pos + 4 + n], raw=False)
-        pos += 4 + n
+    for op, key, entry in _records(journal.read_bytes() if journal.exists() else b""):
         if op == "put":
             entries[key] = entry
         else:
@@ -196,7 +217,7 @@ def test_readable_with_plain_zarr(tmp_path: Path, codec: str) -> None:
 
         # The hierarchy opens as plain zarr groups.
         group = zarr.open_group(str(root), mode="r")
-        assert group.attrs["tensorstore_hooks"]["format"] == 1
+        assert group.attrs["tensorstore_hooks"]["format"] == 2
         assert "run" in list(group.group_keys())
 
         entries = _journal_entries(root / "run")
@@ -309,7 +330,7 @@ def test_newest_freed_runs_displace_old_spares(tmp_path: Path) -> None:
                 assert [os.fstat(fd).st_nlink for fd in fds] == [1] * 4
                 assert torch.equal(store.get(big), torch.full((4 * 4096,), float(step)))
             assert len(_chunk_files(root)) <= 1 + 4 + 4
-            assert store._spare_nbytes <= store._peak_chunked
+            assert store._alloc.spare_bytes <= store._alloc.peak_bytes
         finally:
             for fd in fds:
                 os.close(fd)
@@ -549,7 +570,7 @@ def test_torn_journal_tail_is_ignored(tmp_path: Path) -> None:
         key = store.put(torch.arange(10.0))
     journal = root / "torn" / "index" / "journal"
     with open(journal, "ab") as f:
-        f.write(struct.pack("<I", 1000) + b"\x93partial")  # a crash mid-append
+        f.write(_frame(["put", "ff", {"seg": 4096}])[:20])  # a crash mid-append
     with ZarrStore(root, namespace="torn") as store:
         assert list(store.keys()) == [key]
         assert torch.equal(store.get(key), torch.arange(10.0))
@@ -560,11 +581,9 @@ def test_index_entries_are_validated(tmp_path: Path) -> None:
     with ZarrStore(root, namespace="evil") as store:
         store.put(torch.ones(4))
     journal = root / "evil" / "index" / "journal"
-    rec = msgpack.packb(
-        ["put", "ff", {"seg": 4096, "start": 0, "count": 1, "meta": {"dtype": "object"}}]
-    )
+    rec = _frame(["put", "ff", {"seg": 4096, "start": 0, "count": 1, "meta": {"dtype": "object"}}])
     with open(journal, "ab") as f:
-        f.write(struct.pack("<I", len(rec)) + rec)
+        f.write(rec)
     with pytest.raises(IntegrityError):
         ZarrStore(root, namespace="evil")
 

@@ -46,39 +46,100 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
 
     Returns ``{"url", "format", "namespaces": [{"name", "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
-    "device", "framework", "nbytes", "stored_bytes"}]}], "totals": {...}}``. ``stored_bytes`` counts
-    whole chunks (payload plus padding, before the codec). Raises
-    :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root
-    and :class:`~tensorstore_hooks.IntegrityError` if an index is corrupt.
+    "device", "framework", "nbytes", "stored_bytes"}], "damage": [str], "error": str |
+    None}], "totals": {...}, "problems": [str]}``. ``stored_bytes`` counts whole chunks
+    (payload plus padding, before the codec). ``damage`` lists the damaged index
+    records of a namespace (the rest is listed), ``error`` says why a namespace could
+    not be listed at all; ``problems`` gathers both, one line each. Raises
+    :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root.
     """
-    from .._index import IndexLog
-    from .._zarr_store import ZarrStore, _Entry, split_url
-    from ..errors import ConfigError
+    from .._zarr_store import make_io
 
-    kind, location = split_url(url)
     # The store's own I/O layer (local files, or fsspec with its retries), without the
     # store: ZarrStore.__init__ would write the root layout and a namespace.
-    io = ZarrStore._make_io(kind, location, storage_options or {}, retry_deadline_s=30.0)
+    io = make_io(url, storage_options or {}, retry_deadline_s=30.0)
     try:
-        root_doc = json.loads(bytes(io.read("zarr.json")))
+        fmt = _root_format(io)
+        namespaces = [ns for name in io.listdir("") if (ns := _namespace(io, name)) is not None]
+    finally:
+        io.close()
+    totals: dict[str, int] = {
+        "namespaces": len(namespaces),
+        "tensors": sum(n["tensors"] for n in namespaces),
+        "bytes": sum(n["bytes"] for n in namespaces),
+        "stored_bytes": sum(n["stored_bytes"] for n in namespaces),
+    }
+    problems = [f"namespace {n['name']}: {d}" for n in namespaces for d in n["damage"]]
+    problems += [f"namespace {n['name']}: {n['error']}" for n in namespaces if n["error"]]
+    return {
+        "url": io.url,
+        "format": fmt,
+        "namespaces": namespaces,
+        "totals": totals,
+        "problems": problems,
+    }
+
+
+def _not_a_root(io: Any, why: str) -> Exception:
+    from ..errors import ConfigError
+
+    return ConfigError(
+        f"inspect: {io.url} is not a tensorstore-hooks store root: {why} "
+        "(pass the directory given to tsh.open_store / tsh.offload)"
+    )
+
+
+def _root_format(io: Any) -> Any:
+    """The root's format number, or a ConfigError saying why it is not a root."""
+    try:
+        raw = bytes(io.read("zarr.json"))
     except FileNotFoundError:
-        raise ConfigError(
-            f"inspect: {io.url} has no zarr.json: not a tensorstore-hooks store root "
-            "(pass the directory given to tsh.open_store / tsh.offload)"
-        ) from None
-    fmt = (root_doc.get("attributes") or {}).get("tensorstore_hooks", {}).get("format")
+        raise _not_a_root(io, "it has no zarr.json") from None
+    except NotADirectoryError:
+        raise _not_a_root(io, "it is a file, not a directory") from None
+    except IsADirectoryError:
+        raise _not_a_root(io, "its zarr.json is a directory") from None
+    except OSError as e:
+        raise _not_a_root(io, f"zarr.json cannot be read ({e})") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:  # also UnicodeDecodeError
+        raise _not_a_root(io, f"its zarr.json is not JSON ({e})") from None
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    ours = attrs.get("tensorstore_hooks") if isinstance(attrs, dict) else None
+    fmt = ours.get("format") if isinstance(ours, dict) else None
     if fmt is None:
-        raise ConfigError(
-            f"inspect: {io.url}/zarr.json is a Zarr node but not a tensorstore-hooks root "
-            "(no 'tensorstore_hooks' attribute)"
+        raise _not_a_root(
+            io, "its zarr.json has no attributes.tensorstore_hooks.format (a Zarr node?)"
         )
-    namespaces: list[dict[str, Any]] = []
-    for name in io.listdir(""):
-        attrs = _namespace_attrs(io, name)
-        if attrs is None and not io.exists(f"{name}/index"):
-            continue  # not a namespace (e.g. a stray file or someone else's data)
-        records = IndexLog(io, f"{name}/index").load()
-        keys: list[dict[str, Any]] = []
+    return fmt
+
+
+def _namespace(io: Any, name: str) -> dict[str, Any] | None:
+    """One namespace's listing (problems recorded in it), or None if ``name`` is not one."""
+    from .._index import IndexLog
+    from .._zarr_store import _Entry
+    from ..errors import TensorStoreError
+
+    attrs = _namespace_attrs(io, name)
+    if attrs is None and not io.exists(f"{name}/index"):
+        return None  # not a namespace (e.g. a stray file or someone else's data)
+    attrs = attrs or {}
+    ns: dict[str, Any] = {
+        "name": name,
+        "chunk_bytes": attrs.get("chunk_bytes"),
+        "codec": attrs.get("codec"),
+        "tensors": 0,
+        "bytes": 0,
+        "stored_bytes": 0,
+        "keys": [],
+        "damage": [],
+        "error": None,
+    }
+    index = IndexLog(io, f"{name}/index", warn=False)
+    keys: list[dict[str, Any]] = []
+    try:
+        records = index.load()
         for key, rec in records.items():
             entry = _Entry.from_record(rec)
             m = entry.meta
@@ -94,35 +155,27 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
                     "stored_bytes": entry.chunk * entry.count,
                 }
             )
-        keys.sort(key=lambda k: _key_order(k["key"]))
-        attrs = attrs or {}
-        namespaces.append(
-            {
-                "name": name,
-                "chunk_bytes": attrs.get("chunk_bytes"),
-                "codec": attrs.get("codec"),
-                "tensors": len(keys),
-                "bytes": sum(k["nbytes"] for k in keys),
-                "stored_bytes": sum(k["stored_bytes"] for k in keys),
-                "keys": keys,
-            }
-        )
-    totals: dict[str, int] = {
-        "namespaces": len(namespaces),
-        "tensors": sum(n["tensors"] for n in namespaces),
-        "bytes": sum(n["bytes"] for n in namespaces),
-        "stored_bytes": sum(n["stored_bytes"] for n in namespaces),
-    }
-    return {"url": io.url, "format": fmt, "namespaces": namespaces, "totals": totals}
+    except TensorStoreError as e:
+        ns["error"] = str(e)
+    ns["damage"] = [str(d) for d in index.damage]
+    keys.sort(key=lambda k: _key_order(k["key"]))
+    ns.update(
+        keys=keys,
+        tensors=len(keys),
+        bytes=sum(k["nbytes"] for k in keys),
+        stored_bytes=sum(k["stored_bytes"] for k in keys),
+    )
+    return ns
 
 
 def _namespace_attrs(io: Any, name: str) -> dict[str, Any] | None:
     try:
         doc = json.loads(bytes(io.read(f"{name}/zarr.json")))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError):
+    except (OSError, ValueError):
         return None
-    attrs = (doc.get("attributes") or {}).get("tensorstore_hooks")
-    return attrs if isinstance(attrs, dict) else None
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    ours = attrs.get("tensorstore_hooks") if isinstance(attrs, dict) else None
+    return ours if isinstance(ours, dict) else None
 
 
 def _key_order(key: str) -> tuple[int, str]:
@@ -148,6 +201,10 @@ def _format(listing: dict[str, Any]) -> str:
             f"namespace {ns['name']}  (chunk {chunk}, codec {ns['codec'] or '?'}): "
             f"{_count(ns['tensors'], 'tensor')}, {fb(ns['bytes'])}"
         )
+        if ns["error"]:
+            lines.append(f"  not listed: {ns['error']}")
+        if ns["damage"]:
+            lines.append(f"  DAMAGED index: {len(ns['damage'])} region(s); the rest is listed")
         if not ns["keys"]:
             continue
         rows = [("key", "dtype", "shape", "bytes", "device")]
@@ -172,10 +229,13 @@ def _format(listing: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """List the store at ``args.url``; exit 0, or 1 with the reason on stderr."""
+    """List the store at ``args.url``; exit 0, or 1 with the reason on stderr (one line
+    per problem: the root cannot be read, or an index is damaged; never a traceback)."""
     url: str = args.url
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme in ("tsh", "tsh+unix"):
+    from .._urls import DAEMON_SCHEMES, scheme_of
+
+    scheme = scheme_of(url)
+    if scheme in DAEMON_SCHEMES:
         print(
             f"inspect: {url} is a storage daemon; its sessions and tiers are shown by "
             f"`tensorstore-hooks stats {url}`",
@@ -194,12 +254,28 @@ def run(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as e:
         print(f"inspect: --storage-options is not valid JSON: {e}", file=sys.stderr)
         return 1
-    listing = inspect_root(url, options)  # TensorStoreError -> exit 1 via cli.main
+    from ..errors import TensorStoreError
+
+    try:
+        listing = inspect_root(url, options)
+    except TensorStoreError as e:
+        print(f"inspect: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    except Exception as e:  # never a traceback for a store we cannot read
+        why = f"{type(e).__name__}: {_one_line(str(e))}"
+        print(f"inspect: cannot read {url}: {why}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(listing, indent=1))
     else:
         print(_format(listing))
-    return 0
+    for problem in listing["problems"]:
+        print(f"inspect: damaged: {_one_line(problem)}", file=sys.stderr)
+    return 1 if listing["problems"] else 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _device(k: dict[str, Any]) -> str:

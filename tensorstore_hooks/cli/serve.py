@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--disk-quota", metavar="SIZE", help='disk tier size, e.g. "64GiB"')
     parser.add_argument(
+        "--session-quota",
+        metavar="SIZE",
+        help="most one session may hold, RAM + disk (default: no cap beyond the tiers)",
+    )
+    parser.add_argument(
         "--token-file",
         metavar="FILE",
         help="clients must present this token (required off loopback)",
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             root=args.root,
             memory_quota=args.memory_quota,
             disk_quota=args.disk_quota,
+            session_quota=args.session_quota,
             token_file=args.token_file,
             lease=args.lease,
             metrics=args.metrics,

@@ -1,0 +1,199 @@
+"""One conformance suite for every :class:`~tensorstore_hooks._chunkio.ChunkIO`.
+
+The zarr-python ``testing/store.py`` pattern: a generic test class that each backend
+subclasses with its fixture and two raw helpers that reach the backend *around* the
+object under test (so a write is checked by what really landed, and a read by what
+was really there)::
+
+    class TestMyIO(ChunkIOConformance):
+        @pytest.fixture
+        def io(self, tmp_path):
+            yield MyIO(...)
+
+        def set_raw(self, io, path, data): ...   # put bytes at ``path`` directly
+        def get_raw(self, io, path): ...         # bytes at ``path``, or None
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorstore_hooks._chunkio import ChunkIO
+
+__all__ = ["ChunkIOConformance"]
+
+
+class ChunkIOConformance:
+    """Generic tests; subclasses provide ``io`` (a fixture), ``set_raw`` and ``get_raw``."""
+
+    def set_raw(self, io: ChunkIO, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def get_raw(self, io: ChunkIO, path: str) -> bytes | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ write
+    def test_write_joins_parts_of_any_buffer_type(self, io: ChunkIO) -> None:
+        parts: list[Any] = [
+            b"ab",
+            bytearray(b"cd"),
+            memoryview(b"ef"),
+            np.frombuffer(b"gh", dtype=np.uint8),
+            np.array([0x6A6A6969], dtype="<u4"),  # a multi-byte element type
+        ]
+        io.write("a/b/obj", parts)
+        assert self.get_raw(io, "a/b/obj") == b"abcdefghiijj"
+
+    def test_write_replaces_a_longer_object(self, io: ChunkIO) -> None:
+        io.write("x", [b"0123456789"])
+        io.write("x", [b"abc"])
+        assert self.get_raw(io, "x") == b"abc"
+
+    def test_write_many(self, io: ChunkIO) -> None:
+        io.write_many([(f"d/{i}", [bytes([i]) * (i + 1)]) for i in range(5)])
+        for i in range(5):
+            assert self.get_raw(io, f"d/{i}") == bytes([i]) * (i + 1)
+
+    def test_write_with_trailer(self, io: ChunkIO) -> None:
+        calls: list[int] = []
+
+        def trailer() -> bytes:
+            calls.append(1)
+            return b"!"
+
+        io.write_with_trailer("t", [b"abc", b"def"], trailer)
+        assert self.get_raw(io, "t") == b"abcdef!"
+        assert calls == [1]
+
+    # ------------------------------------------------------------------- read
+    def test_read_what_is_there(self, io: ChunkIO) -> None:
+        self.set_raw(io, "r/obj", b"hello")
+        assert bytes(io.read("r/obj")) == b"hello"
+
+    def test_read_missing_is_file_not_found(self, io: ChunkIO) -> None:
+        with pytest.raises(FileNotFoundError):
+            io.read("nope")
+        with pytest.raises(FileNotFoundError):
+            io.read_many(["nope", "also-nope"])
+
+    def test_read_many_keeps_order(self, io: ChunkIO) -> None:
+        for i in range(6):
+            self.set_raw(io, f"m/{i}", str(i).encode() * 3)
+        got = io.read_many([f"m/{i}" for i in (5, 0, 3)])
+        assert [bytes(g) for g in got] == [b"555", b"000", b"333"]
+
+    def test_readinto_fills_views_in_order(self, io: ChunkIO) -> None:
+        self.set_raw(io, "v", bytes(range(10)))
+        a, b, c = bytearray(3), bytearray(4), bytearray(3)
+        done: list[int] = []
+        size = io.readinto("v", [memoryview(a), memoryview(b), memoryview(c)], done.append)
+        assert size == 10
+        assert bytes(a) + bytes(b) + bytes(c) == bytes(range(10))
+        assert done == [0, 1, 2]
+
+    def test_readinto_a_short_object_reports_its_size(self, io: ChunkIO) -> None:
+        self.set_raw(io, "short", b"abcde")
+        a, b = bytearray(4), bytearray(4)
+        done: list[int] = []
+        assert io.readinto("short", [memoryview(a), memoryview(b)], done.append) == 5
+        assert bytes(a) == b"abcd" and bytes(b)[:1] == b"e"
+        assert done == [0]  # the second view was not completed
+
+    def test_readinto_missing_is_file_not_found(self, io: ChunkIO) -> None:
+        with pytest.raises(FileNotFoundError):
+            io.readinto("nope", [memoryview(bytearray(4))])
+
+    # -------------------------------------------------------------- inventory
+    def test_exists_objects_and_prefixes(self, io: ChunkIO) -> None:
+        self.set_raw(io, "e/f/g", b"1")
+        assert io.exists("e/f/g")
+        assert io.exists("e/f") and io.exists("e")
+        assert not io.exists("e/f/h") and not io.exists("x")
+
+    def test_listdir_names_one_level(self, io: ChunkIO) -> None:
+        for p in ("l/a", "l/b/c", "l/b/d", "other"):
+            self.set_raw(io, p, b"1")
+        assert io.listdir("l") == ["a", "b"]
+        assert io.listdir("l/b") == ["c", "d"]
+        assert io.listdir("missing") == []
+
+    # ---------------------------------------------------------------- removal
+    def test_delete_ignores_missing(self, io: ChunkIO) -> None:
+        self.set_raw(io, "del/a", b"1")
+        self.set_raw(io, "del/b", b"2")
+        io.delete(["del/a", "del/missing"])
+        assert self.get_raw(io, "del/a") is None
+        assert self.get_raw(io, "del/b") == b"2"
+        io.delete([])
+
+    def test_remove_tree_leaves_siblings(self, io: ChunkIO) -> None:
+        for p in ("t/x/1", "t/x/y/2", "t/xy", "t/z"):
+            self.set_raw(io, p, b"1")
+        io.remove_tree("t/x")
+        assert self.get_raw(io, "t/x/1") is None and self.get_raw(io, "t/x/y/2") is None
+        assert self.get_raw(io, "t/xy") == b"1" and self.get_raw(io, "t/z") == b"1"
+        io.remove_tree("t/absent")
+
+    def test_replace_moves_over(self, io: ChunkIO) -> None:
+        self.set_raw(io, "s", b"new")
+        self.set_raw(io, "d", b"old-and-longer")
+        io.replace("s", "d")
+        assert self.get_raw(io, "d") == b"new"
+        assert self.get_raw(io, "s") is None
+
+    # ---------------------------------------------------------- capabilities
+    def test_append_and_truncate_where_supported(self, io: ChunkIO) -> None:
+        if not io.supports_append:
+            with pytest.raises(NotImplementedError):
+                io.open_append("j/journal")
+            return
+        f = io.open_append("j/journal")
+        try:
+            f.write(b"one")
+            f.write(b"two")
+            assert self.get_raw(io, "j/journal") == b"onetwo"
+            f.truncate(3)
+            f.write(b"!")
+            assert self.get_raw(io, "j/journal") == b"one!"
+        finally:
+            f.close()
+        io.truncate("j/journal")
+        assert self.get_raw(io, "j/journal") == b""
+
+    def test_lock_excludes_a_second_holder_where_supported(self, io: ChunkIO) -> None:
+        release = io.lock("ns/lock")
+        if release is None:
+            assert io.lock("ns/lock") is None  # no locks: documented, never an error
+            return
+        try:
+            with pytest.raises(BlockingIOError, match="held by pid"):
+                io.lock("ns/lock")
+        finally:
+            release()
+        release()  # idempotent
+        again = io.lock("ns/lock")
+        assert again is not None
+        again()
+
+    def test_concurrent_writes_and_reads(self, io: ChunkIO) -> None:
+        errors: list[BaseException] = []
+
+        def work(n: int) -> None:
+            try:
+                for i in range(20):
+                    path = f"c/{n}/{i}"
+                    io.write(path, [bytes([n]) * 100, bytes([i])])
+                    assert bytes(io.read(path)) == bytes([n]) * 100 + bytes([i])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:1]

@@ -1,0 +1,106 @@
+"""``tensorstore-hooks inspect`` on roots it cannot list and on damaged indexes:
+exit 1 with one line per problem, never a traceback (issue 14 items 3 and 12)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensorstore_hooks import ZarrStore
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorstore_hooks.cli", "inspect", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _one_line_failure(proc: subprocess.CompletedProcess[str], *expect: str) -> None:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for text in expect:
+        assert text in lines[0], lines[0]
+
+
+def _root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    with ZarrStore(root, namespace="ns") as store:
+        store.put(torch.ones(10))
+        store.put(torch.zeros(20))
+    return root
+
+
+def test_a_file_instead_of_a_directory(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("hello")
+    _one_line_failure(_cli(str(f)), "is a file, not a directory")
+
+
+@pytest.mark.parametrize(
+    ("doc", "why"),
+    [
+        (b"{not json", "not JSON"),
+        (b"\xff\xfe\x00", "not JSON"),
+        (b"[1, 2, 3]", "no attributes.tensorstore_hooks.format"),
+        (b'{"attributes": 5}', "no attributes.tensorstore_hooks.format"),
+        (b'{"attributes": {"tensorstore_hooks": "x"}}', "no attributes.tensorstore_hooks"),
+        (b'{"zarr_format": 3, "node_type": "group"}', "no attributes.tensorstore_hooks"),
+    ],
+)
+def test_a_bad_zarr_json(tmp_path: Path, doc: bytes, why: str) -> None:
+    root = _root(tmp_path)
+    (root / "zarr.json").write_bytes(doc)
+    _one_line_failure(_cli(str(root)), why)
+
+
+def test_zarr_json_as_a_directory(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "zarr.json").mkdir(parents=True)
+    _one_line_failure(_cli(str(root)), "zarr.json is a directory")
+
+
+def test_index_as_a_file(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    index = root / "ns" / "index"
+    for p in index.iterdir():
+        p.unlink()
+    index.rmdir()
+    index.write_bytes(b"oops")
+    _one_line_failure(_cli(str(root)), "namespace ns", "is not a directory")
+
+
+def test_journal_as_a_directory(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    journal = root / "ns" / "index" / "journal"
+    journal.unlink()
+    journal.mkdir()
+    _one_line_failure(_cli(str(root)), "namespace ns", "journal is a directory")
+
+
+def test_a_damaged_index_record_is_named_and_exits_1(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    journal = root / "ns" / "index" / "journal"
+    raw = bytearray(journal.read_bytes())
+    raw[-3] ^= 0x01  # the second (last) record
+    journal.write_bytes(bytes(raw))
+    proc = _cli(str(root))
+    _one_line_failure(proc, "damaged", "ns/index/journal: record 2 at byte", "checksum mismatch")
+    assert "1 tensor" in proc.stdout  # the undamaged record is still listed
+    assert "DAMAGED index" in proc.stdout
+
+
+def test_a_healthy_root_exits_0(tmp_path: Path) -> None:
+    proc = _cli(str(_root(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert "2 tensors" in proc.stdout
