@@ -23,6 +23,8 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 * ``_device.py``, ``_staging.py`` - CUDA tensors through pinned host buffers.
 * ``_prefetch.py`` - reads ahead of backward, newest first.
 * ``_iopool.py``, ``_heap.py`` - the shared I/O threads; freed heap back to the OS.
+* ``_retry.py`` - the one retry loop, with each layer's failure classifier;
+  ``_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
 * ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
   ``_registry.py`` - the stores and ``open_store`` (one registry entry per URL
   scheme); ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
@@ -48,6 +50,7 @@ from .errors import (
     IntegrityError,
     KeyNotFoundError,
     QuotaExceededError,
+    StoreClosedError,
     StoreUnavailableError,
     TensorStoreError,
     UnsupportedTensorError,
@@ -69,6 +72,7 @@ __all__ = [
     "RouteStats",
     "Router",
     "Rule",
+    "StoreClosedError",
     "StoreUnavailableError",
     "TensorMeta",
     "TensorStore",

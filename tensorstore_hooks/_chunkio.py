@@ -33,7 +33,7 @@ from ._retry import (
     service_code,
 )
 from ._urls import link_protocols
-from .errors import StoreUnavailableError
+from .errors import StoreClosedError, StoreUnavailableError
 
 __all__ = ["ChunkIO", "FsspecIO", "LocalIO", "MemoryIO"]
 
@@ -453,7 +453,7 @@ class FsspecIO(ChunkIO):
     def _run(self, what: str, fn: Any) -> Any:
         """``fn(time_left_s)`` under the retry policy; failures become StoreUnavailableError."""
         if self._closed:
-            raise StoreUnavailableError(f"FsspecIO({self.url}) is closed")
+            raise StoreClosedError(f"FsspecIO({self.url}) is closed")
         try:
             return self._retrier.call(what, fn)
         except RetriesExhausted as e:

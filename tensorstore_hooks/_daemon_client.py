@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import stat
 import threading
 import time
@@ -45,6 +44,7 @@ from ._daemon_conn import (
     parse_daemon_url,
 )
 from ._daemon_session import DaemonSession
+from ._retry import Failure, Retrier, RetriesExhausted, RetryPolicy
 from ._store import BlobStore
 from ._units import format_bytes
 from .errors import (
@@ -76,6 +76,15 @@ __all__ = ["DaemonAddress", "DaemonStore", "fetch_stats", "parse_daemon_url"]
 log = logging.getLogger("tensorstore_hooks.daemon_client")
 
 _Lost = Lost  # the retry loop in DaemonStore._call catches this
+
+
+def _classify_connection(exc: BaseException) -> Failure:
+    """The daemon client's classifier (NOTE [ One retry layer ] in ``_retry.py``).
+
+    A lost connection heals (reconnect and resume the session); anything else is
+    the daemon's answer or a refusal no retry can change, raised unchanged.
+    """
+    return Failure.TRANSIENT if isinstance(exc, _Lost) else Failure.ANSWER
 
 
 def read_token_file(path: str | os.PathLike[str], who: str) -> str:
@@ -269,41 +278,56 @@ class DaemonStore(BlobStore):
     def _call(
         self, req: Request, payload: Any = None, *, retry: bool = True
     ) -> tuple[dict[str, Any], Any]:
-        """One request with reconnect/retry; daemon error codes become library errors."""
-        deadline: float | None = None
-        attempt = 0
-        while True:
-            conn: Connection | None = None
+        """One request with reconnect/retry; daemon error codes become library errors.
+
+        Retried by the library's one retry loop (NOTE [ One retry layer ] in
+        ``_retry.py``) with :func:`_classify_connection`: only a lost connection heals.
+        """
+
+        def attempt(time_left_s: float) -> tuple[dict[str, Any], Any]:
+            conn = self._acquire()
             try:
-                conn = self._acquire()
                 answer, body = conn.call(req, payload)
-            except _Lost as e:
-                if conn is not None:
-                    self._release(conn)
+            except _Lost:
+                self._release(conn)
                 self._drop_idle()
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self._reconnect_deadline_s
-                if not retry or now >= deadline:
-                    raise StoreUnavailableError(
-                        self._fail(
-                            "the daemon is unreachable (gave up after "
-                            f"{self._reconnect_deadline_s:g}s): {e}; "
-                            "is `tensorstore-hooks serve` running there?"
-                        )
-                    ) from e
-                # Full jitter: clients of a restarted daemon must not reconnect in lockstep.
-                delay = random.uniform(0, min(1.0, 0.02 * 2**attempt))
-                time.sleep(min(delay, max(0.0, deadline - now)))
-                attempt += 1
-                continue
+                raise
             except ProtocolError as e:
-                if conn is not None:
-                    self._release(conn)
+                self._release(conn)
                 raise self._translate(e, req) from e
             self._release(conn)
             self._last_activity = time.monotonic()
             return answer, body
+
+        try:
+            if not retry:
+                return attempt(0.0)
+            return self._call_retrier().call(req.op.upper(), attempt)
+        except (_Lost, RetriesExhausted) as e:
+            cause = e.cause if isinstance(e, RetriesExhausted) else e
+            raise StoreUnavailableError(
+                self._fail(
+                    "the daemon is unreachable (gave up after "
+                    f"{getattr(e, 'elapsed_s', 0.0):.1f}s, reconnect_deadline_s="
+                    f"{self._reconnect_deadline_s:g}): {cause}; "
+                    "is `tensorstore-hooks serve` running there?"
+                )
+            ) from cause
+
+    def _call_retrier(self) -> Retrier:
+        retrier = self.__dict__.get("_retrier")
+        if retrier is None:
+            # Jittered backoff from 20 ms doubling to 1 s (clients of a restarted
+            # daemon must not reconnect in lockstep), for reconnect_deadline_s.
+            policy = RetryPolicy(
+                deadline_s=max(self._reconnect_deadline_s, 1e-3),
+                first_backoff_s=0.02,
+                max_backoff_s=1.0,
+                min_attempt_s=0.0,
+            )
+            retrier = Retrier(policy, label=self.url, classify=_classify_connection)
+            retrier = self.__dict__.setdefault("_retrier", retrier)
+        return retrier
 
     def _translate(self, e: ProtocolError, req: Request) -> TensorStoreError:
         if e.code is ErrorCode.NOT_FOUND:

@@ -27,7 +27,7 @@ import numpy as np
 
 # Addresses are parsed with every other store URL: NOTE [ Store URL rules ] in _urls.
 from ._urls import DEFAULT_PORT, DaemonAddress, parse_daemon_url
-from .errors import ConfigError, StoreUnavailableError
+from .errors import ConfigError, StoreClosedError, StoreUnavailableError
 from .protocol import (
     MAGIC,
     PREFIX_BYTES,
@@ -366,7 +366,7 @@ class ConnectionPool:
                 while True:
                     self._validate()
                     if self.closed:
-                        raise StoreUnavailableError(closed_message)
+                        raise StoreClosedError(closed_message)
                     while self.idle:
                         conn = self.idle.pop()
                         if conn.alive():

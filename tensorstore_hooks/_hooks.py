@@ -8,6 +8,7 @@ to the session's :class:`~tensorstore_hooks.Router`; the work lives in the pipel
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -15,7 +16,9 @@ import torch
 from ._pipeline import OffloadSession
 from ._registry import open_store, options_from_config
 from ._session_api import SessionAPI
+from ._signals import install as install_signal_shield
 from ._store import TensorStore
+from .errors import ConfigError
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
 
@@ -26,13 +29,17 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
     Use as a context manager around forward; backward may run after the block has
     exited. Nests like the torch original (the innermost active hooks win) and
     composes with ``torch.utils.checkpoint(use_reentrant=False)``. Made by
-    :func:`offload`; the object can be entered again for the next step.
+    :func:`offload`; the object can be entered again for the next step, and inside
+    its own block (module tracking lasts until the outermost block exits).
+    Entering is all or nothing: if it fails, no hooks are left installed.
     """
 
     def __init__(self, session: OffloadSession) -> None:
         self._bind(session)
         self._scope = session.scope
         self._models: list[torch.nn.Module] = []
+        self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
+        self._depth_lock = threading.Lock()
         super().__init__(session.router.pack, session.router.unpack)
 
     # ------------------------------------------------------------ context
@@ -41,15 +48,27 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
+        install_signal_shield()  # NOTE [ Signals and finalizers ]
         super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing then
-        if self._scope is not None:
-            for model in self._models:
-                self._scope.attach(model)
+        try:
+            with self._depth_lock:
+                if self._depth == 0 and self._scope is not None:
+                    for model in self._models:
+                        self._scope.attach(model)
+                self._depth += 1
+        except BaseException:
+            if self._scope is not None:
+                self._scope.detach()
+            super().__exit__(None, None, None)  # all or nothing: pop the hooks again
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        if self._scope is not None:
+        with self._depth_lock:
+            self._depth -= 1
+            last = self._depth == 0
+        if last and self._scope is not None:
             self._scope.detach()
 
     # ------------------------------------------------------------- public
@@ -57,7 +76,9 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         """Track ``model``'s module paths for ``module`` rules while the hooks are active.
 
         Forward hooks are added on entering the ``with`` block and removed on leaving it.
+        Raises :class:`ConfigError` if ``model`` is not a ``torch.nn.Module``.
         """
+        _check_model(model, "OffloadHooks.attach(model)")
         if self._scope is None:
             from ._scope import ModuleScope
 
@@ -73,6 +94,14 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
 
     def __repr__(self) -> str:
         return f"OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"
+
+
+def _check_model(model: Any, where: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{where}: expected a torch.nn.Module whose module paths `module` rules "
+            f"match, got {type(model).__name__} {model!r:.60}; pass the model itself"
+        )
 
 
 def _store_options(url: object, store_cfg: Any) -> dict[str, Any]:
@@ -103,6 +132,8 @@ def offload(
 
     Raises :class:`ConfigError` for bad options, before anything is changed.
     """
+    if model is not None:
+        _check_model(model, "offload(model=...)")
     hooks = OffloadHooks(make_session(store, config, overrides))
     if model is not None:
         hooks.attach(model)

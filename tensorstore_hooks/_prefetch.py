@@ -8,14 +8,18 @@ the bytes read but not yet consumed stay within the ``prefetch`` window. An unpa
 that finds its read already done or running is a hit; one that has to start its own
 read is a miss. Out-of-order access (branches, several graphs) is correct, only
 slower: the cursor simply jumps.
+
+A read has one deadline, ``read_deadline_s``, from its first attempt: reads retry in
+the library's one retry loop (NOTE [ One retry layer ] in ``_retry.py``) with
+:func:`~tensorstore_hooks._retry.classify_store_read`, and a read ahead that failed
+is final for its unpack (it already had the whole deadline) rather than retried again.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import torch
@@ -23,13 +27,8 @@ import torch
 from ._iopool import READ
 from ._parts import PipelineUnit, SessionParts
 from ._records import Record, State
-from .errors import (
-    IntegrityError,
-    KeyNotFoundError,
-    StoreUnavailableError,
-    TensorStoreError,
-    UnsupportedTensorError,
-)
+from ._retry import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
+from .errors import StoreUnavailableError
 
 __all__ = ["Prefetcher"]
 
@@ -45,6 +44,16 @@ class Prefetcher(PipelineUnit):
         self.read_deadline_s = read_deadline_s
         self.cursor = -1  # pack position the next read-ahead looks at
         self._window = 0  # bytes read ahead and not yet consumed
+        self._retrier = Retrier(
+            RetryPolicy(
+                deadline_s=max(read_deadline_s, 1e-3),
+                first_backoff_s=0.01,
+                max_backoff_s=1.0,
+                min_attempt_s=0.0,
+            ),
+            label=f"offload reads from {parts.store.url}",
+            classify=classify_store_read,
+        )
 
     # ---------------------------------------------------------------- unpack
     def claim(self, rec: Record) -> Future[Any] | None:
@@ -66,8 +75,9 @@ class Prefetcher(PipelineUnit):
             self._stats.prefetch_hits += 1
             try:
                 out = fut.result()
-            except BaseException:
-                out = self.read(rec)  # retried with a deadline, then raised
+            except CancelledError:
+                out = self.read(rec)
+            # Any other error is final: that read had the whole deadline already.
         else:
             self._stats.prefetch_misses += 1
             self.fill()
@@ -100,24 +110,16 @@ class Prefetcher(PipelineUnit):
         return t
 
     def _get(self, key: str) -> torch.Tensor:
-        deadline = time.monotonic() + self.read_deadline_s
-        delay = 0.01
-        while True:
-            try:
-                return self._store.get(key, device="cpu")
-            except (KeyNotFoundError, IntegrityError, UnsupportedTensorError):
-                raise
-            except Exception as e:
-                if isinstance(e, TensorStoreError) and not isinstance(e, StoreUnavailableError):
-                    raise  # not transient
-                if time.monotonic() + delay > deadline:
-                    raise StoreUnavailableError(
-                        f"offload: reading key {key!r} from {self._store.url} failed for "
-                        f"{self.read_deadline_s:g}s: {e}"
-                    ) from e
-                log.debug("read of %r failed (%r), retrying", key, e)
-            time.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 1.0)
+        try:
+            return self._retrier.call(
+                f"reading key {key!r}", lambda _left_s: self._store.get(key, device="cpu")
+            )
+        except RetriesExhausted as e:
+            raise StoreUnavailableError(
+                f"offload: reading key {key!r} from {self._store.url} failed "
+                f"({e.attempts} attempt(s) over {e.elapsed_s:.1f}s, read_deadline_s="
+                f"{self.read_deadline_s:g}): {type(e.cause).__name__}: {e.cause}"
+            ) from e.cause
 
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""

@@ -14,7 +14,8 @@ record moves only along :data:`TRANSITIONS`, through :meth:`Record.move`:
 Any other move is a bug in tensorstore-hooks and raises :class:`IllegalTransition`.
 The record holds the source tensor until its bytes are in the store, then drops it,
 which is what frees activation memory. Stored bytes are deleted only when the last
-handle dies (``weakref.finalize``), never on unpack: unpack may run many times
+handle dies (a weak reference's callback, shielded from signals: NOTE [ Signals and
+finalizers ] in ``_signals.py``), never on unpack: unpack may run many times
 (``retain_graph=True``, double backward).
 
 Dedup: a tensor saved twice (``exp`` saves its output, and so do the ``sin`` and
@@ -46,6 +47,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+from ._signals import shielded
 
 __all__ = [
     "TRANSITIONS",
@@ -92,6 +95,7 @@ class Record:
         "error",
         "fetch",
         "guard",
+        "guard_ref",
         "key",
         "nbytes",
         "offset",
@@ -112,6 +116,8 @@ class Record:
         # framework's tensor (seen here through a zero-copy alias) that tensor's counter.
         self.guard: Any = self.source if guard is None else guard
         self.version: int = self.guard._version
+        # Outlives ``guard``: see NOTE [ In-place checks ].
+        self.guard_ref = _weak(t if guard is None else guard)
         self.nbytes = nbytes
         self.device = t.device
         self.offset = int(t.storage_offset())
@@ -137,13 +143,26 @@ class Record:
         self.state = to
 
     def modified(self) -> bool:
-        """True if the saved tensor changed in place since pack (NOTE [ In-place checks ])."""
+        """True if the saved tensor changed in place since pack (NOTE [ In-place checks ]).
+
+        After the write the tensor is gone from the record but its weak reference
+        is not: a tensor still alive is still checked.
+        """
         guard = self.guard
+        if guard is None and self.guard_ref is not None:
+            guard = self.guard_ref()
         return guard is not None and guard._version != self.version
 
     def drop_source(self) -> None:
         """Let go of the saved tensor (its bytes are elsewhere now, or unwanted)."""
         self.source = self.guard = None
+
+
+def _weak(obj: Any) -> weakref.ref[Any] | None:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # another framework's guard without weak references
+        return None
 
 
 class Handle:
@@ -153,6 +172,39 @@ class Handle:
 
     def __init__(self, rec: Record) -> None:
         self.rec = rec
+
+
+class _Finalizer(weakref.ref[Handle]):
+    """A weak reference to a handle whose callback gives up its record: the finalizer.
+
+    A plain ``weakref.ref`` callback rather than ``weakref.finalize``, whose own
+    Python ``__call__`` would run before any shielded code (NOTE [ Signals and
+    finalizers ]). Kept alive by :data:`_finalizers` (as ``weakref.finalize`` keeps
+    its registry), which holds ``release`` strongly and the table not at all.
+    """
+
+    __slots__ = ("rec", "release")
+    rec: Record
+    release: Callable[[Record], None]
+
+    def __new__(cls, handle: Handle, rec: Record, release: Callable[[Record], None]) -> _Finalizer:
+        self = super().__new__(cls, handle, _handle_died)
+        self.rec = rec
+        self.release = release
+        return self
+
+    def __init__(self, handle: Handle, rec: Record, release: Callable[[Record], None]) -> None:
+        super().__init__(handle, _handle_died)  # type: ignore[call-arg]
+
+
+_finalizers: set[_Finalizer] = set()
+"""The finalizers of live handles (set operations are atomic under the GIL)."""
+
+
+@shielded  # NOTE [ Signals and finalizers ]: a signal must not cut this in half
+def _handle_died(ref: _Finalizer) -> None:
+    _finalizers.discard(ref)
+    ref.release(ref.rec)
 
 
 def dedup_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -230,8 +282,7 @@ class RecordTable:
         if release is None:
             raise IllegalTransition("tensorstore-hooks internal error: the session is gone")
         handle = Handle(rec)
-        fin = weakref.finalize(handle, release, rec)
-        fin.atexit = False  # at exit the store is going away anyway; never raise there
+        _finalizers.add(_Finalizer(handle, rec, release))
         return handle
 
     def free(self, rec: Record) -> State | None:

@@ -13,12 +13,26 @@ and keeps the original as the cause). :class:`Retrier` runs a call under a
 :class:`RetryPolicy` and counts what happened (:class:`RetryStats`).
 
 NOTE [ One retry layer ]
+Every retry loop of the library is :meth:`Retrier.call`; each layer plugs in only a
+*classifier* that says which of its failures heal by themselves:
+
+* :func:`classify`: object stores under fsspec (service codes, HTTP status, errno);
+* ``DaemonStore``'s connection classifier: a lost connection heals (reconnect and
+  resume), an answer of the daemon is final;
+* :func:`classify_store_read`: what ``store.get`` raised to the offload pipeline.
+
+Layers nest (the pipeline reads from a ``DaemonStore`` whose calls retry; a
+``ZarrStore`` reads through ``FsspecIO`` whose calls retry), so two rules keep one
+deadline per logical operation: (1) a call made inside another's attempt (on the
+same thread) gets at most the outer call's time left, and (2) once an inner call has
+given up, the outer one does not retry: the inner layer already spent the time.
+
 s3fs retries some errors itself (5 tries) and botocore retries again under it (5
 attempts, up to about 15 s of backoff per call), so a dead endpoint would take
 minutes to report and a deadline could not hold. :class:`~tensorstore_hooks._chunkio.FsspecIO`
-therefore turns the inner layers down to a single attempt (unless the user set them)
-and this module is the only place that retries, with every attempt of an async
-filesystem also bounded by the time left (``fsspec.asyn.sync(..., timeout=...)``).
+therefore turns the inner layers down to a single attempt (unless the user set them),
+with every attempt of an async filesystem also bounded by the time left
+(``fsspec.asyn.sync(..., timeout=...)``).
 """
 
 from __future__ import annotations
@@ -35,13 +49,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .errors import (
+    ConfigError,
+    IntegrityError,
+    KeyNotFoundError,
+    QuotaExceededError,
+    StoreClosedError,
+    StoreUnavailableError,
+    TensorStoreError,
+    UnsupportedTensorError,
+)
+
 __all__ = [
+    "Classifier",
     "Failure",
     "RetryPolicy",
     "RetryStats",
     "Retrier",
     "RetriesExhausted",
     "classify",
+    "classify_store_read",
     "error_chain",
     "service_code",
 ]
@@ -60,6 +87,13 @@ class Failure(enum.Enum):
     """Missing bucket, access denied, bad request, anything unrecognised: fail now."""
     NOT_FOUND = "not_found"
     """The object does not exist: an answer, not a failure (``FileNotFoundError``)."""
+    ANSWER = "answer"
+    """The call's own answer (a missing key, a checksum mismatch, a refused request):
+    raised to the caller unchanged, never retried, and proof that the store is up."""
+
+
+Classifier = Callable[[BaseException], Failure]
+"""A layer's verdict on one failure of its calls (see NOTE [ One retry layer ])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,16 +319,77 @@ def classify(exc: BaseException) -> Failure:
     return Failure.PERMANENT
 
 
+_FINAL_STORE_ERRORS = (
+    KeyNotFoundError,
+    IntegrityError,
+    UnsupportedTensorError,
+    ConfigError,
+    QuotaExceededError,
+    StoreClosedError,
+)
+
+
+def classify_store_read(exc: BaseException) -> Failure:
+    """Decide whether a failed ``store.get`` of the offload pipeline is worth retrying.
+
+    The store's own answers are final (:data:`Failure.ANSWER`): a missing key, a
+    checksum mismatch, an unsupported tensor, a closed store. A
+    :class:`~tensorstore_hooks.StoreUnavailableError` heals unless an OS error under
+    it says otherwise (``EISDIR``: a chunk that is a directory never becomes a file;
+    ``EACCES``, ``ENOSPC``, ...); without such a cause (a user store that says it is
+    unreachable) it is retried. Other exceptions go through :func:`classify`
+    (connection and timeout errors heal; anything unrecognised does not).
+    """
+    if isinstance(exc, _FINAL_STORE_ERRORS):
+        return Failure.ANSWER
+    if isinstance(exc, StoreUnavailableError):
+        for e in error_chain(exc)[1:]:
+            if isinstance(e, OSError) and not isinstance(e, TensorStoreError) and e.errno:
+                return classify(e)
+        return Failure.TRANSIENT
+    if isinstance(exc, TensorStoreError):
+        return Failure.PERMANENT
+    failure = classify(exc)
+    return Failure.PERMANENT if failure is Failure.NOT_FOUND else failure
+
+
+class _Operation:
+    """The deadline of the logical operation running on this thread.
+
+    See NOTE [ One retry layer ].
+    """
+
+    __slots__ = ("deadline", "inner_gave_up")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        """``time.monotonic()`` value after which nothing inside may retry."""
+        self.inner_gave_up = False
+        """Set by a nested call that gave up: this operation must not retry it."""
+
+
+class _Current(threading.local):
+    op: _Operation | None = None
+
+
+_current = _Current()
+
+
 # ---------------------------------------------------------------------- retrier
 class Retrier:
     """Runs callables under a :class:`RetryPolicy`; thread-safe; counts in ``stats``.
 
-    ``call(what, fn)`` calls ``fn(time_left_s)`` until it returns, retrying transient
-    failures with jittered exponential backoff ("equal jitter": half fixed, half
-    random, so many ranks throttled at once spread out). ``fn`` receives the seconds
-    left before the deadline so it can bound its own attempt. Raises
-    :class:`RetriesExhausted` (permanent failure or deadline passed) or the original
-    ``FileNotFoundError``.
+    ``call(what, fn)`` calls ``fn(time_left_s)`` until it returns, retrying the
+    failures that ``classify`` (the layer's classifier, default :func:`classify`)
+    calls transient, with jittered exponential backoff ("equal jitter": half fixed,
+    half random, so many ranks throttled at once spread out). ``fn`` receives the
+    seconds left before the deadline so it can bound its own attempt. Raises
+    :class:`RetriesExhausted` (permanent failure or deadline passed) or, unchanged,
+    what the classifier calls an answer (``NOT_FOUND``, ``ANSWER``).
+
+    The deadline is the policy's, shortened to what an enclosing call on the same
+    thread has left; a call whose nested call gave up does not retry (see
+    NOTE [ One retry layer ]).
 
     Once a call has exhausted its deadline on transient errors the store counts as
     *down*: later calls make a single attempt each (so a dead endpoint costs one
@@ -307,12 +402,14 @@ class Retrier:
         policy: RetryPolicy,
         *,
         label: str,
+        classify: Classifier = classify,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
         self.label = label
         self.stats = RetryStats()
+        self._classify = classify
         self._lock = threading.Lock()
         self._sleep = sleep
         self._clock = clock
@@ -327,66 +424,111 @@ class Retrier:
     def call(self, what: str, fn: Callable[[float], T]) -> T:
         policy = self.policy
         start = self._clock()
-        deadline = start + policy.deadline_s
+        outer = _current.op
+        budget_s = policy.deadline_s
+        if outer is not None:  # rule (1) of NOTE [ One retry layer ]
+            budget_s = min(budget_s, outer.deadline - time.monotonic())
+        deadline = start + budget_s
+        op = _Operation(time.monotonic() + budget_s)
         attempt = 0
         with self._lock:
             self.stats.calls += 1
             down_since = self._down_since
-        while True:
-            attempt += 1
-            try:
-                result = fn(max(deadline - self._clock(), policy.min_attempt_s))
-            except Exception as e:
-                failure = classify(e)
-                if failure is Failure.NOT_FOUND:
-                    self._up()
-                    raise
-                now = self._clock()
-                backoff = min(policy.max_backoff_s, policy.first_backoff_s * 2 ** (attempt - 1))
-                went_down = False
-                with self._lock:
-                    backoff *= 0.5 + 0.5 * self._rng.random()
-                    retry = (
-                        failure is Failure.TRANSIENT
-                        and down_since is None
-                        and now + backoff < deadline
+        _current.op = op
+        try:
+            while True:
+                attempt += 1
+                op.inner_gave_up = False
+                try:
+                    result = fn(max(deadline - self._clock(), policy.min_attempt_s))
+                except Exception as e:
+                    failure = self._classify(e)
+                    if failure in (Failure.NOT_FOUND, Failure.ANSWER):
+                        self._up()
+                        raise
+                    backoff = self._backoff_or_give_up(
+                        what, e, failure, attempt, start, deadline, down_since, op
                     )
-                    if retry:
-                        self.stats.retries += 1
-                        self.stats.last_error = repr(e)
-                    else:
-                        self.stats.gave_up += 1
-                        went_down = failure is Failure.TRANSIENT and self._down_since is None
-                        if went_down:
-                            # The outage began when this call's first attempt failed.
-                            self._down_since = down_since = start
-                if not retry:
-                    if went_down:
-                        log.warning(
-                            "%s: %s failed for %.1fs (%s: %s); treating the store as down: "
-                            "calls make one attempt each until one succeeds",
-                            self.label,
+                    if backoff is None:
+                        if outer is not None:
+                            outer.inner_gave_up = True  # rule (2)
+                        raise RetriesExhausted(
                             what,
-                            now - start,
-                            type(e).__name__,
                             e,
-                        )
-                    raise RetriesExhausted(
-                        what, e, failure, attempt, now - start, down_since=down_since
-                    ) from e
-                log.info(
-                    "%s: %s failed (%s: %s); retry %d in %.2fs",
-                    self.label,
-                    what,
-                    type(e).__name__,
-                    e,
-                    attempt,
-                    backoff,
-                )
+                            failure,
+                            attempt,
+                            self._clock() - start,
+                            down_since=self._down_since if down_since is None else down_since,
+                        ) from e
+                else:
+                    self._up()
+                    return result
+                self._sleep(backoff)
+        finally:
+            _current.op = outer
+
+    def _backoff_or_give_up(
+        self,
+        what: str,
+        e: Exception,
+        failure: Failure,
+        attempt: int,
+        start: float,
+        deadline: float,
+        down_since: float | None,
+        op: _Operation,
+    ) -> float | None:
+        """The sleep before the next attempt, or None to give up (counted, logged)."""
+        policy = self.policy
+        now = self._clock()
+        backoff = min(policy.max_backoff_s, policy.first_backoff_s * 2 ** (attempt - 1))
+        went_down = False
+        with self._lock:
+            backoff *= 0.5 + 0.5 * self._rng.random()
+            # The last backoff is cut to the time left: a call fails at its deadline,
+            # not up to one backoff before it.
+            retry = (
+                failure is Failure.TRANSIENT
+                and not op.inner_gave_up
+                and down_since is None
+                and deadline - now >= policy.first_backoff_s
+            )
+            backoff = min(backoff, max(deadline - now, 0.0))
+            if retry:
+                self.stats.retries += 1
+                self.stats.last_error = repr(e)
             else:
-                self._up()
-                return result
-            self._sleep(backoff)
+                self.stats.gave_up += 1
+                went_down = (
+                    failure is Failure.TRANSIENT
+                    and not op.inner_gave_up
+                    and self._down_since is None
+                )
+                if went_down:
+                    # The outage began when this call's first attempt failed.
+                    self._down_since = start
+        if went_down:
+            log.warning(
+                "%s: %s failed for %.1fs (%s: %s); treating the store as down: "
+                "calls make one attempt each until one succeeds",
+                self.label,
+                what,
+                now - start,
+                type(e).__name__,
+                e,
+            )
+        if not retry:
+            return None
+        log.info(
+            "%s: %s failed (%s: %s); retry %d in %.2fs",
+            self.label,
+            what,
+            type(e).__name__,
+            e,
+            attempt,
+            backoff,
+        )
+        return backoff
 
     def _up(self) -> None:
         if self._down_since is None:

@@ -21,6 +21,7 @@ import torch
 
 from ._codec import is_dense, unsupported_reason
 from ._records import Handle, RecordTable, State, dedup_key
+from ._signals import shielded
 from ._stats import OffloadStats, RouteStats
 from .errors import StoreUnavailableError
 
@@ -187,15 +188,31 @@ class Router:
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
         with table.lock:
-            rec = table.reuse(t, key)
-            if rec is not None:
-                self.stats.dedup_hits += 1
-                return table.handle(rec)
-            self._writer.admit(nbytes)  # backpressure
+            handle = self._reuse(t, key)
+            if handle is not None:
+                return handle
+            self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
+        return self._admit(t, nbytes, guard, key)
+
+    @shielded  # a reference taken must get its handle: NOTE [ Signals and finalizers ]
+    def _reuse(self, t: torch.Tensor, key: tuple[Any, ...] | None) -> Handle | None:
+        rec = self._table.reuse(t, key)
+        if rec is None:
+            return None
+        self.stats.dedup_hits += 1
+        return self._table.handle(rec)
+
+    @shielded  # a record counted in flight must get its handle and its write
+    def _admit(
+        self, t: torch.Tensor, nbytes: int, guard: Any, key: tuple[Any, ...] | None
+    ) -> Handle:
+        table = self._table
+        with table.lock:
             rec = table.add(t, nbytes, guard, key)
             self._writer.enqueue(rec)
+            handle = table.handle(rec)
         self._writer.start(rec, t)
-        return table.handle(rec)
+        return handle
 
     def load(self, handle: Handle) -> torch.Tensor:
         """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
@@ -219,6 +236,8 @@ class Router:
                         "was the graph freed or the session closed?"
                     )
                 if state == State.STORED:
+                    if rec.modified():  # after its write: NOTE [ In-place checks ]
+                        raise inplace_error(f"a tensor of {rec.nbytes} bytes")
                     fut = self._prefetcher.claim(rec)
                     break
                 done = rec.writing_done  # a CUDA tensor copied to host, not yet written

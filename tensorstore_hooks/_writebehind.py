@@ -8,6 +8,15 @@ the in-place kernel runs, so an overlapping write is always seen by the second
 check); kept tensors are checked at unpack. A modified tensor makes unpack raise
 torch's usual error rather than return later values.
 
+Once its bytes are stored the record drops the tensor (that frees the memory), but
+keeps a *weak* reference to the saved tensor (the object pack received: the user's
+tensor itself, also for ops that save their output) and checks its version at every
+unpack. Whether the write had finished therefore never decides whether backward
+raises: a tensor someone modifies in place is alive, and one that died cannot be
+modified. (A ``detach()``-ed alias shares the counter and may outlive the saved
+tensor; modifying only that alias after the saved tensor died goes unseen. Paddle
+guards hold no weak reference: there the check ends with the write.)
+
 Pack blocks while more than ``max_inflight`` bytes are queued or being written
 (backpressure; a single larger tensor still goes alone). A write that fails or is
 refused keeps the tensor in memory (fallback: counted, warned once). A record served
@@ -165,7 +174,8 @@ class WriteBehind(PipelineUnit):
                 f"tensor ({type(error).__name__}: {error}); keeping such tensors in memory "
                 "instead. Training continues; hooks.stats.fallbacks counts them."
             )
-        log.warning("write to %s failed, tensor kept in memory: %r", self._store.url, error)
+        # One warning per session (above); each tensor only at DEBUG.
+        log.debug("write to %s failed, tensor kept in memory: %r", self._store.url, error)
 
     def take_warning(self) -> str | None:
         """The one-time fallback warning, once (the caller issues it on its own thread)."""

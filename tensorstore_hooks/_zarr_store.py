@@ -77,6 +77,7 @@ from .errors import (
     IntegrityError,
     KeyNotFoundError,
     QuotaExceededError,
+    StoreClosedError,
     StoreUnavailableError,
     TensorStoreError,
 )
@@ -532,7 +533,7 @@ class ZarrStore(BlobStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreUnavailableError(
+            raise StoreClosedError(
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
 

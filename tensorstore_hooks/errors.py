@@ -14,6 +14,7 @@ __all__ = [
     "IntegrityError",
     "KeyNotFoundError",
     "QuotaExceededError",
+    "StoreClosedError",
     "StoreUnavailableError",
     "TensorStoreError",
     "UnsupportedTensorError",
@@ -54,3 +55,7 @@ class StoreUnavailableError(TensorStoreError, ConnectionError):
 
 class UnsupportedTensorError(TensorStoreError, TypeError):
     """The tensor kind cannot be stored (sparse, quantized, nested, meta, subclass)."""
+
+
+class StoreClosedError(StoreUnavailableError):
+    """The store object was closed by its owner; no retry can help: open a new one."""
