@@ -1,10 +1,10 @@
 """One training step of a GPT-like transformer, with and without activation offloading.
 
 Each mode runs in its own subprocess (so every mode starts from a fresh process and
-its RSS is its own), modes are interleaved over ``--rounds`` rounds, and every
-figure is reported as a ratio to ``none`` measured in the same round, then the
-median over rounds: this machine is shared and noisy, and only side-by-side ratios
-survive that.
+its RSS and ``ru_maxrss`` are its own), modes are interleaved over ``--rounds``
+rounds, and every figure is reported as a ratio to ``none`` measured in the same
+round, then the median over rounds: this machine is shared and noisy, and only
+side-by-side ratios survive that.
 
 Modes (CPU)::
 
@@ -12,23 +12,40 @@ Modes (CPU)::
     tutorial      the PyTorch tutorial's disk hooks: torch.save per saved tensor
                   (tensors under 1000 elements stay), torch.load(weights_only=True)
     save_on_cpu   torch.autograd.graph.save_on_cpu() (a no-op copy on CPU: baseline cost)
+    checkpoint    every block under torch.utils.checkpoint(use_reentrant=False)
     tsh-disk      tsh.offload() into a temporary local directory
     tsh-memory    tsh.offload("memory://")
+    tsh-disk@SIZE tsh.offload(device_budget=SIZE), e.g. tsh-disk@512MiB
+                  (``--budget-sweep 256MiB,512MiB`` adds one such mode per size)
 
 With ``--device cuda`` the modes are ``none``, ``save_on_cpu`` (pin_memory=True),
-``tsh-disk`` and ``tsh-memory`` and memory is ``torch.cuda.max_memory_allocated``.
+``checkpoint``, ``tsh-disk`` and ``tsh-memory`` and memory is
+``torch.cuda.max_memory_allocated``.
+
+Memory is measured as DESIGN.md "Figures that count" defines it, the way a user
+meets it: the process's high-water RSS over the whole run (warm-up step included)
+minus the RSS before the first step. A thread samples RSS every ~1 ms from before
+the warm-up to after the last step; the figure is checked against
+``getrusage(RUSAGE_SELF).ru_maxrss`` (the kernel's exact high-water mark): when
+``ru_maxrss`` rose during the run, the run's peak is at least that, so the larger
+of the two is reported and the sampler's miss is recorded. The harness does
+nothing for memory between steps (no ``gc.collect``, no heap trimming): whatever a
+mode does for memory it does by itself. Beside it, for comparison with earlier
+figures only, the per-step delta (peak during a measured step minus RSS before it)
+is shown; it flatters, because the RSS before a step already holds what the last
+step left. GPU: ``max_memory_allocated`` over the whole run minus the allocation
+before the first step.
 
 Per process: build the model (seeded) and one SGD optimiser, run one warm-up step,
-then ``--steps`` measured steps. Before each step the process collects garbage and
-calls glibc's ``malloc_trim(0)``, so the RSS measured before the step is what is
-live, not heap that glibc kept from the previous step; a sampler thread reads RSS
-every ~1.5 ms during the step. Activation memory = peak RSS during the step minus
-RSS before it (gradient buffers already exist: ``zero_grad(set_to_none=False)``).
-The first ``none`` process saves every step's gradients; every other process
-compares its own with ``torch.equal``, parameter by parameter, step by step.
+then ``--steps`` measured steps (gradient buffers already exist after the warm-up:
+``zero_grad(set_to_none=False)``). The first ``none`` process saves every step's
+gradients; every other process compares its own with ``torch.equal``, parameter
+by parameter, step by step.
 
     python benchmarks/train_step.py                          # the full benchmark
     python benchmarks/train_step.py --blocks 2 --seq 128 --rounds 1 --steps 1   # quick
+    python benchmarks/train_step.py --modes none,checkpoint,tsh-disk \
+        --budget-sweep 256MiB,512MiB,1GiB --json bench-out/x.json --plot bench-out/x.png
     python benchmarks/train_step.py --modes none,tsh-disk --tsh-option max_inflight=128MiB
 """
 
@@ -36,11 +53,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
-import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,19 +68,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-CPU_MODES = ("none", "tutorial", "save_on_cpu", "tsh-disk", "tsh-memory")
-CUDA_MODES = ("none", "save_on_cpu", "tsh-disk", "tsh-memory")
+CPU_MODES = ("none", "tutorial", "save_on_cpu", "checkpoint", "tsh-disk", "tsh-memory")
+CUDA_MODES = ("none", "save_on_cpu", "checkpoint", "tsh-disk", "tsh-memory")
+BUDGET_SEP = "@"  # tsh-disk@512MiB: tsh-disk with device_budget=512MiB
 TUTORIAL_THRESHOLD = 1000  # elements; SAVE_ON_DISK_THRESHOLD in the PyTorch tutorial
-SAMPLE_PERIOD_S = 0.0015
+SAMPLE_PERIOD_S = 0.001
+TRACE_POINTS = 1500  # RSS samples kept per run for the plot
 GiB = float(1 << 30)
 
 
 # --------------------------------------------------------------------------- memory
 class RssSampler:
-    """Samples this process's RSS on a background thread while a step runs.
+    """Samples this process's RSS on a background thread for the whole run.
 
     Reads ``/proc/self/statm`` directly (a few microseconds) rather than through
-    psutil, so sampling every 1.5 ms costs the measured step next to nothing.
+    psutil, so sampling every ~1 ms costs the measured steps next to nothing.
+    ``mark(label)`` records an event (forward/backward boundaries) on the same clock.
     """
 
     def __init__(self, period_s: float = SAMPLE_PERIOD_S) -> None:
@@ -75,29 +94,38 @@ class RssSampler:
         self._thread: threading.Thread | None = None
         self.peak = 0
         self.samples: list[tuple[float, int]] = []
+        self.marks: list[tuple[float, str]] = []
         self._t0 = 0.0
 
     def rss(self) -> int:
         fields = os.pread(self._fd, 128, 0).split()
         return int(fields[1]) * self._page
 
-    def start(self, record: bool) -> int:
-        """Start sampling; returns the RSS now (the step's baseline)."""
-        self._stop.clear()
-        self.samples = []
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def start(self) -> int:
+        """Start sampling; returns the RSS now (the run's baseline)."""
         self._t0 = time.perf_counter()
         base = self.peak = self.rss()
-        self._thread = threading.Thread(target=self._run, args=(record,), daemon=True)
+        self.samples = [(0.0, base)]
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return base
 
-    def _run(self, record: bool) -> None:
+    def _run(self) -> None:
+        samples = self.samples
         while not self._stop.wait(self.period_s):
             r = self.rss()
             if r > self.peak:
                 self.peak = r
-            if record:
-                self.samples.append((time.perf_counter() - self._t0, r))
+            samples.append((self.now(), r))
+
+    def mark(self, label: str) -> None:
+        r = self.rss()
+        if r > self.peak:
+            self.peak = r
+        self.marks.append((self.now(), label))
 
     def stop(self) -> int:
         """Stop sampling; returns the peak RSS seen (including one last reading)."""
@@ -107,12 +135,24 @@ class RssSampler:
         self.peak = max(self.peak, self.rss())
         return self.peak
 
+    def peak_between(self, t0: float, t1: float) -> int:
+        """The highest sample in ``[t0, t1]`` (for the per-step delta)."""
+        return max((r for t, r in self.samples if t0 <= t <= t1), default=0)
 
-def _trim_heap() -> None:
-    """Give freed heap memory back to the OS (glibc only; elsewhere a no-op)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    def trace(self, points: int = TRACE_POINTS) -> list[tuple[float, int]]:
+        """The samples thinned to about ``points``, keeping each stretch's maximum."""
+        samples = self.samples
+        every = max(1, len(samples) // points)
+        out = []
+        for i in range(0, len(samples), every):
+            chunk = samples[i : i + every]
+            out.append(max(chunk, key=lambda s: s[1]))
+        return out
+
+
+def ru_maxrss_bytes() -> int:
+    """The kernel's high-water RSS of this process so far (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --------------------------------------------------------------------------- modes
@@ -146,6 +186,25 @@ def _tutorial_hooks(directory: str) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook)
 
 
+def _checkpoint_blocks(model: Any) -> None:
+    """Run every block of ``model`` under ``torch.utils.checkpoint`` (non-reentrant)."""
+    import torch.utils.checkpoint
+
+    for block in model.blocks:
+        forward = block.forward
+
+        def checkpointed(x: Any, _forward: Any = forward) -> Any:
+            return torch.utils.checkpoint.checkpoint(_forward, x, use_reentrant=False)
+
+        block.forward = checkpointed
+
+
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """``"tsh-disk@512MiB"`` -> ``("tsh-disk", "512MiB")``; ``"none"`` -> ``("none", None)``."""
+    base, sep, budget = mode.partition(BUDGET_SEP)
+    return base, (budget if sep else None)
+
+
 def _parse_tsh_options(items: list[str]) -> dict[str, Any]:
     """``["max_inflight=128MiB", "writer_threads=3"]`` -> keyword overrides for offload()."""
     out: dict[str, Any] = {}
@@ -162,7 +221,7 @@ def _parse_tsh_options(items: list[str]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- worker
 def run_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """Run one mode in this process; returns the per-step figures."""
+    """Run one mode in this process; returns the whole-run and per-step figures."""
     import torch
 
     from tensorstore_hooks._demo_model import GPT, synthetic_batch
@@ -170,33 +229,39 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _model_config(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    mode, budget = split_mode(args.mode)
     torch.manual_seed(0)
     model = GPT(cfg, seed=0).to(device)
+    if mode == "checkpoint":
+        _checkpoint_blocks(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     names = [n for n, _ in model.named_parameters()]
     batches = [synthetic_batch(cfg, i, device=device) for i in range(1 + args.steps)]
 
     ref: list[dict[str, torch.Tensor]] | None = None
     ref_path = Path(args.ref_grads)
-    writes_ref = args.mode == "none" and not ref_path.exists()
+    writes_ref = mode == "none" and not ref_path.exists()
     if not writes_ref:
         ref = torch.load(ref_path, weights_only=True, map_location=device)
     mine: list[dict[str, torch.Tensor]] = []
 
     hooks: Any = None
     scratch = tempfile.mkdtemp(prefix="tsh-bench-tutorial-")
-    if args.mode.startswith("tsh-"):
+    if mode.startswith("tsh-"):
         import tensorstore_hooks as tsh
 
-        url = None if args.mode == "tsh-disk" else "memory://"
-        hooks = tsh.offload(url, **_parse_tsh_options(args.tsh_option))
+        url = None if mode == "tsh-disk" else "memory://"
+        options = _parse_tsh_options(args.tsh_option)
+        if budget is not None:
+            options["device_budget"] = budget
+        hooks = tsh.offload(url, **options)
 
     def context() -> Any:
-        if args.mode == "none":
+        if mode in ("none", "checkpoint"):
             return contextlib.nullcontext()
-        if args.mode == "tutorial":
+        if mode == "tutorial":
             return _tutorial_hooks(scratch)
-        if args.mode == "save_on_cpu":
+        if mode == "save_on_cpu":
             return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
         return hooks
 
@@ -204,37 +269,35 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     identical = True
     mismatches: list[str] = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        gpu_base = torch.cuda.memory_allocated(device)
+    ru_before = ru_maxrss_bytes()
+    base = sampler.start()  # the RSS before the first step: the run's baseline
     for i, (tokens, targets) in enumerate(batches):
-        record = i == 1
         stats_before = dataclasses.replace(hooks.stats) if hooks is not None else None
-        _trim_heap()
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            gpu_before = torch.cuda.memory_allocated(device)
-        base = sampler.start(record)
+        step_rss_before = sampler.rss()
+        t_start = sampler.now()
+        sampler.mark(f"step {i} forward")
         t0 = time.perf_counter()
         with context():
             loss = model(tokens, targets)
+        sampler.mark(f"step {i} backward")
         loss.backward()
         if cuda:
             torch.cuda.synchronize(device)
         step_s = time.perf_counter() - t0
-        peak = sampler.stop()
+        sampler.mark(f"step {i} end")
         del loss
         entry: dict[str, Any] = {
             "step": i,
             "warmup": i == 0,
             "step_s": step_s,
-            "act_bytes": peak - base,
-            "rss_before": base,
+            # Beside the honest figure only: see the module docstring.
+            "step_delta_bytes": sampler.peak_between(t_start, sampler.now()) - step_rss_before,
+            "rss_before": step_rss_before - base,
         }
-        if cuda:
-            entry["gpu_act_bytes"] = torch.cuda.max_memory_allocated(device) - gpu_before
-        if record:
-            # Keep ~400 points: enough for a plot, small enough for the JSON.
-            every = max(1, len(sampler.samples) // 400)
-            entry["rss_trace"] = [(t, r - base) for t, r in sampler.samples[::every]]
         if hooks is not None:
             assert stats_before is not None
             entry["stats"] = _stats_delta(stats_before, hooks.stats)
@@ -255,6 +318,20 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                 mismatches.extend(f"step {i}: {n}" for n in bad[:5])
         opt.step()
         opt.zero_grad(set_to_none=False)
+    sampled_peak = sampler.stop()
+    ru_after = ru_maxrss_bytes()
+    # ru_maxrss is the exact high-water mark of the whole process: if it rose during
+    # the run, the run reached it, whatever the sampler saw between its readings.
+    peak = max(sampled_peak, ru_after) if ru_after > ru_before else sampled_peak
+    memory: dict[str, Any] = {
+        "act_bytes": peak - base,
+        "sampled_peak_bytes": sampled_peak - base,
+        "ru_maxrss_peak_bytes": (ru_after - base) if ru_after > ru_before else None,
+        "sampler_missed_bytes": max(0, ru_after - sampled_peak) if ru_after > ru_before else 0,
+        "samples": len(sampler.samples),
+    }
+    if cuda:
+        memory["gpu_act_bytes"] = torch.cuda.max_memory_allocated(device) - gpu_base
 
     if writes_ref:
         torch.save(mine, ref_path)
@@ -264,7 +341,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "mode": args.mode,
         "round": args.round,
         "device": str(device),
+        "memory": memory,
         "steps": steps,
+        "rss_trace": [(t, r - base) for t, r in sampler.trace()],
+        "marks": sampler.marks,
         "grads_reference": writes_ref,
         "grads_identical": None if writes_ref else identical,
         "grad_mismatches": mismatches,
@@ -355,6 +435,34 @@ def _schedule(modes: list[str], rounds: int) -> Iterator[tuple[int, str]]:
             yield r, mode
 
 
+def parse_modes(args: argparse.Namespace) -> list[str]:
+    """The modes to run: ``--modes`` (or every mode) plus one per ``--budget-sweep`` size."""
+    from tensorstore_hooks._units import parse_bytes
+
+    default = CUDA_MODES if args.device == "cuda" else CPU_MODES
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(default)
+    for size in (args.budget_sweep or "").split(","):
+        if size.strip():
+            modes.append(f"tsh-disk{BUDGET_SEP}{size.strip()}")
+    allowed = (*CUDA_MODES, "tutorial") if args.device == "cuda" else CPU_MODES
+    for m in modes:
+        base, budget = split_mode(m)
+        if base not in allowed or (budget is not None and not base.startswith("tsh-")):
+            raise SystemExit(
+                f"train_step: unknown mode {m!r}; choose from {', '.join(allowed)}, or "
+                f"tsh-disk{BUDGET_SEP}SIZE / tsh-memory{BUDGET_SEP}SIZE for a device_budget"
+            )
+        if budget is not None:
+            try:
+                parse_bytes(budget)
+            except ValueError as e:
+                raise SystemExit(f"train_step: mode {m!r}: {e}") from None
+    modes = list(dict.fromkeys(modes))
+    if "none" not in modes:
+        modes.insert(0, "none")  # every figure is a ratio to it
+    return modes
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (round, mode) subprocess and summarise."""
     import torch
@@ -364,14 +472,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "train_step: --device cuda needs a CUDA device, but torch.cuda.is_available() is "
             f"False (torch {torch.__version__}). Run on a GPU machine or drop --device cuda."
         )
-    default = CUDA_MODES if args.device == "cuda" else CPU_MODES
-    modes = [m.strip() for m in args.modes.split(",")] if args.modes else list(default)
-    allowed = (*CUDA_MODES, "tutorial") if args.device == "cuda" else CPU_MODES
-    unknown = [m for m in modes if m not in allowed]
-    if unknown:
-        raise SystemExit(f"train_step: unknown mode(s) {unknown}; choose from {', '.join(allowed)}")
-    if "none" not in modes:
-        modes.insert(0, "none")  # every figure is a ratio to it
+    modes = parse_modes(args)
     cfg = _model_config(args)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tsh-bench-") as tmp:
@@ -421,7 +522,11 @@ def _machine() -> str:
 
 
 def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dict[str, Any]:
-    """Per mode: medians, and ratios to ``none`` taken per round then medianed."""
+    """Per mode: medians, and ratios to ``none`` taken per round then medianed.
+
+    Memory is the whole run's (``run["memory"]``); the per-step delta is carried
+    beside it.
+    """
     mem_key = "gpu_act_bytes" if gpu else "act_bytes"
 
     def measured(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -429,10 +534,9 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
 
     per_round: dict[tuple[str, int], dict[str, float]] = {}
     for run in runs:
-        steps = measured(run)
         per_round[(run["mode"], run["round"])] = {
-            "step_s": statistics.median(s["step_s"] for s in steps),
-            "mem": statistics.median(s[mem_key] for s in steps),
+            "step_s": statistics.median(s["step_s"] for s in measured(run)),
+            "mem": run["memory"][mem_key],
         }
     out: dict[str, Any] = {}
     for mode in modes:
@@ -453,7 +557,9 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
         verdicts = [r["grads_identical"] for r in mine if r["grads_identical"] is not None]
         entry: dict[str, Any] = {
             "step_s": statistics.median(s["step_s"] for s in steps),
-            "act_bytes": statistics.median(s[mem_key] for s in steps),
+            "act_bytes": statistics.median(r["memory"][mem_key] for r in mine),
+            "step_delta_bytes": statistics.median(s["step_delta_bytes"] for s in steps),
+            "sampler_missed_bytes": max(r["memory"]["sampler_missed_bytes"] for r in mine),
             "time_ratio": statistics.median(time_ratio) if time_ratio else None,
             "mem_ratio": statistics.median(mem_ratio) if mem_ratio else None,
             "time_ratios": time_ratio,
@@ -470,10 +576,11 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
 def format_table(result: dict[str, Any]) -> str:
     """The summary as a Markdown table."""
     gpu = result["device"] == "cuda"
-    mem = "GPU act. memory" if gpu else "act. memory"
+    mem = "GPU memory (whole run)" if gpu else "memory (whole run)"
     head = (
-        f"| mode | step time | vs none | {mem} | vs none | tensors offloaded | bytes offloaded "
-        "| prefetch hits | tail hits | fallbacks | pack stall | unpack stall | grads |"
+        f"| mode | step time | vs none | {mem} | vs none | per-step delta | tensors offloaded "
+        "| bytes offloaded | bytes kept | prefetch hits | tail hits | fallbacks | pack stall "
+        "| unpack stall | grads |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for mode, e in result["summary"].items():
@@ -491,6 +598,7 @@ def format_table(result: dict[str, Any]) -> str:
             cols = [
                 f"{st['tensors_offloaded']:.0f}",
                 f"{st['bytes_offloaded'] / GiB:.2f} GiB",
+                f"{st['bytes_kept'] / GiB:.2f} GiB",
                 hits,
                 f"{st['tail_hits']:.0f}",
                 f"{st['fallbacks']:.0f}",
@@ -498,18 +606,19 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{st['unpack_stall_s']:.2f}s",
             ]
         else:
-            cols = ["-"] * 7
+            cols = ["-"] * 8
         lines.append(
             f"| {mode} | {e['step_s']:.2f}s | {tr} | {e['act_bytes'] / GiB:.2f} GiB | {mr} | "
-            + " | ".join(cols)
-            + f" | {grads} |"
+            f"{e['step_delta_bytes'] / GiB:.2f} GiB | " + " | ".join(cols) + f" | {grads} |"
         )
     return "\n".join(lines)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """RSS above the step's baseline over time, one line per mode (first measured step
-    of the last round). Needs matplotlib (``pip install tensorstore-hooks[plot]``)."""
+    """Two panels: memory against time of every mode (ratios to ``none``; the
+    ``device_budget`` sweep joined by a line), and RSS above the baseline over the
+    whole run of each mode's last round, with forward/backward boundaries marked.
+    Needs matplotlib (``pip install matplotlib``)."""
     try:
         import matplotlib
 
@@ -517,23 +626,56 @@ def plot(result: dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit("train_step: --plot needs matplotlib: pip install matplotlib") from e
+    summary = result["summary"]
+    fig, (curve, rss) = plt.subplots(1, 2, figsize=(15, 5.5))
+    sweep: list[tuple[float, float, str]] = []
+    for mode, e in summary.items():
+        if e["time_ratio"] is None or e["mem_ratio"] is None:
+            continue
+        x, y = e["time_ratio"], 100 * e["mem_ratio"]
+        if BUDGET_SEP in mode:
+            sweep.append((x, y, mode.split(BUDGET_SEP, 1)[1]))
+            continue
+        curve.scatter([x], [y], s=40, zorder=3)
+        curve.annotate(mode, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    if sweep:
+        sweep.sort(key=lambda p: p[1])
+        curve.plot(
+            [p[0] for p in sweep], [p[1] for p in sweep], "o-", color="tab:purple",
+            label="tsh-disk, device_budget sweep",
+        )  # fmt: skip
+        for x, y, label in sweep:
+            curve.annotate(label, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8)
+        curve.legend(loc="upper right", fontsize=8)
+    curve.axhline(25, color="grey", lw=0.8, ls="--")
+    curve.axvline(1.10, color="grey", lw=0.8, ls="--")
+    curve.set_xlabel("step time / no offloading")
+    curve.set_ylabel("memory (whole-run high-water RSS) / no offloading, %")
+    curve.set_title("memory against time, every mode")
+    curve.grid(alpha=0.3)
+
     last: dict[str, dict[str, Any]] = {}
     for run in result["runs"]:
         last[run["mode"]] = run
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     for mode, run in last.items():
-        trace = next((s["rss_trace"] for s in run["steps"] if "rss_trace" in s), None)
-        if trace:
-            ax.plot([t for t, _ in trace], [r / GiB for _, r in trace], label=mode)
+        trace = run.get("rss_trace") or []
+        line = rss.plot([t for t, _ in trace], [r / GiB for _, r in trace], label=mode, lw=1)
+        color = line[0].get_color()
+        for t, label in run.get("marks", []):
+            if label.endswith("backward"):
+                rss.axvline(t, color=color, lw=0.6, ls=":")
+            elif label.endswith("forward"):
+                rss.axvline(t, color=color, lw=0.6, ls="--", alpha=0.5)
     cfg = result["config"]
-    ax.set_title(
-        f"RSS above baseline during one training step ({cfg['blocks']} blocks, d={cfg['d_model']}, "
-        f"{cfg['batch']}x{cfg['seq']} tokens)"
+    rss.set_title(
+        f"RSS above baseline, whole run ({cfg['blocks']} blocks, d={cfg['d_model']}, "
+        f"{cfg['batch']}x{cfg['seq']} tokens); --: forward starts, ..: backward starts",
+        fontsize=9,
     )
-    ax.set_xlabel("time in step (s)")
-    ax.set_ylabel("RSS - RSS before step (GiB)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    rss.set_xlabel("time since the first step started (s)")
+    rss.set_ylabel("RSS - RSS before the first step (GiB)")
+    rss.grid(alpha=0.3)
+    rss.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -578,10 +720,21 @@ def build_parser() -> argparse.ArgumentParser:
         "live memory, not the heap glibc keeps)",
     )
     p.add_argument(
-        "--json", metavar="FILE", help="write every figure (and per-step samples) as JSON"
+        "--budget-sweep",
+        metavar="SIZES",
+        help="comma-separated device_budget sizes: adds a tsh-disk@SIZE mode for each, "
+        "e.g. 256MiB,512MiB,1GiB",
     )
     p.add_argument(
-        "--plot", metavar="FILE.png", help="draw RSS over time per mode (needs matplotlib)"
+        "--json",
+        metavar="FILE",
+        help="write every figure (and the RSS traces) as JSON; its folder is created",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw memory against time of every mode and RSS over the run (needs "
+        "matplotlib); its folder is created",
     )
     # Internal: one mode in this process.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -614,9 +767,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(result))
     bad = [m for m, e in result["summary"].items() if e["grads_identical"] is False]
+    missed = {m: e["sampler_missed_bytes"] for m, e in result["summary"].items()}
+    if any(missed.values()):
+        worst = max(missed.values()) / (1 << 20)
+        print(f"\nru_maxrss was above the sampled peak by up to {worst:.1f} MiB (reported)")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(result, args.plot)
     if bad:
         print(f"\ngradients DIFFER from no offloading in: {', '.join(bad)}")

@@ -44,6 +44,7 @@ from ._registry import open_store, register_store
 from ._router import Router
 from ._stats import OffloadStats, RouteStats
 from ._store import BlobStore, TensorStore
+from ._wrap import unwrap, wrap
 from ._zarr_store import ZarrStore
 from .errors import (
     ConfigError,
@@ -84,4 +85,6 @@ __all__ = [
     "offload",
     "open_store",
     "register_store",
+    "unwrap",
+    "wrap",
 ]

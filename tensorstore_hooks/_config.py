@@ -45,7 +45,7 @@ from ._policy import (
     rule_module,
     rule_ndims,
 )
-from ._units import Duration, OptSize, Size
+from ._units import Duration, OptSize, Size, check_size
 from ._urls import BadURLError
 from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec
 from .errors import ConfigError
@@ -95,10 +95,11 @@ class StoreSettings:
 class PipelineSettings:
     """The ``pipeline:`` section: background writing and read-ahead."""
 
-    max_inflight: int = 512 << 20
-    """Bytes written behind before pack blocks (0: every write finishes before pack returns)."""
-    prefetch: int = 256 << 20
-    """Bytes read ahead during backward (0: no read-ahead)."""
+    max_inflight: int | None = None
+    """Bytes written behind before pack blocks (0: every write finishes before pack returns;
+    ``None``: derived from what the hooks saw, see NOTE [ Windows ] in ``_windows.py``)."""
+    prefetch: int | None = None
+    """Bytes read ahead during backward (0: no read-ahead; ``None``: derived, as above)."""
     writer_threads: int = 2
     """Background writer threads (1..64)."""
     read_deadline_s: float = 30.0
@@ -106,6 +107,13 @@ class PipelineSettings:
     release_heap_every: int = 128 << 20
     """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
     (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``_heap.py``."""
+    mmap_threshold: int | None = 1 << 20
+    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a session starts: freed buffers
+    of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
+    at most 32 MiB). See NOTE [ Mmap threshold ] in ``_heap.py``."""
+    host_budget: int = 0
+    """Pinned host memory that tensors leaving an accelerator may occupy before they
+    spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]."""
 
 
 @dataclass(frozen=True)
@@ -135,22 +143,29 @@ class EffectiveConfig:
                 "chunk_bytes": exact_size(self.store.chunk_bytes),
             },
             "pipeline": {
-                "max_inflight": exact_size(self.pipeline.max_inflight),
-                "prefetch": exact_size(self.pipeline.prefetch),
+                "max_inflight": _opt_exact(self.pipeline.max_inflight),
+                "prefetch": _opt_exact(self.pipeline.prefetch),
                 "writer_threads": self.pipeline.writer_threads,
                 "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
                 "release_heap_every": exact_size(self.pipeline.release_heap_every),
+                "mmap_threshold": _opt_exact(self.pipeline.mmap_threshold),
+                "host_budget": exact_size(self.pipeline.host_budget),
             },
             "policy": {
                 "min_bytes": exact_size(self.policy.min_bytes),
                 "skip_parameters": self.policy.skip_parameters,
                 "rules": [_rule_to_dict(r, sizes_as_str=True) for r in self.policy.rules],
                 "default": self.policy.default,
+                "device_budget": _opt_exact(self.policy.device_budget),
             },
         }
 
 
 _SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _opt_exact(n: int | None) -> int | str | None:
+    return None if n is None else exact_size(n)
 
 
 def _duration_str(s: float) -> str:
@@ -180,6 +195,13 @@ def _rule_to_dict(rule: Rule, *, sizes_as_str: bool = False) -> dict[str, Any]:
 # Field checks: each calls the one validator of its value (``_units``, ``_zarr_options``,
 # the store registry, ``_policy``'s rule checks); ``Size``/``Duration`` live in ``_units``.
 # ---------------------------------------------------------------------------------------
+
+
+def _mmap_threshold(value: Any) -> int | None:
+    n = None if value is None else check_size(value)
+    if n is not None and not 0 < n <= 32 << 20:
+        raise ValueError("expected a size from 1 byte to 32MiB (glibc's limit), or null")
+    return n
 
 
 def _chunk_size(value: Any) -> int:
@@ -220,11 +242,15 @@ class _StoreModel(_Model):
 
 
 class _PipelineModel(_Model):
-    max_inflight: Size = PipelineSettings.max_inflight
-    prefetch: Size = PipelineSettings.prefetch
+    max_inflight: OptSize = PipelineSettings.max_inflight
+    prefetch: OptSize = PipelineSettings.prefetch
     writer_threads: Annotated[int, Field(ge=1, le=64)] = PipelineSettings.writer_threads
     read_deadline_s: Duration = PipelineSettings.read_deadline_s
     release_heap_every: Size = PipelineSettings.release_heap_every
+    mmap_threshold: Annotated[int | None, BeforeValidator(_mmap_threshold)] = (
+        PipelineSettings.mmap_threshold
+    )
+    host_budget: Size = PipelineSettings.host_budget
 
 
 class _RuleModel(_Model):
@@ -268,6 +294,7 @@ class _PolicyModel(_Model):
     skip_parameters: bool = _DEFAULT_POLICY.skip_parameters
     rules: list[_RuleModel] = Field(default_factory=list)
     default: Action = _DEFAULT_POLICY.default
+    device_budget: OptSize = _DEFAULT_POLICY.device_budget
 
 
 class _ConfigModel(_Model):
@@ -298,12 +325,15 @@ class _ConfigModel(_Model):
                 writer_threads=p.writer_threads,
                 read_deadline_s=p.read_deadline_s,
                 release_heap_every=p.release_heap_every,
+                mmap_threshold=p.mmap_threshold,
+                host_budget=p.host_budget,
             ),
             policy=Policy(
                 min_bytes=pol.min_bytes,
                 skip_parameters=pol.skip_parameters,
                 rules=tuple(r.build() for r in pol.rules),
                 default=pol.default,
+                device_budget=pol.device_budget,
             ),
             source=source,
         )
@@ -546,6 +576,9 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "skip_parameters": ("policy", _PolicyModel),
     "rules": ("policy", _PolicyModel),
     "default": ("policy", _PolicyModel),
+    "device_budget": ("policy", _PolicyModel),
+    "host_budget": ("pipeline", _PipelineModel),
+    "mmap_threshold": ("pipeline", _PipelineModel),
     "prefetch": ("pipeline", _PipelineModel),
     "max_inflight": ("pipeline", _PipelineModel),
     "writer_threads": ("pipeline", _PipelineModel),

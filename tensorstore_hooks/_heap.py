@@ -24,7 +24,7 @@ import ctypes.util
 import logging
 from collections.abc import Callable
 
-__all__ = ["HeapReleaser", "malloc_trim"]
+__all__ = ["HeapReleaser", "malloc_trim", "set_mmap_threshold"]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -44,6 +44,40 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 
 malloc_trim = _find_malloc_trim()
 """glibc's ``malloc_trim(pad)``, or ``None`` where the C library has none."""
+
+# NOTE [ Mmap threshold ]
+# glibc serves a malloc of at least M_MMAP_THRESHOLD bytes with its own mmap and
+# gives it back to the OS at free. The threshold starts at 128 KiB but is dynamic:
+# each free of an mmapped block raises it to that block's size (up to 32 MiB), so
+# after the first step a training loop's 8-32 MiB activations and read buffers come
+# from heaps, and freed ones stay mapped wherever a live block sits above them (in
+# every I/O thread's arena too) until a ``malloc_trim``. Setting the threshold once
+# (``mallopt(M_MMAP_THRESHOLD, n)``) also turns the dynamic rise off: every buffer of
+# at least ``n`` bytes leaves RSS the moment it is freed. Measured on the train-step
+# benchmark (reduced: batch 2, honest whole-run memory, benchmarks/notes-cpu.md):
+# tsh-disk 46% of no offloading without it, 29% with 1 MiB. The price is page faults
+# on every such allocation (the kernel zeroes fresh pages), in torch's own kernels
+# too. It is process-wide and stays after the session (glibc has no per-thread or
+# per-call setting): ``pipeline.mmap_threshold``, ``null`` leaves glibc alone.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc: HEAP_MAX_SIZE / 2 on 64-bit
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """``mallopt(M_MMAP_THRESHOLD, nbytes)`` for this process (glibc; else a no-op).
+
+    See NOTE [ Mmap threshold ]. Returns whether glibc took it.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None or not 0 < nbytes <= _MMAP_THRESHOLD_MAX:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
 
 
 class HeapReleaser:

@@ -7,20 +7,26 @@ to the session's :class:`~tensorstore_hooks.Router`; the work lives in the pipel
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
 
 import torch
 
+from ._compose import block_abort, block_enter, block_exit
+from ._diagnose import after_forward, before_forward
 from ._pipeline import OffloadSession
 from ._registry import open_store, options_from_config
 from ._session_api import SessionAPI
 from ._signals import install as install_signal_shield
 from ._store import TensorStore
+from ._trace import describe_session, forward_begin, forward_end
 from .errors import ConfigError
 
 __all__ = ["OffloadHooks", "make_session", "offload"]
+
+log = logging.getLogger("tensorstore_hooks")
 
 
 class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
@@ -49,27 +55,49 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
         install_signal_shield()  # NOTE [ Signals and finalizers ]
-        super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing then
+        if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
+            return self
+        pushed = counted = outermost = False
         try:
+            super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing
+            pushed = True
             with self._depth_lock:
-                if self._depth == 0 and self._scope is not None:
+                self._depth += 1
+                counted = True
+                outermost = self._depth == 1
+            if outermost:  # nested re-entry: tracking lasts until the outermost exit
+                forward_begin(self._session)
+                has_scope = self._scope is not None and bool(self._models)
+                before_forward(self, self.policy, has_scope)
+                if self._scope is not None:
                     for model in self._models:
                         self._scope.attach(model)
-                self._depth += 1
         except BaseException:
-            if self._scope is not None:
+            # All or nothing: a failed enter leaves no hooks and no module tracking.
+            if counted:
+                with self._depth_lock:
+                    self._depth -= 1
+            if outermost and self._scope is not None:
                 self._scope.detach()
-            super().__exit__(None, None, None)  # all or nothing: pop the hooks again
+            if pushed:
+                super().__exit__(None, None, None)
+            block_abort()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not block_exit():
+            return
         super().__exit__(*exc)
         with self._depth_lock:
             self._depth -= 1
             last = self._depth == 0
-        if last and self._scope is not None:
+        if not last:
+            return
+        forward_end(self._session)
+        if self._scope is not None:
             self._scope.detach()
+            after_forward(self, self.policy, self._scope.seen)
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:
@@ -156,4 +184,6 @@ def make_session(
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
-    return OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    session = OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    log.info("%s", describe_session(session))
+    return session

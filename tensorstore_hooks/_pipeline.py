@@ -21,8 +21,9 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._budgets import BudgetControl, pinned_idle_cap
 from ._device import DeviceStager
-from ._heap import HeapReleaser
+from ._heap import HeapReleaser, set_mmap_threshold
 from ._iopool import StorePool, on_io_thread, shutdown_pool
 from ._parts import SessionParts
 from ._prefetch import Prefetcher
@@ -30,6 +31,7 @@ from ._records import Record, RecordTable, State
 from ._router import Router, inplace_error
 from ._stats import OffloadStats
 from ._store import TensorStore
+from ._trace import Timeline
 from ._writebehind import WriteBehind
 
 if TYPE_CHECKING:
@@ -65,21 +67,27 @@ class OffloadSession:
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
             settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
         )
+        if settings.mmap_threshold is not None:
+            set_mmap_threshold(settings.mmap_threshold)  # NOTE [ Mmap threshold ]
         self._io = StorePool(store, settings.writer_threads + 2)
         self._closing = False
         self._closed = False
         self._table = RecordTable(self._release)
         self.stager = DeviceStager(
             self._table,
-            settings.max_inflight + settings.prefetch,
+            pinned_idle_cap(settings),
             on_allocate=lambda: _bump(stats, "pinned_allocations"),
         )
         parts = SessionParts(self._table, store, stats, self.stager, self._io, self.heap)
-        self._writer = WriteBehind(parts, max_inflight=settings.max_inflight)
+        self._writer = WriteBehind(parts, max_inflight=0)
         self._prefetcher = Prefetcher(
             parts,
-            window_bytes=settings.prefetch,
+            window_bytes=0,
             read_deadline_s=settings.read_deadline_s,
+        )
+        # Sets both windows now and after every forward (NOTE [ Windows ]).
+        budget = BudgetControl.for_session(
+            policy, settings, self._writer, self._prefetcher, self.stats
         )
         self.router = Router(
             policy=policy,
@@ -88,6 +96,7 @@ class OffloadSession:
             writer=self._writer,
             prefetcher=self._prefetcher,
             scope=scope,
+            budget=budget,
         )
 
     @property
@@ -102,6 +111,15 @@ class OffloadSession:
     @scope.setter
     def scope(self, scope: Any) -> None:
         self.router.scope = scope
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline ``hooks.trace()`` records into (``None``: not recording)."""
+        return self.router.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self.router.timeline = self._writer.timeline = self._prefetcher.timeline = timeline
 
     # -------------------------------------------------------------- release
     def _release(self, rec: Record) -> None:

@@ -375,6 +375,9 @@ class Policy:
     """Checked in order; the first that matches decides."""
     default: Action = "store"
     """The action for tensors no rule matched (and at least ``min_bytes`` large)."""
+    device_budget: int | None = None
+    """Bytes of saved tensors the rules would move that may stay where they were made,
+    per forward, newest first (``None``: no plan). See NOTE [ Device budget plan ]."""
     _table: tuple[tuple[Rule, Decision], ...] = field(
         default=(), init=False, repr=False, compare=False
     )
@@ -400,6 +403,13 @@ class Policy:
         ):
             raise ConfigError(
                 f"Policy: min_bytes must be a non-negative int, got {self.min_bytes!r}"
+            )
+        budget = self.device_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+        ):
+            raise ConfigError(
+                f"Policy: device_budget must be a non-negative int or None, got {budget!r}"
             )
         rules = tuple(self.rules)
         for i, r in enumerate(rules):

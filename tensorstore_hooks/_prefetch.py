@@ -28,6 +28,7 @@ from ._iopool import READ
 from ._parts import PipelineUnit, SessionParts
 from ._records import Record, State
 from ._retry import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
+from ._trace import READ_RANGE, UNPACK_WAIT_RANGE, Timeline, span
 from .errors import StoreUnavailableError
 
 __all__ = ["Prefetcher"]
@@ -54,6 +55,7 @@ class Prefetcher(PipelineUnit):
             label=f"offload reads from {parts.store.url}",
             classify=classify_store_read,
         )
+        self.timeline: Timeline | None = None  # set while hooks.trace() records
 
     # ---------------------------------------------------------------- unpack
     def claim(self, rec: Record) -> Future[Any] | None:
@@ -65,6 +67,7 @@ class Prefetcher(PipelineUnit):
         if fut is not None:
             rec.fetch = None
             self._window -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
         else:
             self.cursor = rec.pos - 1
         return fut
@@ -73,15 +76,17 @@ class Prefetcher(PipelineUnit):
         """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss)."""
         if fut is not None:
             self._stats.prefetch_hits += 1
-            try:
-                out = fut.result()
-            except CancelledError:
-                out = self.read(rec)
-            # Any other error is final: that read had the whole deadline already.
+            with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+                try:
+                    out = fut.result()
+                except CancelledError:
+                    out = self.read(rec)
+                # Any other error is final: that read had the whole deadline already.
         else:
             self._stats.prefetch_misses += 1
             self.fill()
-            out = self.read(rec)
+            with span(UNPACK_WAIT_RANGE, self.timeline):
+                out = self.read(rec)
         self._stats.unpack_stall_s += time.perf_counter() - t0
         self.fill()
         return self._stager.finish(out)
@@ -98,9 +103,14 @@ class Prefetcher(PipelineUnit):
             raise StoreUnavailableError(
                 f"offload: a saved tensor was freed before it was read ({self._store.url})"
             )
-        t = self._get(key)
+        t0 = time.perf_counter()
+        with span(READ_RANGE, self.timeline, {"bytes": rec.nbytes}):  # NOTE [ Profiler ranges ]
+            t = self._get(key)
+        read_s = time.perf_counter() - t0
         with self._table.lock:  # reader threads run this concurrently
             self._stats.bytes_read += rec.nbytes
+            self._stats.read_s += read_s
+        log.debug("read: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, read_s * 1e3)
         self._heap.note(rec.nbytes)
         t = t.detach()
         if rec.device.type == "cuda":
@@ -121,6 +131,12 @@ class Prefetcher(PipelineUnit):
                 f"{self.read_deadline_s:g}): {type(e.cause).__name__}: {e.cause}"
             ) from e.cause
 
+    def restart(self) -> None:
+        """A backward begins: read ahead from the newest record down."""
+        with self._table.lock:
+            self.cursor = self._table.end - 1
+        self.fill()
+
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
         if self.window_bytes <= 0:
@@ -135,6 +151,7 @@ class Prefetcher(PipelineUnit):
                         break
                     rec.fetch = Future()  # a placeholder: claimed, submitted below
                     self._window += rec.nbytes
+                    self._stats.hold(rec.nbytes)
                     submit.append(rec)
                 self.cursor -= 1
         pool = self._io() if submit else None
@@ -154,8 +171,10 @@ class Prefetcher(PipelineUnit):
             rec.fetch.cancel()
             rec.fetch = None
             self._window -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
 
     def reset(self) -> None:
         """Nothing is live: start over (lock held)."""
         self.cursor = -1
+        self._stats.hold(-self._window)
         self._window = 0

@@ -246,6 +246,11 @@ class RecordTable:
         """Records not yet freed."""
         return self._live
 
+    @property
+    def end(self) -> int:
+        """One past the newest pack position."""
+        return len(self._order)
+
     def at(self, pos: int) -> Record | None:
         """The record at pack position ``pos`` (``None`` once freed)."""
         return self._order[pos]

@@ -12,24 +12,30 @@ policy (budgets) sits between :meth:`decide` and :meth:`account`.
 
 from __future__ import annotations
 
+import logging
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._budgets import BUDGET_LABEL
 from ._codec import is_dense, unsupported_reason
 from ._records import Handle, RecordTable, State, dedup_key
 from ._signals import shielded
 from ._stats import OffloadStats, RouteStats
+from ._trace import PACK_RANGE, UNPACK_RANGE, Timeline, span
+from ._warn import warn_user
 from .errors import StoreUnavailableError
 
 if TYPE_CHECKING:
+    from ._budgets import BudgetControl
     from ._prefetch import Prefetcher
     from ._writebehind import WriteBehind
 
 __all__ = ["Host", "Kept", "Route", "Router", "inplace_error"]
+
+log = logging.getLogger("tensorstore_hooks")
 
 
 def inplace_error(what: str) -> RuntimeError:
@@ -94,25 +100,40 @@ class Router:
         writer: WriteBehind,
         prefetcher: Prefetcher,
         scope: Any = None,
+        budget: BudgetControl | None = None,
     ) -> None:
         self.policy = policy
         self.scope = scope
         self.stats = stats
         self.closing = False
         """Set when the session closes: from then on every tensor is kept."""
+        self.timeline: Timeline | None = None
+        """Set while ``hooks.trace()`` records (NOTE [ Profiler ranges ])."""
         self._table = table
         self._writer = writer
         self._prefetcher = prefetcher
+        self.budget = budget
+        """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
 
     # ------------------------------------------------------------ torch hooks
     def pack(self, t: torch.Tensor) -> Any:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
+        with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+            return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
         self.emit_warning()
         reason = unsupported_reason(t)
         if reason is not None:
             self.keep_unsupported(reason)
             return Kept(t)
         nbytes = t.numel() * t.element_size()
+        if _in_backward():
+            # Saved while backward runs (a reentrant checkpoint's recompute, a
+            # create_graph backward): needed at once, so stored bytes would only be
+            # read straight back. NOTE [ Checkpoint composition ], rule 3.
+            self.account(Route("keep", "saved during backward", nbytes))
+            return Kept(t)
         action = self.route(t, nbytes)
         if action == "store":
             return self.store(t, nbytes)
@@ -122,8 +143,10 @@ class Router:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
+        self.backward_step()
         if isinstance(packed, Handle):
-            return self.load(packed)
+            with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+                return self.load(packed)
         self.emit_warning()
         if isinstance(packed, Kept):
             return self.unkeep(packed)
@@ -149,6 +172,8 @@ class Router:
         """
         action, nbytes = route.action, route.nbytes
         self._count(action, route.label, nbytes)
+        if action != "store":
+            log.debug("pack: %s %d B (%s)", action, nbytes, route.label)
         if action == "host":
             self.stats.tensors_host += 1
             self.stats.bytes_host += nbytes
@@ -160,8 +185,21 @@ class Router:
         return action
 
     def route(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> str:
-        """:meth:`decide` then :meth:`account`: the action to take for ``t``."""
-        return self.account(self.decide(t, nbytes, parameter=parameter))
+        """:meth:`decide`, the budget's plan, then :meth:`account`: the action for ``t``."""
+        route = self.decide(t, nbytes, parameter=parameter)
+        budget = self.budget
+        if budget is not None and budget.keep(
+            route.action, nbytes, accelerator=t.device.type != "cpu"
+        ):
+            route = Route("keep", BUDGET_LABEL, nbytes)
+        return self.account(route)
+
+    def backward_step(self) -> None:
+        """Every unpack calls this: the first of a backward ends the forward for the
+        budget and starts the read-ahead at the newest stored tensor (the newest kept
+        ones are consumed meanwhile)."""
+        if self.budget is not None and self.budget.backward_started():
+            self._prefetcher.restart()
 
     def keep_unsupported(self, reason: str) -> None:
         """Count a tensor kept because the codec cannot store it (sparse, subclass, ...)."""
@@ -188,18 +226,19 @@ class Router:
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
         with table.lock:
-            handle = self._reuse(t, key)
+            handle = self._reuse(t, key, nbytes)
             if handle is not None:
                 return handle
             self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
         return self._admit(t, nbytes, guard, key)
 
     @shielded  # a reference taken must get its handle: NOTE [ Signals and finalizers ]
-    def _reuse(self, t: torch.Tensor, key: tuple[Any, ...] | None) -> Handle | None:
+    def _reuse(self, t: torch.Tensor, key: tuple[Any, ...] | None, nbytes: int) -> Handle | None:
         rec = self._table.reuse(t, key)
         if rec is None:
             return None
         self.stats.dedup_hits += 1
+        log.debug("pack: store %d B: the tensor of record %d (dedup)", nbytes, rec.pos)
         return self._table.handle(rec)
 
     @shielded  # a record counted in flight must get its handle and its write
@@ -211,12 +250,14 @@ class Router:
             rec = table.add(t, nbytes, guard, key)
             self._writer.enqueue(rec)
             handle = table.handle(rec)
+        log.debug("pack: store %d B %s %s as record %d", nbytes, t.dtype, tuple(t.shape), rec.pos)
         self._writer.start(rec, t)
         return handle
 
     def load(self, handle: Handle) -> torch.Tensor:
         """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
         self.emit_warning()
+        self.backward_step()
         rec = handle.rec
         t0 = time.perf_counter()
         while True:
@@ -250,9 +291,9 @@ class Router:
         """A :class:`Kept` stand-in for ``t`` (``guard``: see :class:`Kept`)."""
         return Kept(t, guard)
 
-    @staticmethod
-    def unkeep(kept: Kept) -> Any:
+    def unkeep(self, kept: Kept) -> Any:
         """The kept tensor; raises torch's in-place error if it was modified since pack."""
+        self.backward_step()
         if kept.guard._version != kept.version:
             raise inplace_error(f"a tensor of shape {tuple(kept.tensor.shape)}")
         return kept.tensor
@@ -261,7 +302,11 @@ class Router:
         """Issue the pending one-time fallback warning (on the caller's thread)."""
         msg = self._writer.take_warning()
         if msg is not None:
-            warnings.warn(msg, UserWarning, stacklevel=3)
+            warn_user(msg)  # at the user's line, not torch's (tensorstore_hooks._warn)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _pack_host(t: torch.Tensor) -> Any:

@@ -21,6 +21,9 @@ class _Stack(threading.local):
         self.paths: list[str] = []
 
 
+_SEEN_LIMIT = 4096  # paths remembered for diagnostics (models have far fewer)
+
+
 class ModuleScope:
     """Tracks the dotted path of the innermost running module, per thread.
 
@@ -42,6 +45,9 @@ class ModuleScope:
         # Keys are modules (or paddle Layers, see tensorstore_hooks.paddle); values have
         # ``remove()``.
         self._handles: dict[Any, tuple[Any, Any]] = {}
+        # Every path that ran forward, for the "glob matched nothing" check
+        # (tensorstore_hooks._diagnose); a set add per module call, bounded.
+        self.seen: set[str] = set()
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook every submodule of ``model``; paths are relative to ``model`` (root ``""``)."""
@@ -67,6 +73,18 @@ class ModuleScope:
         # Entries left by a forward that is still running on this thread are stale now.
         self._local.paths.clear()
 
+    def enter(self, path: str) -> None:
+        """Push ``path`` (a module's forward starts); for callers that hook modules themselves."""
+        self._local.paths.append(path)
+        if len(self.seen) < _SEEN_LIMIT:
+            self.seen.add(path)
+
+    def exit(self, path: str) -> None:
+        """Pop ``path`` if it is the innermost entry (its forward ended, or raised)."""
+        paths = self._local.paths
+        if paths and paths[-1] == path:
+            paths.pop()
+
     def current(self) -> str | None:
         """Dotted path of the innermost module running forward on this thread.
 
@@ -82,21 +100,19 @@ class ModuleScope:
         return len(self._handles)
 
     def _make_pre(self, path: str) -> Any:
-        local = self._local
+        enter = self.enter
 
         def pre_hook(module: Any, args: Any) -> None:
-            local.paths.append(path)
+            enter(path)
 
         return pre_hook
 
     def _make_post(self, path: str) -> Any:
-        local = self._local
+        # exit() pops only our own entry: with always_call=True this hook also runs
+        # when a global pre-hook raised before ours pushed anything.
+        exit_ = self.exit
 
         def post_hook(module: Any, args: Any, output: Any) -> None:
-            paths = local.paths
-            # Pop only our own entry: with always_call=True this hook also runs when a
-            # global pre-hook raised before ours pushed anything.
-            if paths and paths[-1] == path:
-                paths.pop()
+            exit_(path)
 
         return post_hook

@@ -8,7 +8,9 @@ once.
 
 from __future__ import annotations
 
+import os
 import weakref
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ._pipeline import OffloadSession
@@ -59,6 +61,18 @@ class SessionAPI:
     def live_records(self) -> int:
         """Saved tensors in the store or in flight whose graph is still alive (0 once freed)."""
         return self._session.live_records
+
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Any]:
+        """Record a Chrome/Perfetto timeline of this session's work while the block runs.
+
+        ``with hooks.trace("trace.json"): ...train steps...``: forward and backward
+        spans, and every pack, unpack, unpack wait, write and read (with its thread),
+        saved as Chrome trace JSON at ``path`` on exit (open it in
+        https://ui.perfetto.dev). See NOTE [ Profiler ranges ] for torch.profiler.
+        """
+        from ._trace import record
+
+        return record(self._session, path)
 
     def flush(self) -> None:
         """Block until every pending write has reached the store.

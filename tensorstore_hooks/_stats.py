@@ -1,7 +1,29 @@
-"""OffloadStats: what the offload hooks did, readable during and after a run."""
+"""OffloadStats: what the offload hooks did, readable during and after a run.
+
+Per-step figures: ``before = hooks.stats.snapshot()`` ... ``hooks.stats - before``
+(or ``hooks.stats.since(before)``) is what happened in between; or
+``hooks.stats.reset()`` between steps.
+
+NOTE [ Counts that add up ]
+Every tensor autograd saves under the hooks is counted exactly once at pack:
+
+    saves = tensors_offloaded + tensors_kept + tensors_host + dedup_hits
+
+(a write that fails later moves its tensor from offloaded to kept and counts a
+fallback; a dedup hit is a save of a tensor already offloaded in this session,
+which costs no new write). Every unpack of an offloaded tensor counts one of
+
+    prefetch_hits + prefetch_misses + tail_hits
+
+(a tail hit: served from memory because its write had not finished, which cancels
+the write; later unpacks of that tensor, and unpacks of a fallback's, are served
+from memory without a count).
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 __all__ = ["OffloadStats", "RouteStats"]
@@ -15,13 +37,18 @@ class RouteStats:
     bytes: int = 0
 
 
+# Fields that are levels or high-water marks, not counts: a delta keeps the later value.
+_LEVELS = frozenset({"held_bytes", "peak_held_bytes"})
+
+
 @dataclass(slots=True)
 class OffloadStats:
     """Counters of one :class:`~tensorstore_hooks.OffloadHooks` session.
 
     Updated by the hooks and background threads as they go, so reading them while
     backward runs is fine (each field is individually current). Sizes are payload
-    bytes, times are seconds.
+    bytes, times are seconds. How the counts add up: NOTE [ Counts that add up ]
+    in ``tensorstore_hooks._stats``.
     """
 
     tensors_offloaded: int = 0
@@ -49,6 +76,22 @@ class OffloadStats:
     """Saves of a tensor already saved in this session (written once)."""
     tail_hits: int = 0
     """Unpacks served from memory because the write had not finished (write cancelled)."""
+    bytes_written: int = 0
+    """Bytes that reached the store (writes cancelled by a tail hit or a freed graph
+    before they started are not written at all)."""
+    write_s: float = 0.0
+    """Time writer threads spent writing to the store (summed over threads)."""
+    read_s: float = 0.0
+    """Time spent reading from the store (summed over reader threads)."""
+    held_bytes: int = 0
+    """Bytes of offloaded tensors the session holds in memory right now: waiting to
+    be written, or read ahead and not yet unpacked."""
+    peak_held_bytes: int = 0
+    """The highest ``held_bytes`` since the session began (or the last ``reset()``)."""
+    replans: int = 0
+    """Times the ``device_budget`` plan was made again because a forward saved other
+    sizes (tensors the plan kept are counted under the ``per_rule`` label
+    ``"device_budget"`` and in ``bytes_kept``)."""
     heap_releases: int = 0
     """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
     pinned_allocations: int = 0
@@ -58,15 +101,91 @@ class OffloadStats:
     per_rule: dict[str, RouteStats] = field(default_factory=dict)
     """Policy rule label (``"rules[0] module=*.lm_head"``, ``"default"``, ...) -> counts."""
 
+    def hold(self, delta_bytes: int) -> None:
+        """The pipeline holds ``delta_bytes`` more (or fewer) in memory; tracks the peak.
+
+        Called under the session's record lock (writes in flight, reads ahead).
+        """
+        held = self.held_bytes + delta_bytes
+        self.held_bytes = held
+        if held > self.peak_held_bytes:
+            self.peak_held_bytes = held
+
+    # ------------------------------------------------------------ per step
+    def snapshot(self) -> OffloadStats:
+        """A copy of the counters now (to subtract later: ``stats - snap``)."""
+        return copy.deepcopy(self)
+
+    def since(self, earlier: OffloadStats) -> OffloadStats:
+        """What happened after ``earlier`` (a :meth:`snapshot`): counters subtracted.
+
+        ``held_bytes`` and ``peak_held_bytes`` are levels: the result has the
+        current values (the peak is the session's, or since the last ``reset()``).
+        """
+        out = OffloadStats()
+        for f in dataclasses.fields(self):
+            name = f.name
+            now = getattr(self, name)
+            if name in _LEVELS:
+                setattr(out, name, now)
+            elif isinstance(now, dict):
+                before = getattr(earlier, name)
+                table = {}
+                for key, route in now.items():
+                    old = before.get(key, RouteStats())
+                    delta = RouteStats(route.tensors - old.tensors, route.bytes - old.bytes)
+                    if delta.tensors or delta.bytes:
+                        table[key] = delta
+                setattr(out, name, table)
+            else:
+                setattr(out, name, now - getattr(earlier, name))
+        return out
+
+    def __sub__(self, earlier: OffloadStats) -> OffloadStats:
+        return self.since(earlier)
+
+    def reset(self) -> None:
+        """Zero every counter (call between steps); the peak restarts from what is held now.
+
+        Background writes still running count into the new period.
+        """
+        for f in dataclasses.fields(self):
+            name = f.name
+            if name == "held_bytes":
+                continue
+            if name == "peak_held_bytes":
+                self.peak_held_bytes = self.held_bytes
+            elif isinstance(getattr(self, name), dict):
+                getattr(self, name).clear()
+            else:
+                setattr(self, name, type(getattr(self, name))())
+
+    # ------------------------------------------------------------- report
+    @property
+    def tensors_saved(self) -> int:
+        """Every save the hooks saw: offloaded + kept + host + dedup hits."""
+        return self.tensors_offloaded + self.tensors_kept + self.tensors_host + self.dedup_hits
+
     def summary(self) -> str:
-        """One line for logs."""
-        from ._units import format_bytes
+        """Every counter on one line, for logs (NOTE [ Counts that add up ])."""
+        from ._units import format_bytes as b
+
+        unpacks = self.prefetch_hits + self.prefetch_misses + self.tail_hits
+
+        def rate(nbytes: int, secs: float) -> str:
+            return f", {b(int(nbytes / secs))}/s" if secs > 0 and nbytes else ""
 
         return (
-            f"offloaded {self.tensors_offloaded} ({format_bytes(self.bytes_offloaded)}), "
-            f"kept {self.tensors_kept} ({format_bytes(self.bytes_kept)}), "
-            f"host {self.tensors_host}, fallbacks {self.fallbacks}, "
-            f"read {format_bytes(self.bytes_read)}, prefetch {self.prefetch_hits}/"
-            f"{self.prefetch_hits + self.prefetch_misses} hits, "
-            f"stalls pack {self.pack_stall_s:.3f}s unpack {self.unpack_stall_s:.3f}s"
+            f"saved {self.tensors_saved} = offloaded {self.tensors_offloaded} "
+            f"({b(self.bytes_offloaded)}) + kept {self.tensors_kept} ({b(self.bytes_kept)}, "
+            f"{self.fallbacks} fallbacks) + host {self.tensors_host} ({b(self.bytes_host)}) + "
+            f"dedup {self.dedup_hits}; "
+            f"unpacked {unpacks} = prefetch hits {self.prefetch_hits} + misses "
+            f"{self.prefetch_misses} + tail {self.tail_hits}; "
+            f"written {b(self.bytes_written)} in {self.write_s:.3f}s"
+            f"{rate(self.bytes_written, self.write_s)}, "
+            f"read {b(self.bytes_read)} in {self.read_s:.3f}s{rate(self.bytes_read, self.read_s)}; "
+            f"stalls pack {self.pack_stall_s:.3f}s unpack {self.unpack_stall_s:.3f}s; "
+            f"peak held {b(self.peak_held_bytes)}"
+            + (f"; device_budget replans {self.replans}" if self.replans else "")
         )

@@ -35,6 +35,7 @@ import torch
 from ._iopool import WRITE
 from ._parts import PipelineUnit, SessionParts
 from ._records import Record, State
+from ._trace import WRITE_RANGE, Timeline, span
 
 __all__ = ["WriteBehind"]
 
@@ -54,6 +55,7 @@ class WriteBehind(PipelineUnit):
         self._inflight = 0
         self._warned = False
         self._pending_warning: str | None = None
+        self.timeline: Timeline | None = None  # set while hooks.trace() records
 
     @property
     def inflight(self) -> int:
@@ -72,6 +74,7 @@ class WriteBehind(PipelineUnit):
     def enqueue(self, rec: Record) -> None:
         """Count a new record in flight (lock held); then :meth:`start` it."""
         self._inflight += rec.nbytes
+        self._stats.hold(rec.nbytes)
         self._stats.tensors_offloaded += 1
         self._stats.bytes_offloaded += rec.nbytes
 
@@ -117,7 +120,14 @@ class WriteBehind(PipelineUnit):
             orig = rec.guard  # the saved tensor (``src`` is its pinned copy for CUDA)
             if orig is not None and orig._version != rec.version:
                 raise _Dirty()
-            key = self._put(src)
+            t0 = time.perf_counter()  # NOTE [ Profiler ranges ]
+            with span(WRITE_RANGE, self.timeline, {"bytes": rec.nbytes}):
+                key = self._put(src)
+            write_s = time.perf_counter() - t0
+            with lock:
+                self._stats.write_s += write_s
+                self._stats.bytes_written += rec.nbytes
+            log.debug("write: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, write_s * 1e3)
             if orig is not None and orig._version != rec.version:
                 raise _Dirty()
         except _Dirty:
@@ -150,6 +160,7 @@ class WriteBehind(PipelineUnit):
     def _finished(self, rec: Record) -> None:
         with self._table.lock:
             self._inflight -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
             self._table.cond.notify_all()
         rec.writing_done.set()
 

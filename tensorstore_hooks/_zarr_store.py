@@ -52,7 +52,6 @@ import re
 import secrets
 import shutil
 import socket
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -65,6 +64,7 @@ from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
+from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import HEADER_BYTES, Damage, IndexLog, os_error
 from ._retry import RetryPolicy
 from ._store import BlobStore
@@ -231,7 +231,8 @@ class ZarrStore(BlobStore):
         ):
             raise ConfigError(f"ZarrStore: namespace {namespace!r} must be 1-128 of [A-Za-z0-9._-]")
         self._temporary = url is None
-        location = tempfile.mkdtemp(prefix="tensorstore-hooks-") if self._temporary else None
+        # NOTE [ Stale namespaces ]: a temporary root sweeps its dead siblings.
+        location = make_temp_root() if self._temporary else None
         self._io = make_io(location or url, storage_options, retry_deadline_s)
         self._url = self._io.url
         self.namespace = namespace or _default_namespace()
@@ -249,6 +250,10 @@ class ZarrStore(BlobStore):
         try:
             self._unlock = self._take_namespace()
             self._init_layout()
+            if not self._temporary:
+                kind, root = split_url(url)
+                if kind == "local":
+                    sweep_at_open(root)  # NOTE [ Stale namespaces ]
             self._log = IndexLog(self._io, f"{self.namespace}/index")
             self._resume(self._log)
         except BaseException as e:

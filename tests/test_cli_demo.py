@@ -24,7 +24,10 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
-    proc = _cli("demo", "--steps", "2", "--store", f"file://{tmp_path / 'store'}")
+    trace = tmp_path / "timeline.json"
+    proc = _cli(
+        "demo", "--steps", "2", "--store", f"file://{tmp_path / 'store'}", "--trace", str(trace)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "identical" in proc.stdout
     for row in (
@@ -36,6 +39,22 @@ def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
     ):
         assert row in proc.stdout
     assert "DIFFER" not in proc.stdout
+    # Where the store is, and the full summary (every counter, adding up).
+    assert f"store: file://{tmp_path / 'store'}" in proc.stdout
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("hooks (2 steps):"))
+    for part in ("saved ", "offloaded ", "dedup ", "tail ", "written ", "read ", "peak held "):
+        assert part in summary
+    # The timeline of the offloaded steps, and the PNG docs/profiling.md shows, made from it.
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"forward", "backward", "tsh::pack", "tsh::write", "tsh::read"} <= names
+    png = tmp_path / "timeline.png"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_timeline.py"
+    plot = subprocess.run(
+        [sys.executable, str(script), str(trace), str(png)], capture_output=True, text=True
+    )
+    assert plot.returncode == 0, plot.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_inspect_lists_tensors_without_writing(tmp_path: Path) -> None:

@@ -163,8 +163,9 @@ def test_checkpoint_inside_offload(x: torch.Tensor) -> None:
 
 
 def test_offload_inside_checkpointed_region(x: torch.Tensor) -> None:
-    """``offload()`` entered inside a checkpointed function: the innermost hooks win,
-    in the forward and in the recompute, and gradients still match."""
+    """``offload()`` entered inside a checkpointed function: the checkpoint decides
+    (NOTE [ Checkpoint composition ]), in the forward and in the recompute; nothing it
+    recomputes is stored, and gradients still match."""
     torch.manual_seed(0)
     model = _Net()
     ref = copy.deepcopy(model)
@@ -181,7 +182,7 @@ def test_offload_inside_checkpointed_region(x: torch.Tensor) -> None:
         return model.out(h).pow(2).mean()
 
     _assert_equal(_run(forward, model, x), _run(ref, ref, x))
-    assert hooks.stats.tensors_offloaded > 0
+    assert hooks.stats.tensors_offloaded == 0
     hooks.close()
 
 

@@ -62,7 +62,7 @@ def test_example_values() -> None:
     tf = load_config(CONFIGS / "transformer.yaml")
     assert [r.action for r in tf.policy.rules] == ["keep", "host", "store"]
     assert tf.policy.rules[1].dtype == (torch.bool,)
-    assert tf.policy.labels[1:4] == ("rules[0] head", "rules[1] masks", "rules[2] blocks")
+    assert tf.policy.labels[1:4] == ("rules[0] last-layer", "rules[1] masks", "rules[2] layers")
 
 
 def test_defaults_and_units(tmp_path: Path) -> None:
@@ -392,7 +392,7 @@ def test_effective_config_and_dict_inputs() -> None:
     [
         ({"min_bytes": "1 MiBs"}, "offload(min_bytes=...): min_bytes: expected"),
         ({"prefetch": -5}, "offload(prefetch=...): prefetch:"),
-        ({"max_inflight": None}, "offload(max_inflight=...): max_inflight:"),
+        ({"max_inflight": "lots"}, "offload(max_inflight=...): max_inflight:"),
         ({"writer_threads": 2.0}, "offload(writer_threads=...): writer_threads:"),
         ({"skip_parameters": "no"}, "offload(skip_parameters=...): skip_parameters:"),
         ({"default": "drop"}, "offload(default=...): default: expected one of"),
@@ -445,11 +445,12 @@ def test_check_config_prints_effective_config(capsys: pytest.CaptureFixture[str]
     assert (code, err) == (0, "")
     printed = yaml.safe_load(out)
     assert printed["policy"]["rules"][0] == {
-        "name": "head",
-        "module": "*.lm_head",
+        "name": "last-layer",
+        "module": "layers.7*",
         "action": "keep",
     }
-    assert printed["pipeline"]["prefetch"] == "256MiB"  # defaults filled in
+    assert printed["pipeline"]["prefetch"] is None  # default: derived (NOTE [ Windows ])
+    assert printed["pipeline"]["host_budget"] == 0  # defaults filled in
     assert "rules[1] masks" in out  # the stats labels, as comments
 
 
@@ -475,7 +476,7 @@ def test_console_script_check_config(tmp_path: Path) -> None:
         timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
-    assert yaml.safe_load(ok.stdout)["policy"]["rules"][2]["module"] == "blocks.*"
+    assert yaml.safe_load(ok.stdout)["policy"]["rules"][2]["module"] == "layers.*"
     bad = _write(tmp_path, "pipeline:\n  prefetch: 12 parsecs\n")
     broken = subprocess.run(
         [*_console_script(), "check-config", str(bad)], capture_output=True, text=True, timeout=120

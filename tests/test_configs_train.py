@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -129,15 +130,29 @@ def test_memory_config() -> None:
 
 
 def test_transformer_config_routes_as_written() -> None:
-    for stats in _train(CONFIGS / "transformer.yaml"):
-        per_rule = {label: route.tensors for label, route in stats.per_rule.items()}
-        assert per_rule.get("rules[0] head", 0) >= 1  # lm_head's input: kept
-        assert per_rule.get("rules[1] masks", 0) >= 2  # both blocks' causal masks: host
-        assert per_rule.get("rules[2] blocks", 0) >= 10  # the blocks' activations: stored
-        assert per_rule.get("parameter", 0) >= 1
-        assert stats.per_action["host"].tensors == per_rule["rules[1] masks"]
-        assert stats.tensors_host == per_rule["rules[1] masks"]
-        assert stats.fallbacks == 0
+    """configs/transformer.yaml on the README's nn.TransformerEncoder: every module rule hits."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64)
+    model = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
+    ref = copy.deepcopy(model)
+    x = torch.randn(12, 2, 32, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    ref(x).pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a glob matching no module would warn
+        hooks = tsh.offload(config=CONFIGS / "transformer.yaml", model=model)
+        torch.manual_seed(5)  # the same dropout masks
+        with hooks:
+            loss = model(x).pow(2).mean()
+    loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), f"gradient of {name} differs"
+    per_rule = {label: route.tensors for label, route in hooks.stats.per_rule.items()}
+    assert per_rule.get("rules[0] last-layer", 0) >= 10  # layers.7 and its modules: kept
+    assert per_rule.get("rules[2] layers", 0) >= 7 * 10  # layers 0..6: stored
+    assert hooks.stats.tensors_offloaded >= per_rule["rules[2] layers"]
+    assert hooks.stats.fallbacks == 0
+    hooks.close()
 
 
 def test_module_hooks_removed_when_forward_raises() -> None:

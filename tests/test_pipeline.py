@@ -115,13 +115,14 @@ def test_prefetch_reads_newest_first(prefetch: str) -> None:
     main = [k for k, th in store.get_log if th == threading.current_thread().name]
     ahead = [k for k, th in store.get_log if th != threading.current_thread().name]
     assert sorted(main + ahead) == sorted(newest_first)  # each read exactly once
-    assert main[0] == newest_first[0]  # the first unpack has nothing prefetched
+    # The first unpack of a backward starts the read-ahead at the newest tensor.
+    assert ahead[0] == newest_first[0]
     assert ahead == [k for k in newest_first if k not in main]  # read-ahead: newest first
     stats = hooks.stats
     assert stats.prefetch_hits + stats.prefetch_misses == n
     assert stats.prefetch_misses == len(main)
     if prefetch == "1GiB":
-        assert main == newest_first[:1] and stats.prefetch_hits == n - 1
+        assert main == [] and stats.prefetch_hits == n
     else:
         assert stats.prefetch_hits > 0
     assert torch.equal(x.grad, chain_grad(x, n))
@@ -166,7 +167,8 @@ def test_out_of_order_unpack_is_correct() -> None:
 def test_tail_shortcut_serves_from_memory() -> None:
     store = GatedStore()
     x = torch.randn(4096, requires_grad=True)
-    hooks = tsh.offload(store, min_bytes=0)
+    # A window that holds the whole forward: the writes are stuck (NOTE [ Windows ]).
+    hooks = tsh.offload(store, min_bytes=0, max_inflight="1MiB")
     with hooks:
         loss = sin_chain(x, 6)
     assert store.entered.acquire(timeout=30)  # a write is stuck in the store
@@ -344,7 +346,7 @@ def test_refusal_after_the_last_hook_call_warns_at_close() -> None:
 
     store = LateRefusal(tsh.QuotaExceededError("quota full"))
     x = torch.randn(4096, requires_grad=True)
-    hooks = tsh.offload(store, min_bytes=0)
+    hooks = tsh.offload(store, min_bytes=0, max_inflight="1MiB")  # forward never waits
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing may be issued before close()
         with hooks:
@@ -595,7 +597,7 @@ def test_graph_dropped_while_writes_are_blocked_frees_everything() -> None:
 
 def test_flush_waits_for_writes() -> None:
     store = GatedStore()
-    hooks = tsh.offload(store, min_bytes=0)
+    hooks = tsh.offload(store, min_bytes=0, max_inflight="1MiB")
     x = torch.randn(4096, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 4)  # returns while the writes are stuck in the store
@@ -616,7 +618,7 @@ def test_flush_waits_for_writes() -> None:
 
 def test_leaving_with_block_does_not_wait() -> None:
     store = GatedStore()
-    hooks = tsh.offload(store, min_bytes=0)
+    hooks = tsh.offload(store, min_bytes=0, max_inflight="1MiB")
     x = torch.randn(4096, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 3)

@@ -61,13 +61,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--framework",
         choices=("torch", "paddle"),
         default="torch",
-        help="torch (default) or paddle (needs pip install 'tensorstore-hooks[paddle]'); "
+        help="torch (default) or paddle (needs pip install -e '.[paddle]' in this repository); "
         "both train the same model from the same weights",
     )
     parser.add_argument(
         "--prefetch",
         metavar="SIZE",
         help="bytes read ahead in backward (default: scaled to the model, see below)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write a Chrome/Perfetto timeline of the offloaded steps' I/O to FILE "
+        "(hooks.trace; open in https://ui.perfetto.dev, or render it with "
+        "benchmarks/plot_timeline.py)",
     )
     parser.add_argument(
         "--max-inflight",
@@ -225,7 +232,7 @@ def _make_pair(framework: str, cfg: Any) -> Any:
         except ImportError as e:
             raise SystemExit(
                 f"demo: --framework paddle needs PaddlePaddle ({e}); "
-                "pip install 'tensorstore-hooks[paddle]'"
+                "pip install -e '.[paddle]' in this repository"
             ) from e
         return PaddlePair(cfg)
     return TorchPair(cfg)
@@ -249,13 +256,17 @@ def run(args: argparse.Namespace) -> int:
     pair = _make_pair(args.framework, cfg)
     hooks = pair.offload(args.store, prefetch=prefetch, max_inflight=max_inflight)
     store_url = hooks.store.url
+    temporary = bool(getattr(hooks.store, "temporary", False))
     sampler = RssSampler()
     mem: dict[str, list[int]] = {"ref": [], "off": []}
     secs: dict[str, list[float]] = {"ref": [], "off": []}
     offloaded: list[tuple[int, int]] = []
     mismatched: list[str] = []
     compared = 0
+    tracing = contextlib.ExitStack()
     try:
+        if args.trace:
+            tracing.enter_context(hooks.trace(args.trace))
         bar = tqdm(total=2 * args.steps, desc="demo", unit="step", file=sys.stderr, leave=False)
         for step in range(args.steps):
             # Alternate which run goes first so neither always finds a warmer machine.
@@ -281,8 +292,11 @@ def run(args: argparse.Namespace) -> int:
             pair.optimizer_step()
             bar.set_postfix(grads="identical" if not mismatched else "DIFFER")
         bar.close()
+        tracing.close()  # writes the timeline
+        hooks.flush()
         stats = hooks.stats
     finally:
+        tracing.close()
         hooks.close()
         sampler.close()
 
@@ -323,6 +337,12 @@ def run(args: argparse.Namespace) -> int:
     print()
     for r in rows:
         print(f"  {r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
+    print()
+    where = " (a temporary directory, removed at exit)" if temporary else ""
+    print(f"store: {store_url}{where}")
+    print(f"hooks ({args.steps} steps): {stats.summary()}")
+    if args.trace:
+        print(f"timeline: {args.trace} (open in https://ui.perfetto.dev)")
     print()
     if mismatched:
         print(f"gradients: DIFFER in {len(mismatched)} of {compared} comparisons:")

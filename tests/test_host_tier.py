@@ -1,0 +1,200 @@
+"""The host tier's logic with plain CPU buffers: what is held, what spills, in which
+order, and the cap (NOTE [ Host tier ] in ``tensorstore_hooks/_host_tier.py``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tensorstore_hooks._host_tier import HostTier, round_up
+
+KiB = 1 << 10
+
+
+class Alloc:
+    """A counting allocator of plain CPU byte tensors (pinned ones in real use)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> torch.Tensor:
+        self.calls.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+
+def hold(tier: HostTier, key: str, n: int) -> list[object]:
+    victims = tier.make_room(key, n)
+    assert victims is not None
+    for v in victims:
+        tier.release(v)  # the "store" took it at once
+    tier.take(key, timeout_s=1.0)
+    return victims
+
+
+def test_round_up() -> None:
+    assert round_up(1) == 4 * KiB
+    assert round_up(4 * KiB) == 4 * KiB
+    assert round_up(4 * KiB + 1) == 8 * KiB
+
+
+def test_holds_within_the_cap_then_spills_oldest_first() -> None:
+    tier = HostTier(16 * KiB, Alloc())
+    for k in "abcd":
+        assert hold(tier, k, 4 * KiB) == []
+    assert tier.held_keys() == list("abcd")
+    assert hold(tier, "e", 4 * KiB) == ["a"]
+    assert hold(tier, "f", 8 * KiB) == ["b", "c"]
+    assert tier.held_keys() == ["d", "e", "f"]
+    assert tier.used_bytes <= 16 * KiB and tier.peak_bytes <= 16 * KiB
+    assert tier.spills == 3
+
+
+def test_bigger_than_the_cap_is_never_held() -> None:
+    tier = HostTier(8 * KiB, Alloc())
+    hold(tier, "a", 4 * KiB)
+    assert tier.make_room("big", 12 * KiB) is None
+    assert tier.held_keys() == ["a"]  # nothing spilled for it
+    off = HostTier(0, Alloc())
+    assert off.make_room("x", 1) is None
+
+
+def test_take_waits_for_spilled_bytes() -> None:
+    tier = HostTier(8 * KiB, Alloc())
+    hold(tier, "a", 8 * KiB)
+    victims = tier.make_room("b", 8 * KiB)
+    assert victims == ["a"]
+    assert tier.spilling_keys() == ["a"]
+    with pytest.raises(TimeoutError, match="no room"):
+        tier.take("b", timeout_s=0.05)  # the store has not taken "a" yet
+    victims = tier.make_room("b", 8 * KiB)
+    assert victims == []  # "a" is already on its way out: nothing more spills
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(tier.take("b", timeout_s=5.0)))
+    t.start()
+    tier.release("a")  # the write finished
+    t.join(5.0)
+    assert got and tier.held_keys() == ["b"]
+    assert tier.used_bytes == 8 * KiB
+
+
+def test_buffers_are_recycled_by_size() -> None:
+    alloc = Alloc()
+    tier = HostTier(64 * KiB, alloc)
+    for step in range(3):
+        for k in range(4):
+            hold(tier, (step, k), (k + 1) * 4 * KiB)
+        for k in range(4):
+            tier.release((step, k))  # backward freed them
+    assert len(alloc.calls) == 4  # only the first step allocated
+    assert tier.allocations == 4
+
+
+def test_idle_buffers_are_dropped_before_anything_spills() -> None:
+    alloc = Alloc()
+    tier = HostTier(16 * KiB, alloc)
+    hold(tier, "a", 4 * KiB)
+    hold(tier, "b", 8 * KiB)
+    tier.release("b")  # idle 8 KiB, counted in the cap
+    assert tier.used_bytes == 12 * KiB
+    assert hold(tier, "c", 12 * KiB) == []  # the idle 8 KiB goes, "a" stays
+    assert tier.held_keys() == ["a", "c"]
+    assert tier.used_bytes == 16 * KiB
+
+
+def test_reads_never_spill() -> None:
+    tier = HostTier(12 * KiB, Alloc())
+    hold(tier, "a", 4 * KiB)
+    hold(tier, "b", 4 * KiB)
+    assert tier.try_take("r1", 4 * KiB) is not None
+    assert tier.try_take("r2", 4 * KiB) is None  # full: the read waits, nothing spills
+    assert tier.held_keys() == ["a", "b"]
+    tier.release("a")  # backward consumed "a"
+    assert tier.try_take("r2", 4 * KiB) is not None  # reuses a's buffer
+    tier.adopt("r2")
+    assert tier.held_keys() == ["b", "r2"]
+
+
+def test_host_rules_share_the_cap() -> None:
+    # Rule 6: a host-rule tensor and a spillable one draw from the same pool.
+    tier = HostTier(8 * KiB, Alloc())
+    hold(tier, ("host", 0), 4 * KiB)
+    hold(tier, ("tier", 1), 4 * KiB)
+    assert hold(tier, ("tier", 2), 4 * KiB) == [("host", 0)]
+    assert tier.used_bytes == 8 * KiB
+
+
+def test_release_is_idempotent_and_cancels_a_reservation() -> None:
+    tier = HostTier(8 * KiB, Alloc())
+    assert tier.make_room("a", 8 * KiB) == []
+    tier.release("a")  # never taken: the reservation is given up
+    tier.release("a")
+    tier.release("nothing")
+    assert hold(tier, "b", 8 * KiB) == []
+    assert tier.used_bytes == 8 * KiB
+
+
+def test_failed_allocation_gives_the_room_back() -> None:
+    def fail(n: int) -> torch.Tensor:
+        raise MemoryError("no pinned memory")
+
+    tier = HostTier(8 * KiB, fail)
+    assert tier.make_room("a", 4 * KiB) == []
+    with pytest.raises(MemoryError):
+        tier.take("a")
+    assert tier.used_bytes == 0
+
+
+def test_concurrent_holders_never_exceed_the_cap() -> None:
+    tier = HostTier(32 * KiB, Alloc())
+    peak: list[int] = []
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(50):
+                key = (w, i)
+                victims = tier.make_room(key, 4 * KiB * (1 + (i % 3)))
+                assert victims is not None
+                for v in victims:
+                    tier.release(v)
+                tier.take(key, timeout_s=5.0)
+                peak.append(tier.used_bytes)
+                if i % 2:
+                    tier.release(key)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert max(peak) <= 32 * KiB and tier.peak_bytes <= 32 * KiB
+
+
+def test_bad_cap() -> None:
+    with pytest.raises(ValueError, match="cap_bytes"):
+        HostTier(-1, Alloc())
+
+
+@pytest.mark.cuda
+def test_pinned_buffers_round_trip_a_cuda_tensor() -> None:
+    # Real use: pinned buffers; a tensor copied out of the device and back is equal.
+    def pinned(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    tier = HostTier(64 * KiB, pinned)
+    x = torch.randn(1024, device="cuda")
+    victims = tier.make_room("x", x.numel() * 4)
+    assert victims == []
+    buf = tier.take("x")
+    assert buf.is_pinned()
+    host = buf[: x.numel() * 4].view(torch.float32)
+    host.copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host.to("cuda"), x)
+    tier.release("x")
+    assert tier.used_bytes == round_up(4096)
