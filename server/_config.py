@@ -25,8 +25,9 @@ from pydantic import (
 )
 
 # The library's unit types: one parser of "512MiB" and "30s" for library and daemon.
-from tensorstore_hooks._config import Duration as Seconds
-from tensorstore_hooks._config import Size
+from tensorstore_hooks._units import Duration as Seconds
+from tensorstore_hooks._units import Size
+from tensorstore_hooks._urls import DEFAULT_PORT
 from tensorstore_hooks.errors import ConfigError
 
 __all__ = [
@@ -38,8 +39,6 @@ __all__ = [
     "parse_address",
     "read_token",
 ]
-
-DEFAULT_PORT = 7077
 
 
 class LimitsConfig(BaseModel):
@@ -70,7 +69,7 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    listen: str | None = "127.0.0.1:7077"
+    listen: str | None = f"127.0.0.1:{DEFAULT_PORT}"
     """``HOST:PORT`` (port 0 picks a free one). Ignored when ``unix`` is set."""
     unix: str | None = None
     """Path of a Unix socket to listen on instead of TCP."""

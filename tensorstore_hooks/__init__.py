@@ -26,7 +26,9 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 * ``_retry.py`` - the one retry loop, with each layer's failure classifier;
   ``_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
 * ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
-  ``_registry.py`` - the stores and ``open_store``.
+  ``_registry.py`` - the stores and ``open_store`` (one registry entry per URL
+  scheme); ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
+  and codec checks.
 * ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
 * ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.

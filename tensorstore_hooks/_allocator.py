@@ -12,9 +12,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 
+from ._zarr_options import MIN_CHUNK_BYTES
+
 __all__ = ["MIN_CHUNK_BYTES", "SEGMENT_CHUNKS", "ChunkAllocator", "Run", "SegmentFullError"]
 
-MIN_CHUNK_BYTES = 4 << 10
 SEGMENT_CHUNKS = 1 << 32
 """Chunks per segment array: its shape is ``chunk * 2**32`` bytes."""
 

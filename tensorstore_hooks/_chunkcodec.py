@@ -29,29 +29,10 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from ._checksum import OVERLAP_BYTES, READ_PIECE_BYTES, RunningCrc, crc
 from ._chunkio import ChunkIO
-from .errors import ConfigError, IntegrityError
+from ._zarr_options import parse_codec  # the one codec-spec parser (config uses it too)
+from .errors import IntegrityError
 
 __all__ = ["ChunkCodec", "parse_codec"]
-
-
-def parse_codec(codec: str) -> tuple[str, int | None]:
-    """``"none"``, ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"`` -> (name, level)."""
-    if not isinstance(codec, str):
-        raise ConfigError(
-            f"ZarrStore: codec must be a string ('none', 'lz4', 'zstd' or 'zstd:LEVEL'), "
-            f"got {codec!r}"
-        )
-    name, _, level = codec.partition(":")
-    if name in ("none", "lz4") and not level:
-        return name, None
-    if name == "zstd":
-        if not level:
-            return name, 3
-        if level.lstrip("-").isdigit() and -7 <= int(level) <= 22:
-            return name, int(level)
-    raise ConfigError(
-        f"ZarrStore: unknown codec {codec!r}; use 'none', 'lz4', 'zstd' or 'zstd:LEVEL' (-7..22)"
-    )
 
 
 class ChunkCodec:

@@ -32,6 +32,7 @@ from ._retry import (
     error_chain,
     service_code,
 )
+from ._urls import link_protocols
 from .errors import StoreClosedError, StoreUnavailableError
 
 __all__ = ["ChunkIO", "FsspecIO", "LocalIO", "MemoryIO"]
@@ -399,9 +400,7 @@ class FsspecIO(ChunkIO):
         import fsspec
 
         opts = dict(storage_options)
-        links = [
-            (link.split("://", 1)[0] if "://" in link else link).lower() for link in url.split("::")
-        ]
+        links = link_protocols(url)
         owned = any(p in _S3_PROTOCOLS for p in links)
         for proto in links:
             if proto not in _S3_PROTOCOLS:

@@ -15,28 +15,39 @@ by ``TSH_CONFIG`` (only when ``config=`` is not given) > built-in defaults.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    model_validator,
+)
 from pydantic import ValidationError as _PydanticValidationError
 
 from ._policy import (
     Action,
     Policy,
     Rule,
-    compile_module_glob,
+    RuleError,
     dtype_name,
     exact_size,
-    parse_dtype,
+    rule_action,
+    rule_dtypes,
+    rule_module,
+    rule_ndims,
 )
-from ._units import DURATION_HELP, SIZE_HELP, parse_bytes, parse_duration
+from ._units import Duration, OptSize, Size, check_size
+from ._urls import BadURLError
+from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec
 from .errors import ConfigError
 
 __all__ = [
@@ -44,6 +55,7 @@ __all__ = [
     "OVERRIDE_KEYS",
     "Duration",
     "EffectiveConfig",
+    "OptSize",
     "PipelineSettings",
     "Size",
     "StoreSettings",
@@ -56,9 +68,6 @@ __all__ = [
 
 CONFIG_ENV = "TSH_CONFIG"
 """Environment variable naming the config file used when ``offload()`` gets no ``config=``."""
-
-DEFAULT_CHUNK_BYTES = 8 << 20
-_MIN_CHUNK_BYTES = 4 << 10
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,7 +85,8 @@ class StoreSettings:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to fsspec (credentials, endpoint_url, ...)."""
     codec: str = "none"
-    """``none``, ``lz4``, ``zstd`` or ``zstd:LEVEL`` (-7..22)."""
+    """``none``, ``lz4``, ``zstd`` (level 3) or ``zstd:LEVEL``: 1..22 or -131072..-1
+    (``_zarr_options.CODEC_HELP``; ``zstd:0`` is refused)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Zarr chunk size in bytes: a power of two >= 4 KiB."""
 
@@ -182,147 +192,37 @@ def _rule_to_dict(rule: Rule, *, sizes_as_str: bool = False) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------
-# Field types (reusable, e.g. by the daemon's server config)
+# Field checks: each calls the one validator of its value (``_units``, ``_zarr_options``,
+# the store registry, ``_policy``'s rule checks); ``Size``/``Duration`` live in ``_units``.
 # ---------------------------------------------------------------------------------------
 
 
-def _size(value: Any) -> int:
-    try:
-        return parse_bytes(value)
-    except ValueError:
-        # parse_bytes's own message repeats the value; the error formatter adds it once.
-        raise ValueError(f"expected {SIZE_HELP}") from None
-
-
-def _opt_size(value: Any) -> int | None:
-    return None if value is None else _size(value)
-
-
-def _duration(value: Any) -> float:
-    try:
-        seconds = parse_duration(value)
-    except ValueError:
-        raise ValueError(f"expected {DURATION_HELP}") from None
-    if not math.isfinite(seconds):
-        raise ValueError(f"expected {DURATION_HELP}")
-    return seconds
-
-
-Size = Annotated[int, BeforeValidator(_size)]
-"""Bytes: a non-negative int or a string like ``"512KiB"``, ``"8MiB"``, ``"1GiB"``."""
-OptSize = Annotated[int | None, BeforeValidator(_opt_size)]
-"""Bytes as :data:`Size`, or ``None`` (null in YAML)."""
-Duration = Annotated[float, BeforeValidator(_duration)]
-"""Seconds: a non-negative number or a string like ``"500ms"``, ``"30s"``, ``"5m"``."""
-
-
 def _mmap_threshold(value: Any) -> int | None:
-    n = _opt_size(value)
+    n = None if value is None else check_size(value)
     if n is not None and not 0 < n <= 32 << 20:
         raise ValueError("expected a size from 1 byte to 32MiB (glibc's limit), or null")
     return n
 
 
 def _chunk_size(value: Any) -> int:
-    n = _size(value)
-    if n < _MIN_CHUNK_BYTES or n & (n - 1):
-        raise ValueError("expected a power of two of at least 4KiB (e.g. 1MiB, 8MiB, 64MiB)")
-    return n
+    return check_chunk_bytes(value)
 
 
-_CODEC_RE = re.compile(r"^(none|lz4|zstd)(?::(-?\d+))?$")
-
-
-def _codec(value: str) -> str:
-    m = _CODEC_RE.match(value)
-    ok = m is not None and (
-        m.group(2) is None
-        if m.group(1) != "zstd"
-        else m.group(2) is None or -7 <= int(m.group(2)) <= 22
-    )
-    if not ok:
-        raise ValueError("expected 'none', 'lz4', 'zstd' or 'zstd:LEVEL' with LEVEL in -7..22")
+def _codec(value: Any) -> Any:
+    parse_codec(value)  # also refuses None and other non-strings, with the allowed forms
     return value
-
-
-def _known_url_schemes() -> set[str]:
-    from fsspec.registry import registry as imported_fsspec
-
-    from ._registry import known_schemes
-
-    return set(known_schemes()) | set(imported_fsspec)
 
 
 def _url(value: str | None) -> str | None:
-    """Check a store URL's scheme (not reachability: no package is imported, no I/O)."""
+    """Check a store URL with the store registry (no package is imported, no I/O)."""
     if value is None:
         return None
-    if not value.strip():
-        raise ValueError("empty URL; leave store.url out (or null) for a temporary directory")
-    if "://" not in value and "::" not in value:
-        return value  # a bare local path
-    head = value.split("://", 1)[0].lower()
-    if head in ("tsh", "tsh+unix", "tsh+tls"):
-        # Never chained; and "::" may be part of an IPv6 host, e.g. tsh://[::1]:7077.
-        _check_daemon_url(value, head)
-        return value
-    known = _known_url_schemes()
-    links = value.split("::")
-    for link in links:
-        proto = (link.split("://", 1)[0] if "://" in link else link).lower()
-        if proto not in known:
-            ours = "file, memory, tsh, tsh+tls, tsh+unix"
-            raise ValueError(
-                f"unknown URL scheme {proto!r}; use a bare path or one of {ours}, or an fsspec "
-                "protocol such as s3, gs, az, http, sftp (chains like 'simplecache::s3://b/p' "
-                "work too)"
-            )
-        if proto in ("tsh", "tsh+unix", "tsh+tls"):
-            raise ValueError(f"{proto}:// cannot be chained with other protocols")
-    return value
+    from ._registry import check_url
 
-
-def _check_daemon_url(url: str, proto: str) -> None:
-    parts = urlsplit(url)
-    if proto == "tsh+unix":
-        if not parts.path or parts.netloc:
-            raise ValueError("expected tsh+unix:///absolute/path/to/socket")
-        return
     try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None or not 0 < port < 65536:
-        raise ValueError(
-            "expected tsh://HOST:PORT with a port in 1..65535, e.g. tsh://127.0.0.1:7077"
-        )
-
-
-def _glob(value: str | None) -> str | None:
-    if value is not None:
-        compile_module_glob(value)  # raises ValueError with the reason
-    return value
-
-
-def _dtypes(value: Any) -> Any:
-    if value is None:
-        return None
-    items = [value] if not isinstance(value, list | tuple) else list(value)
-    if not items:
-        raise ValueError("expected a dtype name or a non-empty list of them")
-    # Normalised spelling, so the printed effective config reads the same everywhere.
-    return tuple(dtype_name(parse_dtype(v)) for v in items)
-
-
-def _ndims(value: Any) -> Any:
-    if value is None:
-        return None
-    items = [value] if not isinstance(value, list | tuple) else list(value)
-    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items):
-        raise ValueError(
-            "expected a non-negative int or a non-empty list of them, e.g. 4 or [3, 4]"
-        )
-    return tuple(items)
+        return check_url(value)
+    except BadURLError as e:
+        raise ValueError(e.reason) from None  # the error report shows the value itself
 
 
 # ---------------------------------------------------------------------------------------
@@ -337,7 +237,7 @@ class _Model(BaseModel):
 class _StoreModel(_Model):
     url: Annotated[str | None, AfterValidator(_url)] = None
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    codec: Annotated[str, AfterValidator(_codec)] = "none"
+    codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
 
 
@@ -354,40 +254,36 @@ class _PipelineModel(_Model):
 
 
 class _RuleModel(_Model):
+    """A rule's keys and their types; the checks are ``_policy``'s (see its docstring)."""
+
     name: str | None = None
-    module: Annotated[str | None, AfterValidator(_glob)] = None
-    dtype: Annotated[tuple[str, ...] | None, BeforeValidator(_dtypes)] = None
-    min_bytes: Annotated[int | None, BeforeValidator(_opt_size)] = None
-    max_bytes: Annotated[int | None, BeforeValidator(_opt_size)] = None
-    ndim: Annotated[tuple[int, ...] | None, BeforeValidator(_ndims)] = None
-    action: Action
+    module: Annotated[str | None, AfterValidator(rule_module)] = None
+    dtype: Annotated[Any, BeforeValidator(rule_dtypes)] = None
+    min_bytes: OptSize = None
+    max_bytes: OptSize = None
+    ndim: Annotated[Any, BeforeValidator(rule_ndims)] = None
+    action: Annotated[Action, BeforeValidator(rule_action)]
+    _rule: Rule = PrivateAttr()
 
     @model_validator(mode="after")
-    def _check(self) -> _RuleModel:
-        if all(
-            getattr(self, k) is None for k in ("module", "dtype", "min_bytes", "max_bytes", "ndim")
-        ):
-            raise ValueError(
-                "a rule needs at least one condition (module, dtype, min_bytes, max_bytes, ndim); "
-                "for everything no rule matches, set policy.default"
+    def _build(self) -> _RuleModel:
+        # The checks across fields run once, in Rule's constructor.
+        try:
+            self._rule = Rule(
+                self.action,
+                module=self.module,
+                dtype=self.dtype,
+                min_bytes=self.min_bytes,
+                max_bytes=self.max_bytes,
+                ndim=self.ndim,
+                name=self.name,
             )
-        lo, hi = self.min_bytes, self.max_bytes
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(
-                f"min_bytes ({lo}) is larger than max_bytes ({hi}): the rule could never match"
-            )
+        except RuleError as e:
+            raise ValueError(e.reason) from None
         return self
 
     def build(self) -> Rule:
-        return Rule(
-            action=self.action,
-            module=self.module,
-            dtype=None if self.dtype is None else tuple(parse_dtype(d) for d in self.dtype),
-            min_bytes=self.min_bytes,
-            max_bytes=self.max_bytes,
-            ndim=self.ndim,
-            name=self.name,
-        )
+        return self._rule
 
 
 _DEFAULT_POLICY = Policy()  # slots dataclass: defaults are read from an instance

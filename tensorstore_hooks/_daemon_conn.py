@@ -22,10 +22,11 @@ import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
+# Addresses are parsed with every other store URL: NOTE [ Store URL rules ] in _urls.
+from ._urls import DEFAULT_PORT, DaemonAddress, parse_daemon_url
 from .errors import ConfigError, StoreClosedError, StoreUnavailableError
 from .protocol import (
     MAGIC,
@@ -57,56 +58,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("tensorstore_hooks.daemon_client")
-
-DEFAULT_PORT = 7077
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonAddress:
-    """Where a daemon listens: TCP ``(host, port)`` (``tls``: ``tsh+tls://``) or a Unix ``path``."""
-
-    url: str
-    host: str = ""
-    port: int = 0
-    path: str | None = None
-    tls: bool = False
-
-
-def parse_daemon_url(url: str) -> DaemonAddress:
-    """Parse ``tsh://HOST[:PORT]``, ``tsh+tls://HOST[:PORT]`` or ``tsh+unix:///path``.
-
-    Raises ConfigError.
-    """
-    parts = urlsplit(url)
-    if parts.scheme == "tsh+unix":
-        path = (parts.netloc + parts.path) if parts.netloc else parts.path
-        if not path.startswith("/"):
-            raise ConfigError(f"DaemonStore: {url!r}: expected tsh+unix:///absolute/path.sock")
-        return DaemonAddress(url=f"tsh+unix://{path}", path=path)
-    if parts.scheme not in ("tsh", "tsh+tls"):
-        raise ConfigError(
-            f"DaemonStore: {url!r}: expected tsh://HOST:PORT, tsh+tls://HOST:PORT "
-            "or tsh+unix:///path"
-        )
-    if parts.query or parts.path not in ("", "/") or parts.username or parts.password:
-        raise ConfigError(
-            f"DaemonStore: {url!r}: expected {parts.scheme}://HOST:PORT with no path, user or "
-            "query (pass token= to open_store or set TSH_TOKEN)"
-        )
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as e:
-        raise ConfigError(f"DaemonStore: {url!r}: bad port: {e}") from e
-    if not host:
-        raise ConfigError(f"DaemonStore: {url!r}: missing host ({parts.scheme}://127.0.0.1:7077)")
-    port = port or DEFAULT_PORT
-    shown = f"[{host}]" if ":" in host else host
-    return DaemonAddress(
-        url=f"{parts.scheme}://{shown}:{port}",
-        host=host,
-        port=port,
-        tls=parts.scheme == "tsh+tls",
-    )
 
 
 @dataclass(frozen=True, slots=True)

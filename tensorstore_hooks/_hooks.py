@@ -17,7 +17,7 @@ import torch
 from ._compose import block_abort, block_enter, block_exit
 from ._diagnose import after_forward, before_forward
 from ._pipeline import OffloadSession
-from ._registry import open_store
+from ._registry import open_store, options_from_config
 from ._session_api import SessionAPI
 from ._signals import install as install_signal_shield
 from ._store import TensorStore
@@ -132,13 +132,11 @@ def _check_model(model: Any, where: str) -> None:
         )
 
 
-def _store_options(url: str | None, store_cfg: Any) -> dict[str, Any]:
-    if url is not None and str(url).startswith("tsh"):
-        return dict(store_cfg.storage_options)
-    opts: dict[str, Any] = {"codec": store_cfg.codec, "chunk_bytes": store_cfg.chunk_bytes}
-    if store_cfg.storage_options:
-        opts["storage_options"] = dict(store_cfg.storage_options)
-    return opts
+def _store_options(url: object, store_cfg: Any) -> dict[str, Any]:
+    # The store kind (registry) says which store: settings its factory takes.
+    return options_from_config(
+        url, store_cfg.codec, store_cfg.chunk_bytes, store_cfg.storage_options
+    )
 
 
 def offload(
@@ -184,8 +182,8 @@ def make_session(
         st, owned = store, False
     else:
         url = store if store is not None else cfg.store.url
-        url_s = os.fspath(url) if url is not None else None
-        st, owned = open_store(url_s, **_store_options(url_s, cfg.store)), True
+        # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
+        st, owned = open_store(url, **_store_options(url, cfg.store)), True
     session = OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
     log.info("%s", describe_session(session))
     return session

@@ -4,22 +4,23 @@
 path, so everything it needs (compiled globs, dtype sets, the ``Decision`` objects
 it returns) is built once at construction; ``decide`` only compares and returns.
 
-Validation of user input (YAML, ``offload()`` keywords) lives in ``_config``; the
-constructors here only normalise and compile, and raise :class:`ConfigError` for
-what cannot be compiled at all.
+A rule is validated in one place: the ``rule_*`` field checks and
+:func:`check_rule_conditions` below, which ``Rule.__init__`` runs. The YAML schema
+(``_config``) calls the same field checks so its errors name the field path
+(``policy.rules[2].ndim``), and builds each :class:`Rule` once through ``Rule``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
-from ._units import parse_bytes
+from ._units import check_size
 from .errors import ConfigError
 
 __all__ = [
@@ -28,10 +29,17 @@ __all__ = [
     "Decision",
     "Policy",
     "Rule",
+    "RuleError",
+    "check_rule_conditions",
     "compile_module_glob",
     "dtype_name",
     "exact_size",
     "parse_dtype",
+    "rule_action",
+    "rule_dtypes",
+    "rule_module",
+    "rule_ndims",
+    "rule_size",
 ]
 
 Action = Literal["keep", "host", "store"]
@@ -125,6 +133,103 @@ def compile_module_glob(pattern: str) -> re.Pattern[str]:
         raise ValueError(f"module pattern {pattern!r} is not a valid fnmatch glob: {e}") from e
 
 
+# ---------------------------------------------------------------------------------------
+# Rule validation: the one place. Each check raises ValueError with what is allowed
+# (not the value: callers show it) and returns the normalised value.
+# ---------------------------------------------------------------------------------------
+
+
+def rule_action(value: Any) -> Action:
+    """``keep``, ``host`` or ``store``."""
+    if not isinstance(value, str) or value not in ACTIONS:
+        raise ValueError("expected one of 'keep', 'host' or 'store'")
+    return value  # type: ignore[return-value]  # checked against ACTIONS just above
+
+
+def rule_module(value: Any) -> str | None:
+    """A module glob (see :func:`compile_module_glob`), or ``None``."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError("expected an fnmatch glob string such as 'blocks.*' or '*.lm_head'")
+    compile_module_glob(value)
+    return value
+
+
+def rule_dtypes(value: Any) -> tuple[torch.dtype, ...] | None:
+    """One dtype (name or ``torch.dtype``) or a non-empty list of them -> a tuple, or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, str | torch.dtype):
+        return (parse_dtype(value),)
+    items = tuple(value) if isinstance(value, Iterable) and not isinstance(value, Mapping) else ()
+    if not items:
+        raise ValueError(
+            "expected a dtype name or a non-empty list of them, e.g. bool or [float16]"
+        )
+    return tuple(parse_dtype(v) for v in items)
+
+
+def rule_ndims(value: Any) -> tuple[int, ...] | None:
+    """One number of dimensions or a non-empty list of them -> a tuple, or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        items: tuple[Any, ...] = (value,)
+    else:
+        iterable = isinstance(value, Iterable) and not isinstance(value, str | Mapping)
+        items = tuple(value) if iterable else ()
+    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items):
+        raise ValueError(
+            "expected a non-negative int or a non-empty list of them, e.g. 4 or [3, 4]"
+        )
+    return tuple(items)
+
+
+def rule_size(value: Any) -> int | None:
+    """A size (``_units``: whole bytes, int or ``"4MiB"``), or ``None``."""
+    return None if value is None else check_size(value)
+
+
+def check_rule_conditions(
+    module: str | None,
+    dtype: tuple[torch.dtype, ...] | None,
+    min_bytes: int | None,
+    max_bytes: int | None,
+    ndim: tuple[int, ...] | None,
+) -> None:
+    """The checks across fields, on normalised values: at least one condition, and
+    ``min_bytes <= max_bytes``. Raises ``ValueError``."""
+    if (
+        module is None
+        and dtype is None
+        and min_bytes is None
+        and max_bytes is None
+        and ndim is None
+    ):
+        raise ValueError(
+            "a rule needs at least one condition (module, dtype, min_bytes, max_bytes, ndim); "
+            "for tensors no rule matches, set the policy's default"
+        )
+    if min_bytes is not None and max_bytes is not None and min_bytes > max_bytes:
+        raise ValueError(
+            f"min_bytes ({min_bytes}) is larger than max_bytes ({max_bytes}): "
+            "the rule could never match"
+        )
+
+
+class RuleError(ConfigError):
+    """A :class:`Rule` that cannot be built: ``field`` (``None``: the rule as a whole)
+    and ``reason`` (what is allowed) for callers that report the place themselves."""
+
+    def __init__(self, field: str | None, reason: str, value: Any = None) -> None:
+        self.field = field
+        self.reason = reason
+        where = f"Rule: {field}: " if field is not None else "Rule: "
+        got = f"; got {value!r}" if field is not None else ""
+        super().__init__(f"{where}{reason}{got}")
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class Rule:
     """One policy rule: every condition given must hold; ``action`` applies on a match.
@@ -167,38 +272,28 @@ class Rule:
     ) -> None:
         # Inputs are normalised here (one dtype -> a tuple, "4MiB" -> 4194304), so the
         # stored fields always have the narrow types above.
-        if action not in ACTIONS:
-            raise ConfigError(f"Rule: action {action!r} is not one of {', '.join(ACTIONS)}")
-        dtypes: tuple[torch.dtype, ...] | None = None
-        if dtype is not None:
-            items = (dtype,) if isinstance(dtype, str | torch.dtype) else tuple(dtype)
+        given = (
+            ("action", rule_action, action),
+            ("module", rule_module, module),
+            ("dtype", rule_dtypes, dtype),
+            ("min_bytes", rule_size, min_bytes),
+            ("max_bytes", rule_size, max_bytes),
+            ("ndim", rule_ndims, ndim),
+        )
+        checked: dict[str, Any] = {}
+        for key, check, value in given:
             try:
-                dtypes = tuple(parse_dtype(d) for d in items)
+                checked[key] = check(value)
             except ValueError as e:
-                raise ConfigError(f"Rule: dtype: {e}") from e
-        ndims = None if ndim is None else (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if ndims is not None and (
-            not ndims or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in ndims)
-        ):
-            raise ConfigError(f"Rule: ndim must be a non-negative int or several, got {ndim!r}")
+                raise RuleError(key, str(e), value) from None
+        dtypes, lo, hi, ndims = (checked[k] for k in ("dtype", "min_bytes", "max_bytes", "ndim"))
         try:
-            lo = None if min_bytes is None else parse_bytes(min_bytes, what="Rule: min_bytes")
-            hi = None if max_bytes is None else parse_bytes(max_bytes, what="Rule: max_bytes")
+            check_rule_conditions(module, dtypes, lo, hi, ndims)
         except ValueError as e:
-            raise ConfigError(str(e)) from e
-        if lo is not None and hi is not None and lo > hi:
-            raise ConfigError(f"Rule: min_bytes ({lo}) > max_bytes ({hi}): it could never match")
-        glob = None
-        if module is not None:
-            try:
-                glob = compile_module_glob(module)
-            except ValueError as e:
-                raise ConfigError(f"Rule: module: {e}") from e
-        if module is None and dtypes is None and lo is None and hi is None and ndims is None:
-            raise ConfigError(
-                "Rule: give at least one condition (module, dtype, min_bytes, max_bytes, "
-                "ndim); for tensors no rule matches, set the policy's default"
-            )
+            raise RuleError(None, str(e)) from None
+        if name is not None and not isinstance(name, str):
+            raise RuleError("name", "expected a string (the rule's label in the stats)", name)
+        glob = None if module is None else compile_module_glob(module)
         values: dict[str, object] = {
             "action": action,
             "module": module,
@@ -212,8 +307,8 @@ class Rule:
             "_ndims": None if ndims is None else frozenset(ndims),
             "_seen": {},
         }
-        for key, value in values.items():
-            object.__setattr__(self, key, value)
+        for attr, normalised in values.items():
+            object.__setattr__(self, attr, normalised)
 
     def describe(self) -> str:
         """The conditions as ``key=value`` words, e.g. ``"module=*.lm_head dtype=bool"``."""

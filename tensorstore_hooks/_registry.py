@@ -1,92 +1,309 @@
-"""``open_store(url)``: choose a store implementation by URL scheme.
+"""``open_store(url)``: the store kinds, one registry entry per URL scheme.
 
-Like fsspec's registry: each scheme maps to a lazily imported factory, an unknown
-scheme is a :class:`ConfigError` listing the known ones, and a known scheme whose
-package is missing names the ``pip install`` that fixes it.
+Like fsspec's registry: each scheme maps to a :class:`StoreKind` (a lazily imported
+factory, its URL parser, the options it takes, an install hint); an unknown scheme
+is a :class:`ConfigError` listing the known ones, and a known scheme whose package
+is missing names the ``pip install`` that fixes it. Every other fsspec protocol
+(``s3``, ``gs``, ...) is a Zarr store through fsspec.
+
+The config validator (:func:`check_url`), ``open_store`` and the hooks
+(:func:`options_from_config`) all ask :func:`kind_of`; URLs are taken apart only in
+``_urls`` (NOTE [ Store URL rules ]). :func:`register_store` refuses to replace an
+entry unless ``clobber=True``; :func:`store_kinds` is a read-only view.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from ._store import TensorStore
+from ._urls import (
+    BadURLError,
+    check_not_one_slash,
+    link_protocols,
+    parse_daemon_url,
+    scheme_of,
+    split_url,
+)
 from .errors import ConfigError
 
-__all__ = ["known_schemes", "open_store", "register_store"]
+__all__ = [
+    "StoreKind",
+    "check_url",
+    "kind_of",
+    "known_schemes",
+    "open_store",
+    "options_from_config",
+    "register_store",
+    "store_kinds",
+]
 
 StoreFactory = Callable[..., TensorStore]
+UrlParser = Callable[[str], object]
 
-# scheme -> "module:attribute" (imported on first use) or a factory.
-_REGISTRY: dict[str, str | StoreFactory] = {
-    "file": "tensorstore_hooks._zarr_store:ZarrStore",
-    "memory": "tensorstore_hooks._zarr_store:ZarrStore",
-    "tsh": "tensorstore_hooks._daemon_client:DaemonStore",
-    "tsh+unix": "tensorstore_hooks._daemon_client:DaemonStore",
-    "tsh+tls": "tensorstore_hooks._daemon_client:DaemonStore",
+
+@dataclass(frozen=True, slots=True)
+class StoreKind:
+    """One store kind: how ``scheme://...`` URLs are checked and opened."""
+
+    scheme: str
+    """Lower-case URL scheme (``"file"``, ``"tsh+unix"``)."""
+    factory: str | StoreFactory
+    """``factory(url, **options) -> TensorStore``, or ``"module:attribute"`` imported on
+    first use (so checking a config never imports a backend)."""
+    parse_url: UrlParser | None = None
+    """Checks a URL of this kind without I/O; raises :class:`ConfigError` naming the fix.
+    ``None``: anything after ``scheme://`` is accepted."""
+    option_keys: frozenset[str] | None = None
+    """Keyword options the factory accepts; others are a :class:`ConfigError` listing
+    these. ``None``: not declared, everything is passed on."""
+    config_options: tuple[str, ...] = ()
+    """The ``store:`` config fields passed to the factory as keywords by ``offload()``
+    (``codec``, ``chunk_bytes``, ``storage_options``)."""
+    chainable: bool = False
+    """Whether the scheme may be a link of an fsspec chain (``simplecache::file://``):
+    only Zarr kinds, which fsspec opens; a daemon URL is never chained."""
+    spread_storage_options: bool = False
+    """``offload()`` passes ``store.storage_options``' items as keywords (daemon client
+    options such as ``token``) instead of as ``storage_options=`` (fsspec's)."""
+    install: str | None = None
+    """What to install when the factory cannot be imported (``"pip install s3fs"``)."""
+
+
+_ZARR = "tensorstore_hooks._zarr_store:ZarrStore"
+_DAEMON = "tensorstore_hooks._daemon_client:DaemonStore"
+_ZARR_OPTIONS = frozenset(
+    {"storage_options", "chunk_bytes", "codec", "namespace", "retry_deadline_s", "spare_bytes"}
+)
+
+
+def _check_zarr_url(url: str) -> None:
+    split_url(url)
+
+
+def _zarr_kind(scheme: str) -> StoreKind:
+    return StoreKind(
+        scheme=scheme,
+        factory=_ZARR,
+        parse_url=_check_zarr_url,
+        option_keys=_ZARR_OPTIONS,
+        config_options=("codec", "chunk_bytes", "storage_options"),
+        chainable=True,
+    )
+
+
+def _daemon_kind(scheme: str) -> StoreKind:
+    # Options are the DaemonStore constructor's (token, connections, TLS files, ...):
+    # left undeclared so the client alone says which it takes.
+    return StoreKind(
+        scheme=scheme, factory=_DAEMON, parse_url=parse_daemon_url, spread_storage_options=True
+    )
+
+
+_BUILTIN: dict[str, StoreKind] = {
+    "file": _zarr_kind("file"),
+    "memory": _zarr_kind("memory"),
+    "tsh": _daemon_kind("tsh"),
+    "tsh+tls": _daemon_kind("tsh+tls"),
+    "tsh+unix": _daemon_kind("tsh+unix"),
 }
-_FSSPEC_FACTORY = "tensorstore_hooks._zarr_store:ZarrStore"
+_FSSPEC_KIND = StoreKind(
+    scheme="fsspec",
+    factory=_ZARR,
+    parse_url=_check_zarr_url,
+    option_keys=_ZARR_OPTIONS,
+    config_options=("codec", "chunk_bytes", "storage_options"),
+    chainable=True,
+)
+_LOCAL_KIND = _BUILTIN["file"]
+
+_lock = threading.Lock()
+_kinds: dict[str, StoreKind] = dict(_BUILTIN)
+_view: Mapping[str, StoreKind] = MappingProxyType(_kinds)
 
 
-def register_store(scheme: str, factory: str | StoreFactory) -> None:
+def store_kinds() -> Mapping[str, StoreKind]:
+    """The registered kinds by scheme: a read-only live view (fsspec protocols that are
+    not registered here are opened as Zarr stores and are not listed)."""
+    return _view
+
+
+def register_store(
+    scheme: str,
+    factory: str | StoreFactory,
+    *,
+    parse_url: UrlParser | None = None,
+    option_keys: frozenset[str] | set[str] | None = None,
+    install: str | None = None,
+    clobber: bool = False,
+) -> StoreKind:
     """Route ``scheme://...`` URLs to ``factory(url, **options)``.
 
-    ``factory`` is a callable or a ``"module:attribute"`` string imported on first use.
+    ``factory``: a callable or a ``"module:attribute"`` string imported on first use.
+    ``parse_url(url)``: optional check run by ``open_store`` and the config validator
+    (raise :class:`ConfigError`). ``option_keys``: the options the factory takes.
+    ``install``: the hint shown when the factory's module is missing. With
+    ``offload()``, the config's ``store.storage_options`` items become the factory's
+    keywords. A scheme already registered with another factory is a
+    :class:`ConfigError` unless ``clobber=True`` (the same factory again replaces the
+    entry), as in fsspec. Returns the new entry.
     """
-    _REGISTRY[scheme.lower()] = factory
+    if not isinstance(scheme, str) or not scheme or "://" in scheme or ":" in scheme:
+        raise ConfigError(
+            f"register_store: scheme must be a name such as 'mystore' (no ':'), got {scheme!r}"
+        )
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise ConfigError(
+            "register_store: factory must be a callable or a 'module:attribute' string, "
+            f"got {factory!r}"
+        )
+    key = scheme.lower()
+    kind = StoreKind(
+        scheme=key,
+        factory=factory,
+        parse_url=parse_url,
+        option_keys=None if option_keys is None else frozenset(option_keys),
+        spread_storage_options=True,
+        install=install,
+    )
+    with _lock:
+        old = _kinds.get(key)
+        if old is not None and old.factory != factory and not clobber:
+            raise ConfigError(
+                f"register_store: scheme {key!r} is already registered to {old.factory!r}; "
+                "pass clobber=True to replace it"
+            )
+        _kinds[key] = kind
+    return kind
 
 
 def known_schemes() -> list[str]:
-    """Schemes ``open_store`` accepts: ours plus every fsspec protocol."""
+    """Schemes ``open_store`` accepts: the registered ones plus every fsspec protocol."""
+    return sorted(set(_kinds) | _fsspec_protocols())
+
+
+def _fsspec_protocols() -> set[str]:
+    from fsspec.registry import known_implementations, registry
+
+    return set(known_implementations) | set(registry)
+
+
+def _is_known(scheme: str) -> bool:
+    return scheme in _kinds or scheme in _fsspec_protocols()
+
+
+def kind_of(url: str) -> StoreKind:
+    """The :class:`StoreKind` for a URL string, after checking it without I/O or imports.
+
+    Raises :class:`ConfigError` for ``""``, one-slash URLs, unknown schemes, chained
+    daemon URLs and URLs the kind's parser refuses (NOTE [ Store URL rules ]).
+    """
+    if not url.strip():
+        raise BadURLError(
+            url, "empty; pass None (or leave store.url out) for a temporary directory"
+        )
+    if "://" not in url:
+        check_not_one_slash(url, _is_known)
+    scheme = scheme_of(url)
+    if not scheme:
+        kind = _LOCAL_KIND
+    elif scheme in _kinds and ("::" not in url or not _kinds[scheme].chainable):
+        # Only Zarr kinds chain; after a daemon's "tsh://", "::" is an IPv6 host.
+        kind = _kinds[scheme]
+    else:
+        for proto in link_protocols(url):
+            if proto in _kinds and not _kinds[proto].chainable:
+                raise BadURLError(url, f"{proto}:// cannot be chained with other protocols")
+            if proto not in _kinds and proto not in _fsspec_protocols():
+                raise BadURLError(url, _unknown_scheme(proto))
+        kind = _FSSPEC_KIND
+    if kind.parse_url is not None:
+        kind.parse_url(url)
+    return kind
+
+
+def check_url(url: str) -> str:
+    """The config validator's check of ``store.url``: :func:`kind_of`, returning ``url``."""
+    kind_of(url)
+    return url
+
+
+def _unknown_scheme(proto: str) -> str:
     from fsspec.registry import known_implementations
 
-    return sorted(set(_REGISTRY) | set(known_implementations))
+    return (
+        f"unknown URL scheme {proto!r}; use a bare path or one of "
+        f"{', '.join(sorted(_kinds))}, or an fsspec protocol such as s3, gs, az, http, sftp "
+        f"({len(known_implementations)} known; chains like 'simplecache::s3://b/p' work too). "
+        "Install the fsspec implementation for your storage, e.g. pip install s3fs"
+    )
 
 
-def _scheme(url: str) -> str:
-    # For chained fsspec URLs ("simplecache::s3://b/k") every link must be known;
-    # the first decides the factory (fsspec handles the chain).
-    first = url.split("::", 1)[0]
-    return first.split("://", 1)[0].lower() if "://" in first else first.lower()
+def options_from_config(
+    url: object, codec: str, chunk_bytes: int, storage_options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The ``open_store`` options that the config's ``store:`` section gives ``url``'s kind.
+
+    ``url``: what ``offload()`` will pass to ``open_store`` (``None``, a string, a path);
+    for anything else ``{}``, and ``open_store`` refuses it with a :class:`ConfigError`.
+    """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if url is not None and not isinstance(url, str):
+        return {}
+    kind = _LOCAL_KIND if url is None else kind_of(url)
+    if kind.spread_storage_options:
+        return dict(storage_options)
+    given = {"codec": codec, "chunk_bytes": chunk_bytes, "storage_options": storage_options}
+    opts = {k: given[k] for k in kind.config_options}
+    if not opts.get("storage_options"):
+        opts.pop("storage_options", None)
+    else:
+        opts["storage_options"] = dict(storage_options)
+    return opts
 
 
-def _resolve(target: str | StoreFactory) -> StoreFactory:
-    if callable(target):
-        return target
-    module, _, attr = target.partition(":")
-    factory: StoreFactory = getattr(importlib.import_module(module), attr)
+def _resolve(kind: StoreKind) -> StoreFactory:
+    if callable(kind.factory):
+        return kind.factory
+    module, _, attr = kind.factory.partition(":")
+    try:
+        factory: StoreFactory = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        hint = kind.install or f"the package that provides {module}"
+        raise ConfigError(
+            f"open_store: scheme {kind.scheme!r} needs {module}, which cannot be imported "
+            f"({e}); install it: {hint}"
+        ) from e
     return factory
 
 
-def _check_fsspec_protocol(protocol: str, url: str) -> None:
+def _check_fsspec_importable(url: str) -> None:
     from fsspec.registry import get_filesystem_class, known_implementations
 
-    if protocol not in known_implementations:
+    for protocol in link_protocols(url):
+        if protocol in _kinds:
+            continue
         try:
-            get_filesystem_class(protocol)  # a package may have registered it itself
-            return
-        except (ValueError, ImportError):
-            pass
-        raise ConfigError(
-            f"open_store: unknown URL scheme {protocol!r} in {url!r}. Known: bare paths, "
-            f"{', '.join(sorted(_REGISTRY))}, and fsspec protocols "
-            f"({', '.join(sorted(known_implementations)[:12])}, ...). "
-            "Install the fsspec implementation for your storage, e.g. pip install s3fs"
-        )
-    try:
-        get_filesystem_class(protocol)
-    except ImportError as e:
-        impl = known_implementations[protocol]
-        hint = impl.get("err") or str(e)
-        package = impl["class"].split(".", 1)[0]
-        if package != "fsspec":  # fsspec's own classes name their extra package in "err"
-            hint = f"{hint} (pip install {package})"
-        raise ConfigError(
-            f"open_store: scheme {protocol!r} in {url!r} needs a package that is not "
-            f"installed: {hint}"
-        ) from e
+            get_filesystem_class(protocol)
+        except ImportError as e:
+            impl = known_implementations.get(protocol, {})
+            hint = impl.get("err") or str(e)
+            package = impl.get("class", "fsspec").split(".", 1)[0]
+            if package != "fsspec":  # fsspec's own classes name their extra package in "err"
+                hint = f"{hint} (pip install {package})"
+            raise ConfigError(
+                f"open_store: scheme {protocol!r} in {url!r} needs a package that is not "
+                f"installed: {hint}"
+            ) from e
+        except ValueError as e:
+            raise BadURLError(url, _unknown_scheme(protocol)) from e
 
 
 def open_store(
@@ -95,15 +312,17 @@ def open_store(
     """Open the store for ``url``.
 
     * ``None``: a fresh temporary local Zarr store, removed on ``close()`` and at exit.
-    * a bare path or ``file://``: a local Zarr store; ``memory://``: a private
-      in-memory Zarr store; ``tsh://HOST:PORT`` / ``tsh+unix:///path``: the daemon;
-      any other fsspec URL (``s3://bucket/prefix``): a Zarr store through fsspec,
-      with ``storage_options=`` passed to it.
+    * a bare path or ``file:///path``: a local Zarr store; ``memory://``: a private
+      in-memory Zarr store; ``tsh://HOST:PORT`` (port required), ``tsh+tls://HOST:PORT``
+      or ``tsh+unix:///path``: the daemon; any other fsspec URL
+      (``s3://bucket/prefix``): a Zarr store through fsspec, with ``storage_options=``
+      passed to it. ``""``, ``file://`` and one-slash URLs (``tsh:/host:7077``) are
+      refused (NOTE [ Store URL rules ]).
     * a :class:`TensorStore`: returned as is (``options`` must then be empty).
 
     ``options`` go to the store's constructor (``chunk_bytes``, ``codec``,
     ``storage_options``, ``token``, ...). Raises :class:`ConfigError` for unknown
-    schemes, missing packages and bad options.
+    schemes, missing packages and bad options, naming the fix.
     """
     if isinstance(url, TensorStore):
         if options:
@@ -112,25 +331,32 @@ def open_store(
             )
         return url
     if url is None:
-        return _resolve(_REGISTRY["file"])(None, **options)
+        return _open(_LOCAL_KIND, None, options)
     if not isinstance(url, str | os.PathLike):
         raise ConfigError(
             "open_store: expected a URL string, a path, a TensorStore or None, "
-            f"got {type(url).__name__}"
+            f"got {type(url).__name__} {url!r}"
         )
     s = os.fspath(url)
-    if "://" not in s and "::" not in s:
-        target: str | StoreFactory = _REGISTRY["file"]
-    else:
-        scheme = _scheme(s)
-        if scheme in _REGISTRY:
-            target = _REGISTRY[scheme]
-        else:
-            for link in s.split("::"):
-                proto = link.split("://", 1)[0].lower() if "://" in link else link.lower()
-                _check_fsspec_protocol(proto, s)
-            target = _FSSPEC_FACTORY
+    if not isinstance(s, str):
+        raise ConfigError(f"open_store: expected a str path, got {type(s).__name__} {s!r}")
+    kind = kind_of(s)
+    if kind is _FSSPEC_KIND:
+        _check_fsspec_importable(s)
+    return _open(kind, s, options)
+
+
+def _open(kind: StoreKind, url: str | None, options: dict[str, Any]) -> TensorStore:
+    shown = "open_store()" if url is None else f"open_store({url!r})"
+    if kind.option_keys is not None:
+        unknown = sorted(set(options) - kind.option_keys)
+        if unknown:
+            raise ConfigError(
+                f"{shown}: unknown option(s) {', '.join(unknown)} for {kind.scheme} stores; "
+                f"allowed: {', '.join(sorted(kind.option_keys))}"
+            )
+    factory = _resolve(kind)
     try:
-        return _resolve(target)(s, **options)
+        return factory(url, **options)
     except TypeError as e:
-        raise ConfigError(f"open_store({s!r}): bad options {sorted(options)}: {e}") from e
+        raise ConfigError(f"{shown}: bad options {sorted(options)}: {e}") from e

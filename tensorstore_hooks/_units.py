@@ -1,10 +1,38 @@
-"""Parsing of human sizes (``"8MiB"``) and durations (``"30s"``)."""
+"""Sizes (``"8MiB"``) and durations (``"30s"``): parsing, and the shared field types.
+
+The library's config (``_config``) and the daemon's (``tensorstore_hooks.server``)
+use the same :data:`Size` and :data:`Duration` pydantic field types from here, so a
+value one accepts the other accepts.
+
+NOTE [ Whole bytes ]
+A size is a whole number of bytes: a non-negative int, or a string of a number and
+a unit. A decimal fraction is accepted only where it makes whole bytes, computed
+exactly (``"1.5MiB"`` is 1572864; ``"0.5KB"`` is 500); ``"1.5"`` (1.5 bytes) and
+``"0.3KiB"`` (307.2 bytes) are refused rather than rounded, and so are Python floats
+(``1.5`` or ``1024.0``: YAML ``min_bytes: 1.5`` is a float).
+"""
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
+from typing import Annotated, Any
 
-__all__ = ["format_bytes", "parse_bytes", "parse_duration"]
+from pydantic import BeforeValidator
+
+__all__ = [
+    "DURATION_HELP",
+    "SIZE_HELP",
+    "Duration",
+    "OptSize",
+    "Size",
+    "check_duration",
+    "check_size",
+    "format_bytes",
+    "parse_bytes",
+    "parse_duration",
+]
 
 _SIZE_UNITS = {
     "": 1,
@@ -27,44 +55,97 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
 _TIME_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-SIZE_HELP = 'a non-negative int of bytes or a string like "512KiB", "8MiB", "1GiB"'
+SIZE_HELP = (
+    'a whole number of bytes: a non-negative int or a string like "512KiB", "8MiB", "1.5GiB"'
+)
 DURATION_HELP = 'a non-negative number of seconds or a string like "500ms", "30s", "5m"'
 
 
-def parse_bytes(value: int | str, *, what: str = "size") -> int:
-    """Return ``value`` as a byte count.
-
-    Accepts non-negative ints and strings with binary (KiB, MiB, GiB, TiB, K, M, G)
-    or decimal (KB, MB, GB) units. Raises ``ValueError`` naming ``what`` otherwise.
-    """
+def _bytes(value: Any) -> int | str:
+    """The byte count of ``value``, or the reason it is not one (without the value)."""
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected {SIZE_HELP}, got {value!r}")
+        return f"expected {SIZE_HELP}"
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what}: expected {SIZE_HELP}, got negative {value}")
-        return value
+        return value if value >= 0 else f"expected {SIZE_HELP}, not a negative number"
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
-        if m is not None:
-            unit = m.group(2).lower()
-            if unit in _SIZE_UNITS:
-                return int(float(m.group(1)) * _SIZE_UNITS[unit])
-    raise ValueError(f"{what}: expected {SIZE_HELP}, got {value!r}")
+        if m is not None and m.group(2).lower() in _SIZE_UNITS:
+            # Decimal: a decimal string times an integer unit is exact (NOTE [ Whole bytes ]).
+            exact = Decimal(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if exact == exact.to_integral_value():
+                return int(exact)
+            return (
+                f"expected {SIZE_HELP}; this is {exact.normalize():f} bytes, not a whole "
+                "number (use a smaller unit)"
+            )
+    if isinstance(value, float):
+        return f"expected {SIZE_HELP}, not a float"
+    return f"expected {SIZE_HELP}"
+
+
+def parse_bytes(value: int | str, *, what: str = "size") -> int:
+    """Return ``value`` as a byte count (see NOTE [ Whole bytes ]).
+
+    Accepts non-negative ints and strings with binary (KiB, MiB, GiB, TiB, K, M, G, T)
+    or decimal (KB, MB, GB, TB) units, case-insensitive, fractions only where the
+    result is whole bytes. Raises ``ValueError`` naming ``what`` and the value otherwise.
+    """
+    n = _bytes(value)
+    if isinstance(n, str):
+        raise ValueError(f"{what}: {n}; got {value!r}")
+    return n
 
 
 def parse_duration(value: float | int | str, *, what: str = "duration") -> float:
-    """Return ``value`` as seconds (float). Accepts numbers and ``"30s"``-style strings."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected {DURATION_HELP}, got {value!r}")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"{what}: expected {DURATION_HELP}, got negative {value}")
+    """Return ``value`` as seconds (float). Accepts finite non-negative numbers and
+    ``"30s"``-style strings; raises ``ValueError`` naming ``what`` and the value."""
+    seconds = _seconds(value)
+    if isinstance(seconds, str):
+        raise ValueError(f"{what}: {seconds}; got {value!r}")
+    return seconds
+
+
+def _seconds(value: Any) -> float | str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value) or value < 0:
+            return f"expected {DURATION_HELP}"
         return float(value)
     if isinstance(value, str):
         m = _TIME_RE.match(value)
         if m is not None and m.group(2).lower() in _TIME_UNITS:
             return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
-    raise ValueError(f"{what}: expected {DURATION_HELP}, got {value!r}")
+    return f"expected {DURATION_HELP}"
+
+
+def check_size(value: Any) -> int:
+    """:func:`parse_bytes` for validators whose error report shows the value itself:
+    the ``ValueError`` carries only what is wrong and what is allowed."""
+    n = _bytes(value)
+    if isinstance(n, str):
+        raise ValueError(n)
+    return n
+
+
+def _optional_size_field(value: Any) -> int | None:
+    return None if value is None else check_size(value)
+
+
+def check_duration(value: Any) -> float:
+    """:func:`parse_duration` with the value left out of the message (see :func:`check_size`)."""
+    seconds = _seconds(value)
+    if isinstance(seconds, str):
+        raise ValueError(seconds)
+    return seconds
+
+
+Size = Annotated[int, BeforeValidator(check_size)]
+"""Pydantic field type, bytes: see NOTE [ Whole bytes ]. Import it from here
+(``from tensorstore_hooks._units import Size``); the library and daemon share it."""
+OptSize = Annotated[int | None, BeforeValidator(_optional_size_field)]
+"""A :data:`Size` or ``None`` (null in YAML)."""
+Duration = Annotated[float, BeforeValidator(check_duration)]
+"""Pydantic field type, seconds: a finite non-negative number or ``"500ms"``, ``"30s"``,
+``"5m"``, ``"1h"``."""
 
 
 def format_bytes(n: float) -> str:

@@ -60,8 +60,8 @@ from typing import Any
 
 import numpy as np
 
-from ._allocator import MIN_CHUNK_BYTES, SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
-from ._chunkcodec import ChunkCodec, parse_codec
+from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
+from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
 from ._housekeeping import make_temp_root, sweep_at_open
@@ -69,7 +69,9 @@ from ._index import HEADER_BYTES, Damage, IndexLog, os_error
 from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
+from ._urls import split_url
 from ._zarr_docs import namespace_doc, root_doc, segment_doc
+from ._zarr_options import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, parse_codec
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -90,23 +92,8 @@ __all__ = [
 
 log = logging.getLogger("tensorstore_hooks")
 
-DEFAULT_CHUNK_BYTES = 8 << 20
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 FORMAT_VERSION = 2
-
-
-def split_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
-    """Classify a store URL: returns (kind, location) with kind local|memory|fsspec."""
-    if url is None:
-        return "local", ""
-    s = os.fspath(url)
-    if "://" not in s and "::" not in s:
-        return "local", s
-    if s.startswith("file://"):
-        return "local", s[len("file://") :]
-    if s.startswith("memory://"):
-        return "memory", s
-    return "fsspec", s
 
 
 @dataclass(slots=True)
@@ -222,7 +209,6 @@ class ZarrStore(BlobStore):
     ) -> None:
         self._closed = True  # until fully constructed: close() must be safe on failure
         try:
-            chunk = parse_bytes(chunk_bytes, what="ZarrStore chunk_bytes")
             spare = (
                 None
                 if spare_bytes is None
@@ -230,11 +216,14 @@ class ZarrStore(BlobStore):
             )
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        if chunk < MIN_CHUNK_BYTES or chunk & (chunk - 1):
-            raise ConfigError(
-                f"ZarrStore: chunk_bytes must be a power of two >= 4KiB, got {chunk_bytes!r}"
-            )
-        self._codec = ChunkCodec(codec)
+        try:
+            chunk = check_chunk_bytes(chunk_bytes)
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore: chunk_bytes: {e}; got {chunk_bytes!r}") from None
+        try:
+            self._codec = ChunkCodec(codec)
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
         self.codec = codec
         self.chunk_bytes = chunk
         if namespace is not None and not (

@@ -184,7 +184,7 @@ BAD_CONFIGS = [
     ("daemon-url-no-port", "store:\n  url: tsh://localhost\n", "store.url", "tsh://HOST:PORT"),
     ("empty-url", "store:\n  url: ''\n", "store.url", "temporary directory"),
     ("bad-codec", "store:\n  codec: gzip\n", "store.codec", "'zstd:LEVEL'"),
-    ("bad-zstd-level", "store:\n  codec: zstd:99\n", "store.codec", "-7..22"),
+    ("bad-zstd-level", "store:\n  codec: zstd:99\n", "store.codec", "1..22 (higher"),
     ("chunk-not-pow2", "store:\n  chunk_bytes: 3MiB\n", "store.chunk_bytes", "power of two"),
     (
         "options-not-mapping",

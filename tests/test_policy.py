@@ -146,15 +146,15 @@ def test_policy_is_frozen_and_comparable() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"action": "stash", "ndim": 1}, "action 'stash'"),
+        ({"action": "stash", "ndim": 1}, "action: expected one of 'keep', 'host' or 'store'"),
         ({"action": "keep"}, "at least one condition"),
         ({"action": "keep", "module": "blocks.[0"}, "unclosed '['"),
         ({"action": "keep", "module": ""}, "empty module pattern"),
         ({"action": "keep", "module": "blocks. 0"}, "whitespace"),
         ({"action": "keep", "dtype": "float33"}, "unknown dtype 'float33'"),
         ({"action": "keep", "dtype": "Tensor"}, "unknown dtype 'Tensor'"),
-        ({"action": "keep", "ndim": "two"}, "ndim must be"),
-        ({"action": "keep", "ndim": []}, "ndim must be"),
+        ({"action": "keep", "ndim": "two"}, "ndim: expected a non-negative int"),
+        ({"action": "keep", "ndim": []}, "ndim: expected a non-negative int"),
         ({"action": "keep", "min_bytes": 2, "max_bytes": 1}, "never match"),
     ],
 )

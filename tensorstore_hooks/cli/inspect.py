@@ -232,8 +232,10 @@ def run(args: argparse.Namespace) -> int:
     """List the store at ``args.url``; exit 0, or 1 with the reason on stderr (one line
     per problem: the root cannot be read, or an index is damaged; never a traceback)."""
     url: str = args.url
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme in ("tsh", "tsh+unix"):
+    from .._urls import DAEMON_SCHEMES, scheme_of
+
+    scheme = scheme_of(url)
+    if scheme in DAEMON_SCHEMES:
         print(
             f"inspect: {url} is a storage daemon; its sessions and tiers are shown by "
             f"`tensorstore-hooks stats {url}`",
