@@ -227,11 +227,11 @@ class Connection:
         except ssl.SSLError as e:
             self.close()
             if isinstance(e, ssl.SSLEOFError | ssl.SSLZeroReturnError):
-                raise Lost(str(e)) from e
+                raise Lost(str(e) + self._first_call_hint(rid)) from e
             raise _tls_failure(self.addr, e) from e
         except (OSError, EOFError) as e:
             self.close()
-            raise Lost(str(e) or type(e).__name__) from e
+            raise Lost((str(e) or type(e).__name__) + self._first_call_hint(rid)) from e
         except ProtocolError as e:
             self.close()  # the daemon's bytes made no sense: never reuse this stream
             raise Lost(f"protocol error from the daemon: {e}") from e
@@ -256,6 +256,17 @@ class Connection:
                 self.close()
             raise
         return answer, body
+
+    def _first_call_hint(self, rid: int) -> str:
+        # TLS 1.3 verifies a client certificate after the client's handshake has
+        # finished: a daemon with --tls-client-ca refuses us on the first request,
+        # with an alert or (if it closes first) a bare EOF. Say what to try.
+        if not self.tls or rid != 1:
+            return ""
+        return (
+            " (the daemon closed the TLS connection on the first request: if it was "
+            "started with --tls-client-ca, pass tls_cert= and tls_key=)"
+        )
 
     def _send(self, header: dict[str, Any], payload: Any) -> None:
         view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
