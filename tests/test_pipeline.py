@@ -256,7 +256,9 @@ class SlowStore(WrappedStore):
         with self.lock:
             pending = self.hooks.stats.bytes_offloaded - self.written
             self.max_pending = max(self.max_pending, pending)
-        time.sleep(0.02)  # latency of a slow disk; nothing waits on its length
+        # Latency of a slow disk, long enough that pack must wait for it even when a
+        # loaded machine runs the forward slowly (the test asserts a stall).
+        time.sleep(0.1)
         key = super().put(tensor)
         with self.lock:
             self.written += tensor.numel() * tensor.element_size()
