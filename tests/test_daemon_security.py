@@ -274,8 +274,10 @@ def test_one_client_cannot_starve_others(daemons: DaemonLauncher) -> None:
             end = time.monotonic() + 4.0  # well past the 1.5 s lease
             while time.monotonic() < end:
                 t0 = time.monotonic()
-                assert torch.equal(store.get(store.put(x)), x)
+                key = store.put(x)
+                assert torch.equal(store.get(key), x)
                 worst = max(worst, time.monotonic() - t0)
+                store.delete(key)  # a fast machine makes many rounds: stay within the quota
                 time.sleep(0.05)
             assert torch.equal(store.get(kept), x)  # the session never expired
         finally:
