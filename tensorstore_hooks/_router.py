@@ -143,10 +143,10 @@ class Router:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
-        self.backward_step()
         if isinstance(packed, Handle):
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
-                return self.load(packed)
+                return self.load(packed)  # load() notes the backward step itself
+        self.backward_step()
         self.emit_warning()
         if isinstance(packed, Kept):
             return self.unkeep(packed)
@@ -250,7 +250,9 @@ class Router:
             rec = table.add(t, nbytes, guard, key)
             self._writer.enqueue(rec)
             handle = table.handle(rec)
-        log.debug("pack: store %d B %s %s as record %d", nbytes, t.dtype, tuple(t.shape), rec.pos)
+        if log.isEnabledFor(logging.DEBUG):  # the hot path: no tuple(shape) unless asked
+            shape = tuple(t.shape)
+            log.debug("pack: store %d B %s %s as record %d", nbytes, t.dtype, shape, rec.pos)
         self._writer.start(rec, t)
         return handle
 
