@@ -23,15 +23,15 @@ Rules, numbered so code can cite them:
 4. A tensor larger than the cap is never held (:meth:`make_room` returns ``None``):
    the caller sends it to the store directly. ``cap_bytes == 0`` turns the tier off.
 5. Reads that bring spilled tensors back (backward's prefetch) borrow buffers
-   through :meth:`try_take` and never make anything spill: a read that does not fit
-   waits for backward to consume and release what is there (the prefetch window
-   shrinks to what the tier has), so reads cannot evict the tensors backward needs
-   next.
+   through :meth:`try_take` only while their copy to the device runs, and never make
+   anything spill: a read that finds no room gets ``None`` (the caller then copies
+   from pageable memory), so reads cannot evict the tensors backward needs next.
 6. ``host`` rules (a tensor moved to pinned memory for backward) draw from the same
    pool through the same calls, so one cap bounds all pinned memory of a session.
 
 Thread-safe: writers, readers and the pack hook call it concurrently; :meth:`take`
-blocks (with a timeout) until spills or releases free enough room.
+blocks (with a timeout) until spills or releases free enough room. How the pipeline
+uses it: NOTE [ Host tier wiring ] in ``_device.py``.
 """
 
 from __future__ import annotations
@@ -155,33 +155,43 @@ class HostTier:
         ``TimeoutError`` after ``timeout_s`` (the reservation is then given up).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        fresh = False
         with self._cond:
             buf, size = self._pending[key]
-            if buf is None:
-                while self._used + size > self.cap_bytes:
-                    self._drop_idle(self._used + size - self.cap_bytes)
-                    if self._used + size <= self.cap_bytes:
-                        break
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        del self._pending[key]
-                        self._reserved -= size
-                        raise TimeoutError(
-                            f"host tier: no room for {size} bytes within {timeout_s}s "
-                            f"({self._used} of {self.cap_bytes} bytes in use)"
-                        )
-                    self._cond.wait(left)
-                self._grow(size)
+            while buf is None:
+                # A spilled tensor's buffer of the same size is reused (rule 2): a loop
+                # that spills every step allocates nothing after its first.
+                buf = self._pop_idle(size)
+                if buf is not None:
+                    break
+                self._drop_idle(self._used + size - self.cap_bytes)
+                if self._used + size <= self.cap_bytes:
+                    self._grow(size)
+                    fresh = True
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    del self._pending[key]
+                    self._reserved -= size
+                    raise TimeoutError(
+                        f"host tier: no room for {size} bytes within {timeout_s}s "
+                        f"({self._used} of {self.cap_bytes} bytes in use)"
+                    )
+                self._cond.wait(left)
+            if self._pending[key][0] is None:
                 self._reserved -= size
             del self._pending[key]
-        if buf is None:
+        if fresh:
             buf = self._new_buffer(size)
         with self._cond:
             self._held[key] = (buf, size)
         return buf
 
     def try_take(self, key: Hashable, nbytes: int) -> Any | None:
-        """Lend a buffer for a read if it fits now, else ``None`` (rule 5: never spills)."""
+        """Lend a buffer for a read if it fits now, else ``None`` (rule 5: never spills).
+
+        Give it back with :meth:`release` when the read is done with it.
+        """
         size = round_up(nbytes)
         with self._cond:
             buf = self._pop_idle(size)
@@ -196,11 +206,6 @@ class HostTier:
         with self._cond:
             self._lent[key] = (buf, size)
         return buf
-
-    def adopt(self, key: Hashable) -> None:
-        """A lent read buffer is kept for its tensor: it is held (newest: spills last)."""
-        with self._cond:
-            self._held[key] = self._lent.pop(key)
 
     def release(self, key: Hashable) -> None:
         """``key`` is done with its buffer (spilled, consumed or freed): it goes idle.

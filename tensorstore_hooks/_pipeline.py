@@ -7,7 +7,8 @@ A saved tensor goes, in order, through (see ``docs/life-of-a-saved-tensor.md``):
   its state (NOTE [ Record lifecycle ]), dedup, and the handles' finalizers;
 * :class:`~tensorstore_hooks._writebehind.WriteBehind` - its bytes into the store on
   I/O threads, bounded by ``max_inflight`` (CUDA tensors staged to pinned host memory
-  first by :class:`~tensorstore_hooks._device.DeviceStager`);
+  first by :class:`~tensorstore_hooks._device.DeviceStager`, or held there within
+  ``host_budget`` and spilled oldest first: NOTE [ Host tier wiring ]);
 * :class:`~tensorstore_hooks._prefetch.Prefetcher` - back from the store ahead of
   backward, newest first, within ``prefetch`` bytes; unpack returns it.
 
@@ -73,10 +74,12 @@ class OffloadSession:
         self._closing = False
         self._closed = False
         self._table = RecordTable(self._release)
-        self.stager = DeviceStager(
+        self.stager = DeviceStager(  # NOTE [ Host tier wiring ]
             self._table,
-            pinned_idle_cap(settings),
-            on_allocate=lambda: _bump(stats, "pinned_allocations"),
+            idle_cap=pinned_idle_cap(settings),
+            host_budget=settings.host_budget,
+            stats=stats,
+            hold_timeout_s=settings.read_deadline_s,
         )
         parts = SessionParts(self._table, store, stats, self.stager, self._io, self.heap)
         self._writer = WriteBehind(parts, max_inflight=0)
@@ -95,6 +98,7 @@ class OffloadSession:
             table=self._table,
             writer=self._writer,
             prefetcher=self._prefetcher,
+            stager=self.stager,
             scope=scope,
             budget=budget,
         )
@@ -131,7 +135,7 @@ class OffloadSession:
                     return
                 key, rec.key = rec.key, None
                 self._prefetcher.forget(rec)
-                if prev in (State.STORED, State.MEMORY, State.DIRTY):
+                if prev in (State.STORED, State.MEMORY, State.DIRTY, State.HELD):
                     self.stager.release(rec)
                 source, rec.source = rec.source, None
                 rec.guard = None

@@ -3,7 +3,8 @@
 NOTE [ Prefetch order ]
 Backward unpacks roughly in reverse pack order. Records sit in the record table in
 pack order; each unpack of a stored record moves a cursor to just below it, and the
-prefetcher walks the cursor downwards (newest first), reading records ahead while
+prefetcher walks the cursor downwards (newest first), reading records ahead (stored
+ones from the store, held ones from the host tier: NOTE [ Host tier wiring ]) while
 the bytes read but not yet consumed stay within the ``prefetch`` window. An unpack
 that finds its read already done or running is a hit; one that has to start its own
 read is a miss. Out-of-order access (branches, several graphs) is correct, only
@@ -33,6 +34,9 @@ from .errors import StoreUnavailableError
 
 __all__ = ["Prefetcher"]
 
+_READABLE = (State.STORED, State.HELD)
+"""What the read-ahead reads: stored records, and held ones (from the host tier)."""
+
 log = logging.getLogger("tensorstore_hooks")
 
 
@@ -59,7 +63,7 @@ class Prefetcher(PipelineUnit):
 
     # ---------------------------------------------------------------- unpack
     def claim(self, rec: Record) -> Future[Any] | None:
-        """Take the read running ahead for STORED ``rec``, or ``None`` (lock held).
+        """Take the read running ahead for ``rec``, or ``None`` (lock held).
 
         Without one, the cursor jumps to just below ``rec`` (NOTE [ Prefetch order ]).
         """
@@ -93,11 +97,15 @@ class Prefetcher(PipelineUnit):
 
     # ------------------------------------------------------------------ read
     def read(self, rec: Record) -> Any:
-        """Read one record back, retrying transient errors until the deadline.
+        """Read one record back: from its host copy if it has one, else from the store,
+        retrying transient errors until the deadline.
 
-        Returns the tensor on its device (CUDA: ``(tensor, event)`` for
+        Returns the tensor on its device (an accelerator: ``(tensor, event)`` for
         :meth:`DeviceStager.finish`). Runs on I/O threads and the caller's.
         """
+        out = self._stager.from_host(rec)  # held in the host tier, or not yet written
+        if out is not None:
+            return out
         key = rec.key
         if key is None:
             raise StoreUnavailableError(
@@ -113,7 +121,7 @@ class Prefetcher(PipelineUnit):
         log.debug("read: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, read_s * 1e3)
         self._heap.note(rec.nbytes)
         t = t.detach()
-        if rec.device.type == "cuda":
+        if self._stager.accelerated(rec.device):
             return self._stager.to_device(t, rec.device, rec.offset)
         if rec.device.type != "cpu":
             return t.to(rec.device)
@@ -146,7 +154,7 @@ class Prefetcher(PipelineUnit):
         with table.lock:
             while self.cursor >= 0:
                 rec = table.at(self.cursor)
-                if rec is not None and rec.state == State.STORED and rec.fetch is None:
+                if rec is not None and rec.state in _READABLE and rec.fetch is None:
                     if self._window and self._window + rec.nbytes > self.window_bytes:
                         break
                     rec.fetch = Future()  # a placeholder: claimed, submitted below

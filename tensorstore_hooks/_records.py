@@ -6,6 +6,9 @@ returns a :class:`Handle` pointing at it; autograd keeps the handle in its graph
 record moves only along :data:`TRANSITIONS`, through :meth:`Record.move`:
 
     QUEUED -> WRITING -> STORED            the normal path (write-behind)
+    HELD -> QUEUED                         held in the host tier, then spilled
+                                           (NOTE [ Host tier wiring ] in ``_device.py``)
+    HELD -> DIRTY                          held, modified in place before the copy ran
     QUEUED/WRITING -> MEMORY               tail shortcut (unpack came first) or a
                                            failed/refused write (fallback)
     QUEUED/WRITING -> DIRTY                modified in place before it was copied
@@ -69,6 +72,7 @@ class State(enum.IntEnum):
     MEMORY = 3
     DIRTY = 4
     FREED = 5
+    HELD = 6
 
 
 TRANSITIONS: Mapping[State, frozenset[State]] = {
@@ -78,6 +82,7 @@ TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.MEMORY: frozenset({State.FREED}),
     State.DIRTY: frozenset({State.FREED}),
     State.FREED: frozenset(),
+    State.HELD: frozenset({State.QUEUED, State.DIRTY, State.FREED}),
 }
 """The allowed moves of NOTE [ Record lifecycle ]: state -> states it may move to."""
 
@@ -96,6 +101,7 @@ class Record:
         "fetch",
         "guard",
         "guard_ref",
+        "host_rule",
         "key",
         "nbytes",
         "offset",
@@ -109,7 +115,9 @@ class Record:
         "writing_done",
     )
 
-    def __init__(self, t: torch.Tensor, nbytes: int, pos: int, guard: Any = None) -> None:
+    def __init__(
+        self, t: torch.Tensor, nbytes: int, pos: int, guard: Any = None, state: State = State.QUEUED
+    ) -> None:
         # The saved tensor until its bytes are stored, detached: NOTE [ Detached aliases ].
         self.source: torch.Tensor | None = t.detach()
         # What in-place checks read ``_version`` from: the tensor itself, or for another
@@ -121,12 +129,13 @@ class Record:
         self.nbytes = nbytes
         self.device = t.device
         self.offset = int(t.storage_offset())
-        self.state = State.QUEUED
+        self.state = state
+        self.host_rule = False  # sent here by a ``host`` rule (counted as host, not offloaded)
         self.key: str | None = None
         self.refs = 1
         self.pos = pos
         self.fetch: Future[Any] | None = None  # the prefetcher's read, if one is running
-        self.staged: Any = None  # the device stager's pinned host copy (CUDA)
+        self.staged: Any = None  # the device stager's host copy (``_device.HostCopy``)
         self.dedup_key: tuple[Any, ...] | None = None
         self.error: BaseException | None = None  # why the write failed (fallback)
         self.write_started = False
@@ -271,9 +280,16 @@ class RecordTable:
         rec.refs += 1
         return rec
 
-    def add(self, t: torch.Tensor, nbytes: int, guard: Any, key: tuple[Any, ...] | None) -> Record:
-        """A new QUEUED record for ``t``, last in pack order."""
-        rec = Record(t, nbytes, len(self._order), guard)
+    def add(
+        self,
+        t: torch.Tensor,
+        nbytes: int,
+        guard: Any,
+        key: tuple[Any, ...] | None,
+        state: State = State.QUEUED,
+    ) -> Record:
+        """A new record for ``t`` (QUEUED, or HELD for the host tier), last in pack order."""
+        rec = Record(t, nbytes, len(self._order), guard, state)
         self._order.append(rec)
         self._live += 1
         if key is not None:

@@ -30,6 +30,7 @@ from .errors import StoreUnavailableError
 
 if TYPE_CHECKING:
     from ._budgets import BudgetControl
+    from ._device import DeviceStager
     from ._prefetch import Prefetcher
     from ._writebehind import WriteBehind
 
@@ -99,6 +100,7 @@ class Router:
         table: RecordTable,
         writer: WriteBehind,
         prefetcher: Prefetcher,
+        stager: DeviceStager,
         scope: Any = None,
         budget: BudgetControl | None = None,
     ) -> None:
@@ -112,6 +114,8 @@ class Router:
         self._table = table
         self._writer = writer
         self._prefetcher = prefetcher
+        self._stager = stager
+        self._warned: set[str] = set()
         self.budget = budget
         """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
 
@@ -138,6 +142,9 @@ class Router:
         if action == "store":
             return self.store(t, nbytes)
         if action == "host":
+            if self._stager.tier is not None and self._stager.accelerated(t.device):
+                # One pinned pool, one cap: NOTE [ Host tier wiring ].
+                return self.store(t, nbytes, host=True)
             return _pack_host(t)
         return Kept(t)
 
@@ -215,22 +222,31 @@ class Router:
             route.bytes += nbytes
 
     # ----------------------------------------------------------------- store
-    def store(self, t: torch.Tensor, nbytes: int, *, guard: Any = None) -> Handle:
+    def store(
+        self, t: torch.Tensor, nbytes: int, *, guard: Any = None, host: bool = False
+    ) -> Handle:
         """Queue ``t`` for write-behind and return its handle (blocks at ``max_inflight``).
 
         ``guard``: the object whose ``_version`` tells whether the saved tensor was
         modified in place (default ``t``; another framework passes its own tensor's
-        counter, since a zero-copy alias has a counter of its own).
+        counter, since a zero-copy alias has a counter of its own). An accelerator
+        tensor goes to the host tier when there is one (NOTE [ Host tier wiring ]);
+        ``host``: a ``host`` rule sent it (counted as host, not as offloaded).
         """
         table = self._table
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
+        held = self._stager.holds(t)
         with table.lock:
             handle = self._reuse(t, key, nbytes)
             if handle is not None:
                 return handle
-            self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
-        return self._admit(t, nbytes, guard, key)
+            if not held:
+                self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
+        handle = self._admit(t, nbytes, guard, key, held=held, host=host)
+        if held:
+            self._writer.hold(handle.rec, t)  # may wait for spills: not shielded
+        return handle
 
     @shielded  # a reference taken must get its handle: NOTE [ Signals and finalizers ]
     def _reuse(self, t: torch.Tensor, key: tuple[Any, ...] | None, nbytes: int) -> Handle | None:
@@ -243,17 +259,29 @@ class Router:
 
     @shielded  # a record counted in flight must get its handle and its write
     def _admit(
-        self, t: torch.Tensor, nbytes: int, guard: Any, key: tuple[Any, ...] | None
+        self,
+        t: torch.Tensor,
+        nbytes: int,
+        guard: Any,
+        key: tuple[Any, ...] | None,
+        *,
+        held: bool,
+        host: bool,
     ) -> Handle:
         table = self._table
         with table.lock:
-            rec = table.add(t, nbytes, guard, key)
-            self._writer.enqueue(rec)
+            rec = table.add(t, nbytes, guard, key, State.HELD if held else State.QUEUED)
+            rec.host_rule = host
+            self._writer.count(rec)
+            if not held:
+                self._writer.enqueue(rec)
             handle = table.handle(rec)
         if log.isEnabledFor(logging.DEBUG):  # the hot path: no tuple(shape) unless asked
             shape = tuple(t.shape)
-            log.debug("pack: store %d B %s %s as record %d", nbytes, t.dtype, shape, rec.pos)
-        self._writer.start(rec, t)
+            where = "host tier" if held else "store"
+            log.debug("pack: %s %d B %s %s as record %d", where, nbytes, t.dtype, shape, rec.pos)
+        if not held:
+            self._writer.start(rec, t)
         return handle
 
     def load(self, handle: Handle) -> torch.Tensor:
@@ -266,8 +294,13 @@ class Router:
             with self._table.lock:
                 state = rec.state
                 src = rec.source
-                if state in (State.QUEUED, State.WRITING, State.MEMORY) and src is not None:
+                if src is not None and state in (State.QUEUED, State.WRITING, State.MEMORY):
                     self._writer.cancel(rec)  # the tail shortcut
+                    if rec.modified():
+                        raise inplace_error(f"a tensor of shape {tuple(src.shape)}")
+                    return _on_device(src, rec.device)
+                if state == State.HELD and src is not None:
+                    # Its copy to host has not been reaped yet: the tensor itself.
                     if rec.modified():
                         raise inplace_error(f"a tensor of shape {tuple(src.shape)}")
                     return src
@@ -278,12 +311,14 @@ class Router:
                         f"offload: a saved tensor is no longer available ({state.name.lower()}); "
                         "was the graph freed or the session closed?"
                     )
-                if state == State.STORED:
-                    if rec.modified():  # after its write: NOTE [ In-place checks ]
+                if state in (State.STORED, State.HELD) or rec.staged is not None:
+                    # Stored, held in the host tier, or on its way to the store with
+                    # its host copy still there: no need to wait for the write.
+                    if rec.modified():  # NOTE [ In-place checks ]
                         raise inplace_error(f"a tensor of {rec.nbytes} bytes")
                     fut = self._prefetcher.claim(rec)
                     break
-                done = rec.writing_done  # a CUDA tensor copied to host, not yet written
+                done = rec.writing_done  # written from the device: wait for the write
             done.wait()
         return self._prefetcher.take(rec, fut, t0)
 
@@ -300,11 +335,27 @@ class Router:
             raise inplace_error(f"a tensor of shape {tuple(kept.tensor.shape)}")
         return kept.tensor
 
+    @property
+    def host_tier(self) -> bool:
+        """Whether a ``host_budget`` is set (NOTE [ Host tier wiring ])."""
+        return self._stager.tier is not None
+
+    def warn_once(self, topic: str, message: str) -> None:
+        """Warn the user once per session and ``topic`` (at the user's line)."""
+        if topic not in self._warned:
+            self._warned.add(topic)
+            warn_user(message)
+
     def emit_warning(self) -> None:
         """Issue the pending one-time fallback warning (on the caller's thread)."""
         msg = self._writer.take_warning()
         if msg is not None:
             warn_user(msg)  # at the user's line, not torch's (tensorstore_hooks._warn)
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` where it was saved (a fallback after a spill keeps a host copy)."""
+    return t if t.device == device else t.to(device)
 
 
 def _in_backward() -> bool:

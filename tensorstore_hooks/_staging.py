@@ -23,22 +23,35 @@ import torch
 
 from ._codec import span_of
 
-__all__ = ["PinnedPool", "StreamSet"]
+__all__ = ["CudaOps", "PinnedPool", "StreamSet", "pinned_buffer", "span_bytes"]
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """A new page-locked host buffer of ``nbytes`` bytes (``cudaHostAlloc``, ~ms)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 class PinnedPool:
     """Reusable pinned host buffers in power-of-two size classes.
 
-    ``take(n)`` returns a uint8 tensor of at least ``n`` bytes, allocated with
-    ``pin_memory=True`` only when no free buffer of that class exists; ``give``
-    returns it. Idle buffers are kept up to ``cap_bytes`` in total, so a training
-    loop pays for ``cudaHostAlloc`` in its first step only. Thread-safe.
-    ``on_allocate`` is told of each new buffer (the session's counter).
+    ``take(n)`` returns a uint8 tensor of at least ``n`` bytes, allocated (by
+    ``allocate``, default :func:`pinned_buffer`) only when no free buffer of that class
+    exists; ``give`` returns it. Idle buffers are kept up to ``cap_bytes`` in total, so
+    a training loop pays for ``cudaHostAlloc`` in its first step only. Thread-safe.
+    ``on_allocate`` is told of each new buffer (the session's counter). Used when no
+    ``host_budget`` is set; with one, :class:`~tensorstore_hooks._host_tier.HostTier`
+    hands out every pinned buffer instead.
     """
 
-    def __init__(self, cap_bytes: int, on_allocate: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        cap_bytes: int,
+        on_allocate: Callable[[], None] | None = None,
+        allocate: Callable[[int], torch.Tensor] = pinned_buffer,
+    ) -> None:
         self.cap_bytes = cap_bytes
         self._on_allocate = on_allocate
+        self._allocate = allocate
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
@@ -58,7 +71,7 @@ class PinnedPool:
             self.allocations += 1
         if self._on_allocate is not None:
             self._on_allocate()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return self._allocate(size)
 
     def give(self, buf: torch.Tensor) -> None:
         size = buf.numel()
@@ -96,59 +109,99 @@ class StreamSet:
         return self._get(self._h2d, device)
 
 
-def copy_to_host(
-    t: torch.Tensor, pool: PinnedPool, streams: StreamSet
-) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Start an async copy of CUDA tensor ``t`` into a pooled pinned buffer.
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage span view ``t`` covers (what a host copy of it needs, >= 1)."""
+    return max(span_of(tuple(t.shape), tuple(t.stride())) * t.element_size(), 1)
 
-    Returns ``(host_view, pinned_buffer, done_event)``. ``host_view`` has ``t``'s
-    dtype, shape and strides over the pinned buffer; it is valid once ``done_event``
-    has completed. The caller keeps ``t`` alive until then and gives the buffer back
-    to ``pool`` when finished with it. See NOTE [ Stream ordering ].
+
+def copy_to_host(
+    t: torch.Tensor, buf: torch.Tensor, streams: StreamSet
+) -> tuple[torch.Tensor, Any]:
+    """Start an async copy of CUDA tensor ``t`` into pinned buffer ``buf``.
+
+    ``buf`` holds at least :func:`span_bytes` of ``t``. Returns ``(host_view,
+    done_event)``: ``host_view`` has ``t``'s dtype, shape and strides over ``buf`` and
+    is valid once ``done_event`` has completed. The caller keeps ``t`` alive until
+    then. See NOTE [ Stream ordering ].
     """
     producer = torch.cuda.current_stream(t.device)  # captured before switching streams
     ready = torch.cuda.Event()
     ready.record(producer)
     copy_stream = streams.d2h(t.device)
     span = span_of(tuple(t.shape), tuple(t.stride()))
-    span_bytes = span * t.element_size()
-    buf = pool.take(max(span_bytes, 1))
     with torch.cuda.stream(copy_stream):
         copy_stream.wait_event(ready)
         # Copy the storage span the view covers, then rebuild the same view on host
         # (storage offset 0 there; the caller restores the original offset on unpack).
         src = t.detach().as_strided((span,), (1,), t.storage_offset())
-        dst = buf[:span_bytes].view(t.dtype)
+        dst = buf[: span * t.element_size()].view(t.dtype)
         dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(copy_stream)
     host_view = dst.as_strided(t.shape, t.stride(), 0)
-    return host_view, buf, done
+    return host_view, done
 
 
 def copy_to_device(
-    host: torch.Tensor, device: torch.device, offset: int, pool: PinnedPool, streams: StreamSet
-) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """Start an async copy of CPU tensor ``host`` onto ``device`` through a pinned buffer.
+    host: torch.Tensor, device: torch.device, offset: int, streams: StreamSet
+) -> tuple[torch.Tensor, Any]:
+    """Start a copy of CPU tensor ``host`` onto ``device`` on the host-to-device stream.
 
-    Returns ``(device_tensor, done_event, pinned_buffer)`` with ``host``'s shape and
-    strides and storage offset ``offset``. The consumer must wait for ``done`` before
-    use (see :func:`consume`); the buffer goes back to ``pool`` once ``done`` has
-    completed.
+    Returns ``(device_tensor, done_event)`` with ``host``'s shape and strides and
+    storage offset ``offset``. From pinned memory the copy is asynchronous; from
+    pageable memory torch copies synchronously. Either way the consumer waits for
+    ``done`` before use (see :func:`consume`), and ``host`` must stay untouched until
+    ``done`` has completed.
     """
     span = span_of(tuple(host.shape), tuple(host.stride()))
     flat = host.as_strided((span,), (1,), host.storage_offset())
-    buf = pool.take(max(span * host.element_size(), 1))
-    staged = buf[: span * host.element_size()].view(host.dtype)
-    staged.copy_(flat)
     stream = streams.h2d(device)
     with torch.cuda.stream(stream):
         base = torch.empty(offset + span, dtype=host.dtype, device=device)
-        base[offset:].copy_(staged, non_blocking=True)
+        base[offset:].copy_(flat, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
     out = base.as_strided(host.shape, host.stride(), offset)
-    return out, done, buf
+    return out, done
+
+
+class CudaOps:
+    """What the device stager does with a CUDA device: the real implementation.
+
+    The seam of :class:`~tensorstore_hooks._device.DeviceStager`: every device-specific
+    step goes through these five methods, so tests can drive the whole staging and
+    host-tier logic on a CPU-only machine with an object that treats CPU tensors as if
+    they lived on an accelerator (``tests/fake_accelerator.py``). Events returned may
+    be ``None`` (the copy has completed already).
+    """
+
+    def __init__(self) -> None:
+        self.streams = StreamSet()
+
+    @staticmethod
+    def accelerated(device: torch.device) -> bool:
+        """Whether tensors on ``device`` are staged through host memory."""
+        return device.type == "cuda"
+
+    @staticmethod
+    def allocate(nbytes: int) -> torch.Tensor:
+        """A new pinned host buffer of ``nbytes`` bytes."""
+        return pinned_buffer(nbytes)
+
+    def to_host(self, t: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``t`` into ``buf``: ``(host_view, event)``; :func:`copy_to_host`."""
+        return copy_to_host(t, buf, self.streams)
+
+    def to_device(
+        self, host: torch.Tensor, device: torch.device, offset: int
+    ) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` onto ``device``: ``(tensor, event)``; :func:`copy_to_device`."""
+        return copy_to_device(host, device, offset, self.streams)
+
+    @staticmethod
+    def finish(t: torch.Tensor, done: Any) -> torch.Tensor:
+        """The tensor unpack returns, ordered after ``done`` on the current stream."""
+        return consume(t, done)
 
 
 def consume(t: torch.Tensor, done: Any) -> torch.Tensor:

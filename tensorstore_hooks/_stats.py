@@ -38,7 +38,7 @@ class RouteStats:
 
 
 # Fields that are levels or high-water marks, not counts: a delta keeps the later value.
-_LEVELS = frozenset({"held_bytes", "peak_held_bytes"})
+_LEVELS = frozenset({"held_bytes", "peak_held_bytes", "peak_host_tier_bytes"})
 
 
 @dataclass(slots=True)
@@ -96,6 +96,12 @@ class OffloadStats:
     """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
     pinned_allocations: int = 0
     """Pinned host buffers allocated for CUDA staging (pooled: flat after the first step)."""
+    tensors_spilled: int = 0
+    """Tensors the host tier wrote to the store to make room (``host_budget``), oldest
+    first; the rest of what it held never touched the store."""
+    bytes_spilled: int = 0
+    peak_host_tier_bytes: int = 0
+    """The most pinned bytes the host tier had at once (at most ``host_budget``)."""
     per_action: dict[str, RouteStats] = field(default_factory=dict)
     """``keep``/``host``/``store`` -> counts, as the policy decided."""
     per_rule: dict[str, RouteStats] = field(default_factory=dict)
@@ -188,4 +194,10 @@ class OffloadStats:
             f"stalls pack {self.pack_stall_s:.3f}s unpack {self.unpack_stall_s:.3f}s; "
             f"peak held {b(self.peak_held_bytes)}"
             + (f"; device_budget replans {self.replans}" if self.replans else "")
+            + (
+                f"; host tier peak {b(self.peak_host_tier_bytes)}, spilled "
+                f"{self.tensors_spilled} ({b(self.bytes_spilled)})"
+                if self.peak_host_tier_bytes
+                else ""
+            )
         )

@@ -251,9 +251,7 @@ def describe_session(session: Any) -> str:
         return unset if n is None else exact_size(n)
 
     temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
-    rules = ", ".join(
-        f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())
-    ) or "none"
+    rules = ", ".join(f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())) or "none"
     return (
         f"offload session: store {store.url}{temporary}; policy min_bytes="
         f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "

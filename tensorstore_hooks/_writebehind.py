@@ -71,17 +71,47 @@ class WriteBehind(PipelineUnit):
                 self._table.cond.wait(0.05)
             self._stats.pack_stall_s += time.perf_counter() - t0
 
+    def count(self, rec: Record) -> None:
+        """Count a new record as offloaded (lock held; a ``host`` rule's is counted as host)."""
+        if not rec.host_rule:
+            self._stats.tensors_offloaded += 1
+            self._stats.bytes_offloaded += rec.nbytes
+
     def enqueue(self, rec: Record) -> None:
-        """Count a new record in flight (lock held); then :meth:`start` it."""
+        """Count a QUEUED record in flight (lock held); then :meth:`start` it."""
         self._inflight += rec.nbytes
         self._stats.hold(rec.nbytes)
-        self._stats.tensors_offloaded += 1
-        self._stats.bytes_offloaded += rec.nbytes
 
     def start(self, rec: Record, t: torch.Tensor) -> None:
-        """Submit ``rec``'s write (call without the lock): stage CUDA tensors first."""
-        if t.device.type == "cuda":
+        """Submit ``rec``'s write (call without the lock): stage device tensors first."""
+        if self._stager.stages(t):
             self._stager.stage(rec, t)
+        self._io().submit(WRITE, self._write, rec)
+
+    # ------------------------------------------------------------ host tier
+    def hold(self, rec: Record, t: torch.Tensor) -> None:
+        """Put HELD ``rec`` in the host tier (call without the lock; NOTE [ Host tier
+        wiring ]); with no room in time, write it from the device instead."""
+        held, waited_s = self._stager.hold(rec, t, self.spill)
+        with self._table.lock:
+            self._stats.pack_stall_s += waited_s
+            if held or rec.state != State.HELD:
+                return
+            rec.move(State.QUEUED)
+            self.enqueue(rec)
+        log.debug("host tier: no room within %gs, writing record %d directly", waited_s, rec.pos)
+        self.start(rec, t)
+
+    def spill(self, rec: Record) -> None:
+        """Write HELD ``rec`` to the store from its host copy: the tier needs its room."""
+        with self._table.lock:
+            if rec.state != State.HELD:  # freed meanwhile: its release gave the room back
+                return
+            rec.move(State.QUEUED)
+            self.enqueue(rec)
+            self._stats.tensors_spilled += 1
+            self._stats.bytes_spilled += rec.nbytes
+        log.debug("host tier: spilling record %d (%d B)", rec.pos, rec.nbytes)
         self._io().submit(WRITE, self._write, rec)
 
     def cancel(self, rec: Record) -> None:
@@ -159,6 +189,8 @@ class WriteBehind(PipelineUnit):
 
     def _finished(self, rec: Record) -> None:
         with self._table.lock:
+            if rec.state in (State.FREED, State.DIRTY):
+                self._stager.release(rec)  # its host copy is not wanted any more
             self._inflight -= rec.nbytes
             self._stats.hold(-rec.nbytes)
             self._table.cond.notify_all()
@@ -169,15 +201,17 @@ class WriteBehind(PipelineUnit):
         rec.move(State.MEMORY)
         rec.error = error
         if rec.source is None and rec.staged is not None:
-            # CUDA source already released: the pinned host copy is the tensor now.
+            # Device tensor already released: a pageable copy of the host copy is the
+            # tensor now (unpack moves it back to its device), the buffer goes back.
             rec.source = rec.staged.host.clone()
             self._stager.release(rec)
         stats = self._stats
         stats.fallbacks += 1
-        stats.tensors_offloaded -= 1
-        stats.bytes_offloaded -= rec.nbytes
-        stats.tensors_kept += 1
-        stats.bytes_kept += rec.nbytes
+        if not rec.host_rule:
+            stats.tensors_offloaded -= 1
+            stats.bytes_offloaded -= rec.nbytes
+            stats.tensors_kept += 1
+            stats.bytes_kept += rec.nbytes
         if not self._warned:
             self._warned = True
             self._pending_warning = (

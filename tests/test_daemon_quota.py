@@ -56,9 +56,7 @@ def test_spill_then_quota_then_fallback(daemons: DaemonLauncher, tmp_path: Path)
         store.put(_mib_tensor(100))
         assert torch.equal(store.get(keys[11]), _mib_tensor(11))
         store.delete_many(list(store.keys()))
-        wait_until(
-            lambda: store.stats()["tiers"]["disk"]["tensors"] == 0, 10, "disk bytes freed"
-        )
+        wait_until(lambda: store.stats()["tiers"]["disk"]["tensors"] == 0, 10, "disk bytes freed")
 
     # Training through the full daemon: refused writes become fallbacks, the
     # gradients stay identical and every tensor comes back.

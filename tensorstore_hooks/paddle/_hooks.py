@@ -145,6 +145,13 @@ class OffloadHooks(SessionAPI):
                 handle = router.store(to_torch(t), nbytes)
             return _Stored(handle, place_of(t), bool(t.stop_gradient))
         if action == "host" and not on_host:
+            if router.host_tier:
+                router.warn_once(
+                    "paddle-host",
+                    "tensorstore-hooks: host_budget does not cover Paddle tensors yet: a "
+                    "`host` rule copies them to Paddle's own pinned memory, unbounded. Use "
+                    "`store` rules for Paddle tensors to keep host memory bounded.",
+                )
             return Host(t.pin_memory(), place_of(t))
         return router.keep(t, PaddleVersion(t))
 
