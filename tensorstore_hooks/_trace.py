@@ -258,5 +258,6 @@ def describe_session(session: Any) -> str:
         f"default={policy.default} device_budget={size(policy.device_budget, 'none')} "
         f"rules: {rules}; pipeline max_inflight={size(settings.max_inflight, 'derived')} "
         f"prefetch={size(settings.prefetch, 'derived')} "
+        f"host_budget={size(settings.host_budget or None, 'none')} "
         f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
     )

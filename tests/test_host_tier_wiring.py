@@ -10,6 +10,7 @@ Gradients are always compared with ``torch.equal`` against a run without hooks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from typing import Any
@@ -440,6 +441,25 @@ def test_without_a_host_budget_staging_goes_through_the_pool() -> None:
     loss.backward()
     assert torch.equal(x.grad, reference_grad(x, 6))
     shutdown_pool(store)
+
+
+def test_the_session_line_and_the_debug_log_name_the_host_tier(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tensorstore_hooks._trace import describe_session
+
+    hooks = offload()
+    assert "host_budget=64KiB" in describe_session(hooks._session)
+    assert "host_budget=none" in describe_session(tsh.offload("memory://")._session)
+    x = torch.randn(T // 4, requires_grad=True)
+    with caplog.at_level(logging.DEBUG, logger="tensorstore_hooks"):
+        with hooks:
+            loss = sin_chain(x, 5)
+        hooks.flush()
+    debug = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("pack: host tier") for m in debug) == 5
+    assert sum(m.startswith("host tier: spilling record") for m in debug) == 1
+    del loss
 
 
 def test_host_budget_with_paddle_style_host_copies_warns_once() -> None:
