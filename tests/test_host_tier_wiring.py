@@ -26,24 +26,12 @@ from tensorstore_hooks._records import State
 
 from .fake_accelerator import CpuAsAccelerator, on_fake_accelerator
 from .store_conformance import WrappedStore
+from .test_pipeline import GatedStore, sin_chain
+from .test_pipeline import chain_grad as reference_grad
 
 KiB = 1024
 T = 16 * KiB  # every saved tensor of sin_chain below: 4096 float32
 CAP = 4 * T  # room for four of them
-
-
-def sin_chain(x: torch.Tensor, n: int) -> torch.Tensor:
-    h = x
-    for _ in range(n):
-        h = h.sin()
-    return h.sum()
-
-
-def reference_grad(x: torch.Tensor, n: int) -> torch.Tensor:
-    x = x.detach().clone().requires_grad_()
-    sin_chain(x, n).backward()
-    assert x.grad is not None
-    return x.grad
 
 
 def states(hooks: tsh.OffloadHooks) -> list[str]:
@@ -316,16 +304,6 @@ def test_a_failed_spill_keeps_the_tensor_in_memory() -> None:
     # The spilled tensors' buffers went back to the tier (the cap still holds).
     assert tier_of(hooks).peak_bytes <= CAP
     shutdown_pool(store)
-
-
-class GatedStore(WrappedStore):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-
-    def put(self, tensor: torch.Tensor) -> str:
-        assert self.gate.wait(timeout=30), "the test never opened the gate"
-        return super().put(tensor)
 
 
 def test_no_room_in_time_writes_from_the_device() -> None:
