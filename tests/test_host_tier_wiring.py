@@ -309,6 +309,8 @@ def test_a_failed_spill_keeps_the_tensor_in_memory() -> None:
 def test_no_room_in_time_writes_from_the_device() -> None:
     # Spills stuck behind a store that does not answer: pack waits at most
     # hold_timeout_s, then writes the tensor from the device instead of hanging.
+    # The wait is read_deadline_s (docs/config.md); shortened here to keep the test fast.
+    assert offload(read_deadline_s=7)._session.stager.hold_timeout_s == 7
     store = GatedStore()
     hooks = offload(store, host_budget=2 * T)
     hooks._session.stager.hold_timeout_s = 0.05
