@@ -231,6 +231,8 @@ class DeviceStager:
         Returns what :meth:`finish` takes. Runs on I/O threads (read-ahead) and the
         unpacking thread; the buffer stays ``rec``'s until the copy has completed.
         """
+        if rec.staged is None:  # the common case (CPU tensors, stored ones): no lock
+            return None
         with self._table.lock:
             staged = rec.staged
             if staged is None:

@@ -38,19 +38,16 @@ class PinnedPool:
     ``allocate``, default :func:`pinned_buffer`) only when no free buffer of that class
     exists; ``give`` returns it. Idle buffers are kept up to ``cap_bytes`` in total, so
     a training loop pays for ``cudaHostAlloc`` in its first step only. Thread-safe.
-    ``on_allocate`` is told of each new buffer (the session's counter). Used when no
-    ``host_budget`` is set; with one, :class:`~tensorstore_hooks._host_tier.HostTier`
-    hands out every pinned buffer instead.
+    Used when no ``host_budget`` is set; with one,
+    :class:`~tensorstore_hooks._host_tier.HostTier` hands out every pinned buffer.
     """
 
     def __init__(
         self,
         cap_bytes: int,
-        on_allocate: Callable[[], None] | None = None,
         allocate: Callable[[int], torch.Tensor] = pinned_buffer,
     ) -> None:
         self.cap_bytes = cap_bytes
-        self._on_allocate = on_allocate
         self._allocate = allocate
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._idle_bytes = 0
@@ -69,8 +66,6 @@ class PinnedPool:
                 self._idle_bytes -= size
                 return bucket.pop()
             self.allocations += 1
-        if self._on_allocate is not None:
-            self._on_allocate()
         return self._allocate(size)
 
     def give(self, buf: torch.Tensor) -> None:

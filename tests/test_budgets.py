@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +16,12 @@ import pytest
 import torch
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks import ConfigError, Policy, TensorStore
+from tensorstore_hooks import ConfigError, Policy
 from tensorstore_hooks._budgets import BudgetControl
 from tensorstore_hooks._config import config_from_dict, load_config, resolve_config
 from tensorstore_hooks._windows import Windows
+
+from .store_conformance import WrappedStore
 
 MiB = 1 << 20
 
@@ -136,11 +137,11 @@ def test_control_counts_only_moved_tensors() -> None:
 KiB = 1 << 10
 
 
-class GatedStore(TensorStore):
+class GatedStore(WrappedStore):
     """A memory store whose puts wait for ``gate`` (to watch write-behind back up)."""
 
     def __init__(self) -> None:
-        self.inner = tsh.open_store("memory://")
+        super().__init__()
         self.gate = threading.Event()
         self.gate.set()
         self.put_sizes: list[int] = []
@@ -148,29 +149,7 @@ class GatedStore(TensorStore):
     def put(self, tensor: torch.Tensor) -> str:
         self.gate.wait(30)
         self.put_sizes.append(tensor.numel() * tensor.element_size())
-        return self.inner.put(tensor)
-
-    def get(self, key: str, *, device: torch.device | str | None = None) -> torch.Tensor:
-        return self.inner.get(key, device=device)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def keys(self) -> Iterator[str]:
-        return self.inner.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().put(tensor)
 
 
 def _leaves(sizes_bytes: list[int]) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks import TensorStore
+
+from .store_conformance import WrappedStore
 
 
 class _Block(nn.Module):
@@ -86,38 +87,16 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         assert torch.equal(got[name], want[name]), f"gradient of {name} differs"
 
 
-class _Recording(TensorStore):
+class _Recording(WrappedStore):
     """A user-style store that keeps a copy of every tensor put (to see what was offloaded)."""
 
     def __init__(self) -> None:
-        self.inner = tsh.open_store("memory://")
+        super().__init__()
         self.seen: list[torch.Tensor] = []
 
     def put(self, tensor: torch.Tensor) -> str:
         self.seen.append(tensor.detach().clone())
-        return self.inner.put(tensor)
-
-    def get(self, key: str, *, device: torch.device | str | None = None) -> torch.Tensor:
-        return self.inner.get(key, device=device)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def keys(self) -> Iterator[str]:
-        return self.inner.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().put(tensor)
 
 
 @pytest.fixture

@@ -34,6 +34,15 @@ T = 16 * KiB  # every saved tensor of sin_chain below: 4096 float32
 CAP = 4 * T  # room for four of them
 
 
+def forward(hooks: tsh.OffloadHooks, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A leaf and the loss of ``n`` saves of T bytes each under ``hooks``, written."""
+    x = torch.randn(T // 4, requires_grad=True)
+    with hooks:
+        loss = sin_chain(x, n)
+    hooks.flush()
+    return x, loss
+
+
 def states(hooks: tsh.OffloadHooks) -> list[str]:
     """The state of every live record, in pack order."""
     return [r.state.name for r in hooks._session._table._order if r is not None]
@@ -57,10 +66,7 @@ def offload(store: Any = "memory://", ops: CpuAsAccelerator | None = None, **kw:
 def test_newest_are_held_oldest_spill_and_gradients_are_equal() -> None:
     store = WrappedStore()
     hooks = offload(store)
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 10)
-    hooks.flush()
+    x, loss = forward(hooks, 10)
     # Ten tensors, room for four: the six oldest went to the store, in pack order.
     assert states(hooks) == ["STORED"] * 6 + ["HELD"] * 4
     assert hooks.stats.tensors_spilled == 6 and hooks.stats.bytes_spilled == 6 * T
@@ -79,10 +85,7 @@ def test_newest_are_held_oldest_spill_and_gradients_are_equal() -> None:
 def test_nothing_is_written_when_everything_fits() -> None:
     store = WrappedStore()
     hooks = offload(store, host_budget=16 * T)
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 10)
-    hooks.flush()
+    x, loss = forward(hooks, 10)
     assert states(hooks) == ["HELD"] * 10
     assert store.puts == 0 and hooks.stats.tensors_spilled == 0
     loss.backward()
@@ -96,10 +99,7 @@ def test_nothing_is_written_when_everything_fits() -> None:
 def test_the_cap_holds_through_a_step_and_reads_borrow_within_it() -> None:
     ops = CpuAsAccelerator()
     hooks = offload(ops=ops, prefetch="1MiB")
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 20)
-    hooks.flush()
+    x, loss = forward(hooks, 20)
     loss.backward()
     assert torch.equal(x.grad, reference_grad(x, 20))
     tier = tier_of(hooks)
@@ -188,10 +188,7 @@ def test_host_rules_share_the_pool_and_its_cap() -> None:
 # ---------------------------------------------------------------- autograd corners
 def test_retain_graph_reads_held_and_spilled_tensors_twice() -> None:
     hooks = offload()
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 8)
-    hooks.flush()
+    x, loss = forward(hooks, 8)
     (g1,) = torch.autograd.grad(loss, x, retain_graph=True)
     assert states(hooks) == ["STORED"] * 4 + ["HELD"] * 4  # nothing freed yet
     (g2,) = torch.autograd.grad(loss, x)
@@ -272,10 +269,7 @@ def test_async_copies_keep_the_device_tensor_until_they_complete() -> None:
     ops = CpuAsAccelerator(lazy=True, polls=1000)
     store = WrappedStore()
     hooks = offload(store, ops=ops)
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 10)
-    hooks.flush()
+    x, loss = forward(hooks, 10)
     recs = [r for r in hooks._session._table._order if r is not None]
     assert [r.state for r in recs] == [State.STORED] * 6 + [State.HELD] * 4
     assert all(r.source is not None for r in recs[6:])  # copies still "running"
@@ -329,10 +323,7 @@ def test_no_room_in_time_writes_from_the_device() -> None:
 def test_freeing_the_graph_gives_every_buffer_back() -> None:
     store = WrappedStore()
     hooks = offload(store)
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 10)
-    hooks.flush()
+    _x, loss = forward(hooks, 10)
     del loss
     tier = tier_of(hooks)
     assert tier.held_keys() == [] and tier.spilling_keys() == []
@@ -412,10 +403,7 @@ def test_without_a_host_budget_staging_goes_through_the_pool() -> None:
     hooks = tsh.offload(store, min_bytes=0)
     stager = on_fake_accelerator(hooks, ops)
     assert stager.tier is None
-    x = torch.randn(T // 4, requires_grad=True)
-    with hooks:
-        loss = sin_chain(x, 6)
-    hooks.flush()
+    x, loss = forward(hooks, 6)
     assert states(hooks) == ["STORED"] * 6 and store.puts == 6
     assert ops.to_host_calls == 6
     loss.backward()
@@ -442,7 +430,8 @@ def test_the_session_line_and_the_debug_log_name_the_host_tier(
     del loss
 
 
-def test_host_budget_with_paddle_style_host_copies_warns_once() -> None:
+def test_router_warns_once_per_topic() -> None:
+    # What the Paddle hooks use for their one host_budget warning (GPU-only path).
     hooks = offload()
     router = hooks.router
     assert router.host_tier
