@@ -1,4 +1,4 @@
-"""Budget control of one session: the planner and the derived windows, wired as one unit.
+"""Budget control of one pipeline: the planner and the derived windows, wired as one unit.
 
 The router asks :meth:`BudgetControl.keep` for every tensor the policy has decided
 (between its ``decide`` and ``account``) and calls :meth:`BudgetControl.backward_started`
@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ._planner import BudgetPlanner
 from ._windows import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, Windows, derive_windows
+
+if TYPE_CHECKING:
+    from ._config import PipelineSettings
+    from ._policy import Policy
+    from ._stats import OffloadStats
 
 __all__ = ["BUDGET_LABEL", "BudgetControl", "pinned_idle_cap"]
 
@@ -22,6 +27,14 @@ BUDGET_LABEL = "device_budget"
 """The stats label (``stats.per_rule``) of tensors the plan kept."""
 
 _MOVES = frozenset(("store", "host"))
+
+
+class _WritesBehind(Protocol):
+    max_inflight: int
+
+
+class _ReadsAhead(Protocol):
+    window_bytes: int
 
 
 class BudgetControl:
@@ -41,7 +54,7 @@ class BudgetControl:
         max_inflight: int | None,
         prefetch: int | None,
         apply: Callable[[Windows], None],
-        stats: Any = None,
+        stats: OffloadStats | None = None,
     ) -> None:
         self.device_budget = device_budget
         self.host_budget = host_budget
@@ -61,10 +74,15 @@ class BudgetControl:
         apply(self.windows)
 
     @classmethod
-    def for_session(
-        cls, policy: Any, settings: Any, writer: Any, prefetcher: Any, stats: Any
+    def for_pipeline(
+        cls,
+        policy: Policy,
+        settings: PipelineSettings,
+        writer: _WritesBehind,
+        prefetcher: _ReadsAhead,
+        stats: OffloadStats,
     ) -> BudgetControl:
-        """The control of a session: sets ``writer.max_inflight`` and
+        """The control of a pipeline: sets ``writer.max_inflight`` and
         ``prefetcher.window_bytes`` (now, and whenever the windows change)."""
 
         def apply(windows: Windows) -> None:
@@ -72,7 +90,7 @@ class BudgetControl:
             prefetcher.window_bytes = windows.prefetch
 
         return cls(
-            device_budget=getattr(policy, "device_budget", None),
+            device_budget=policy.device_budget,
             host_budget=settings.host_budget,
             max_inflight=settings.max_inflight,
             prefetch=settings.prefetch,
@@ -145,8 +163,8 @@ class BudgetControl:
             self._apply(windows)
 
 
-def pinned_idle_cap(settings: Any) -> int:
-    """Idle pinned staging buffers a session keeps: both windows at their largest."""
+def pinned_idle_cap(settings: PipelineSettings) -> int:
+    """Idle pinned staging buffers a pipeline keeps: both windows at their largest."""
     mi = DEFAULT_MAX_INFLIGHT if settings.max_inflight is None else settings.max_inflight
     pf = DEFAULT_PREFETCH if settings.prefetch is None else settings.prefetch
     return int(mi + pf)

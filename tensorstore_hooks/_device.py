@@ -6,7 +6,10 @@ keeps the device tensor only until that copy's event has completed: then the dev
 memory is free, long before the store write ends. Unpack copies back on a dedicated
 stream, and the consuming stream waits on the copy's event. CPU tensors never come
 here. Every device-specific step goes through ``ops``
-(:class:`~tensorstore_hooks._staging.CudaOps`), the seam CPU tests drive.
+(:class:`~tensorstore_hooks._staging.DeviceOps`), the seam CPU tests drive. What a
+record's host copy is and when it changes hands is the record table's
+(:class:`~tensorstore_hooks._records.HostCopy`, NOTE [ Record lifecycle ]); the stager
+only allocates, copies and gives buffers back.
 
 NOTE [ Host tier wiring ]
 Without ``host_budget`` the host buffers come from a :class:`PinnedPool`: a tensor
@@ -29,76 +32,59 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    never over the cap).
 4. A buffer returns to the tier only when no copy uses it any more: a device copy
    still running into it is waited for, and a read still copying out of it defers
-   the return to its end (:class:`HostCopy` ``readers``).
+   the return to its end (``HostCopy.readers``, rule 4 of NOTE [ Record lifecycle ]).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from ._codec import span_of
 from ._host_tier import HostTier, round_up
-from ._records import Record, RecordTable, State
-from ._staging import CudaOps, PinnedPool, span_bytes
+from ._records import HostCopies, HostCopy, Record
+from ._staging import CudaOps, DeviceOps, Loaded, PinnedPool, span_bytes
+from ._stats import OffloadStats
 
-__all__ = ["DeviceStager", "HostCopy"]
-
-
-class HostCopy:
-    """A record's host copy: ``host`` is the view, ``buf`` the buffer it lives in.
-
-    ``event`` is the copy's device event (``None`` once it has completed); ``readers``
-    counts copies back to the device running out of ``buf``, and ``orphaned`` says
-    the buffer is to be returned when the last of them ends (rule 4 of NOTE [ Host
-    tier wiring ]).
-    """
-
-    __slots__ = ("buf", "event", "host", "orphaned", "readers")
-
-    def __init__(self, host: torch.Tensor, buf: torch.Tensor, event: Any) -> None:
-        self.host = host
-        self.buf = buf
-        self.event: Any = event
-        self.readers = 0
-        self.orphaned = False
+__all__ = ["DeviceStager"]
 
 
 class DeviceStager:
     """Host buffers (a pool, or the host tier when ``host_budget > 0``) and device copies.
 
     ``idle_cap``: idle pooled buffers kept without a host tier. ``stats``: the
-    session's counters (``pinned_allocations``, ``peak_host_tier_bytes``).
+    pipeline's counters (``pinned_allocations``, ``peak_host_tier_bytes``).
     ``hold_timeout_s``: the longest pack waits for room in the tier before it writes
     the tensor from the device instead.
     """
 
     def __init__(
         self,
-        table: RecordTable,
+        copies: HostCopies,
         *,
         idle_cap: int,
         host_budget: int = 0,
-        stats: Any = None,
+        stats: OffloadStats | None = None,
         hold_timeout_s: float = 60.0,
-        ops: Any = None,
+        ops: DeviceOps | None = None,
     ) -> None:
-        self._table = table
+        self._copies = copies
         self._idle_cap = idle_cap
         self._stats = stats
         self.hold_timeout_s = hold_timeout_s
-        self.ops: Any = CudaOps() if ops is None else ops
-        """The device seam (:class:`~tensorstore_hooks._staging.CudaOps`)."""
+        self.ops: DeviceOps = CudaOps() if ops is None else ops
+        """The device seam (:class:`~tensorstore_hooks._staging.DeviceOps`)."""
         self.pinned: PinnedPool | None = None
-        self.tier: HostTier | None = (
+        self.tier: HostTier[torch.Tensor] | None = (
             HostTier(host_budget, self._allocate) if host_budget > 0 else None
         )
         """The host tier (``None`` without a ``host_budget``)."""
-        self._pending: deque[Record] = deque()
+        self._copying: deque[Record] = deque()  # copies to host not yet seen complete
+        self._copying_lock = threading.Lock()
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self._stats is not None:
@@ -136,7 +122,7 @@ class DeviceStager:
 
     # ----------------------------------------------------------------- pack
     def stage(self, rec: Record, t: torch.Tensor) -> None:
-        """Start copying ``t`` of QUEUED ``rec`` into a pooled buffer (call without the lock)."""
+        """Start copying ``t`` of QUEUED ``rec`` into a pooled buffer."""
         buf = self._pool().take(span_bytes(t))
         self._started(rec, t, buf)
 
@@ -145,10 +131,10 @@ class DeviceStager:
     ) -> tuple[bool, float]:
         """Copy ``t`` of HELD ``rec`` into the tier, spilling the oldest held records first.
 
-        Call without the lock. ``spill(victim)`` is called for each record that must
-        leave the tier to make room (rule 1). Returns ``(held, waited_s)``: ``held``
-        is ``False`` when no room came within ``hold_timeout_s`` (the caller then
-        writes the tensor from the device).
+        ``spill(victim)`` is called for each record that must leave the tier to make
+        room (rule 1). Returns ``(held, waited_s)``: ``held`` is ``False`` when no room
+        came within ``hold_timeout_s`` (the caller then writes the tensor from the
+        device).
         """
         tier = self.tier
         assert tier is not None
@@ -165,99 +151,70 @@ class DeviceStager:
             return False, time.perf_counter() - t0
         waited = time.perf_counter() - t0
         self._note_peak()
-        with self._table.lock:
-            if rec.state != State.HELD:  # gone before it was copied (an interrupted pack)
-                tier.release(rec)
-                return True, waited
         self._started(rec, t, buf)
         return True, waited
 
     def _started(self, rec: Record, t: torch.Tensor, buf: torch.Tensor) -> None:
         host, event = self.ops.to_host(t, buf)
-        rec.staged = HostCopy(host, buf, event)
-        with self._table.lock:
-            self._pending.append(rec)
-            self._reap()
+        copy = HostCopy(host, buf, event)
+        if not self._copies.attach(rec, copy):  # gone meanwhile (an interrupted pack)
+            self.give_back(rec, copy)
+            return
+        with self._copying_lock:
+            self._copying.append(rec)
+        self._reap()
 
     def _reap(self) -> None:
         """Drop device tensors whose copy to host has finished (frees device memory early)."""
-        pending = self._pending
-        while pending:
-            staged = pending[0].staged
-            if staged is not None and staged.event is not None and not staged.event.query():
-                break
-            self.copied(pending.popleft())
+        while True:
+            with self._copying_lock:
+                if not self._copying:
+                    return
+                copy = self._copying[0].staged
+                if copy is not None and copy.event is not None and not copy.event.query():
+                    return
+                rec = self._copying.popleft()
+            self.give_back(rec, self._copies.done(rec))
 
-    def copied(self, rec: Record) -> None:
-        """``rec``'s copy to host has completed: check its version, drop the device tensor.
-
-        Lock held. A tensor modified in place before the copy ran makes the record DIRTY
-        (NOTE [ In-place checks ]); its host copy is worthless and goes back at once.
-        """
-        staged = rec.staged
-        if staged is None:
+    def give_back(self, rec: Record, copy: HostCopy | None) -> None:
+        """Return ``rec``'s host copy (taken from it by :class:`HostCopies`) to its pool
+        or tier; a device copy still writing into it is waited for first."""
+        if copy is None:
             return
-        staged.event = None
-        if rec.source is not None and rec.state in (State.HELD, State.QUEUED, State.WRITING):
-            if rec.modified():
-                rec.move(State.DIRTY)
-            rec.drop_source()
-        if rec.state == State.DIRTY:
-            self.release(rec)
-
-    def release(self, rec: Record) -> None:
-        """Give ``rec``'s host buffer back (lock held); deferred while a read uses it."""
-        staged, rec.staged = rec.staged, None
-        if staged is None:
-            return
-        if staged.readers:
-            staged.orphaned = True  # the last reader gives it back (rule 4)
-        else:
-            self._give(rec, staged)
-
-    def _give(self, rec: Record, staged: HostCopy) -> None:
-        if staged.event is not None:  # a device copy may still be writing into it
-            staged.event.synchronize()
-            staged.event = None
+        if copy.event is not None:
+            copy.event.synchronize()
         if self.tier is not None:
             self.tier.release(rec)
         elif self.pinned is not None:
-            self.pinned.give(staged.buf)
+            self.pinned.give(copy.buf)
 
     # --------------------------------------------------------------- unpack
-    def from_host(self, rec: Record) -> Any:
+    def from_host(self, rec: Record) -> Loaded | None:
         """Copy ``rec`` back to its device from its host copy, or ``None`` if it has none.
 
-        Returns what :meth:`finish` takes. Runs on I/O threads (read-ahead) and the
-        unpacking thread; the buffer stays ``rec``'s until the copy has completed.
+        Runs on I/O threads (read-ahead) and the unpacking thread; the buffer stays
+        ``rec``'s until the copy has completed.
         """
-        if rec.staged is None:  # the common case (CPU tensors, stored ones): no lock
+        copy = self._copies.borrow(rec)
+        if copy is None:
             return None
-        with self._table.lock:
-            staged = rec.staged
-            if staged is None:
-                return None
-            staged.readers += 1
         try:
-            event = staged.event
+            event = copy.event
             if event is not None:
                 event.synchronize()  # the copy to host of a tensor packed a moment ago
-            dev, done = self.ops.to_device(staged.host, rec.device, rec.offset)
+            dev, done = self.ops.to_device(copy.host, rec.device, rec.offset)
             if done is not None:
                 done.synchronize()  # the buffer may be given back once this returns
         finally:
-            with self._table.lock:
-                staged.readers -= 1
-                if staged.orphaned and staged.readers == 0:
-                    staged.orphaned = False
-                    self._give(rec, staged)
+            if self._copies.end_read(copy):
+                self.give_back(rec, copy)
         return (dev, done)
 
-    def to_device(self, t: torch.Tensor, device: torch.device, offset: int) -> Any:
+    def to_device(self, t: torch.Tensor, device: torch.device, offset: int) -> Loaded:
         """Copy host tensor ``t`` (read from the store) onto ``device``.
 
         Goes through a pinned buffer (the pool's, or one borrowed from the tier, rule 3)
-        so the copy is asynchronous; returns what :meth:`finish` takes.
+        so the copy is asynchronous.
         """
         n = span_bytes(t)
         tier = self.tier
@@ -280,7 +237,7 @@ class DeviceStager:
 
     def _through(
         self, t: torch.Tensor, device: torch.device, offset: int, buf: torch.Tensor
-    ) -> Any:
+    ) -> Loaded:
         span = span_of(tuple(t.shape), tuple(t.stride()))
         flat = t.as_strided((span,), (1,), t.storage_offset())
         staged = buf[: span * t.element_size()].view(t.dtype)
@@ -291,15 +248,13 @@ class DeviceStager:
             done.synchronize()  # the buffer is reusable once the copy is done
         return (dev, done)
 
-    def finish(self, out: Any) -> torch.Tensor:
+    def finish(self, out: Loaded) -> torch.Tensor:
         """The tensor unpack returns: a device copy is ordered on the current stream."""
-        if isinstance(out, tuple):  # (tensor, done event or None)
-            t, done = out
-            return t if done is None else self.ops.finish(t, done)
-        return out
+        t, done = out
+        return t if done is None else self.ops.finish(t, done)
 
     def clear(self) -> None:
-        """Drop the idle host buffers (the session is closed)."""
+        """Drop the idle host buffers (the pipeline is closed)."""
         if self.pinned is not None:
             self.pinned.clear()
         if self.tier is not None:

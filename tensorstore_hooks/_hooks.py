@@ -1,8 +1,9 @@
 """``OffloadHooks`` and ``offload()``: the public entry points.
 
 ``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``)
-to the session's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
-(:mod:`tensorstore_hooks._pipeline` wires its units) and the store.
+to its pipeline's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
+(:mod:`tensorstore_hooks._pipeline` wires its units) and the store. :class:`HooksBase`
+is what both ``OffloadHooks`` (PyTorch and Paddle) give a caller over their pipeline.
 """
 
 from __future__ import annotations
@@ -10,26 +11,103 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+import weakref
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 import torch
 
 from ._compose import block_abort, block_enter, block_exit
+from ._config import EffectiveConfig, PipelineSettings, StoreSettings
 from ._diagnose import after_forward, before_forward
-from ._pipeline import OffloadSession
+from ._pipeline import Pipeline
+from ._policy import Policy
 from ._registry import open_store, options_from_config
-from ._session_api import SessionAPI
+from ._router import Router
 from ._signals import install as install_signal_shield
+from ._stats import OffloadStats
 from ._store import TensorStore
-from ._trace import describe_session, forward_begin, forward_end
+from ._trace import Timeline, describe_pipeline, forward_begin, forward_end
 from .errors import ConfigError
 
-__all__ = ["OffloadHooks", "make_session", "offload"]
+__all__ = ["HooksBase", "OffloadHooks", "make_pipeline", "offload"]
 
 log = logging.getLogger("tensorstore_hooks")
 
+ConfigSource = str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] | None
+"""What ``offload(config=...)`` takes: a YAML path, a loaded config, a dict, or nothing."""
 
-class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
+
+class HooksBase:
+    """What an ``OffloadHooks`` (PyTorch or Paddle) gives a caller over its pipeline."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+        # An owned store is closed when the hooks are collected and nothing is live.
+        self._finalizer = weakref.finalize(self, pipeline.close)
+        self._finalizer.atexit = False
+
+    @property
+    def stats(self) -> OffloadStats:
+        """Counters of these hooks (live; readable during and after backward)."""
+        return self._pipeline.stats
+
+    @property
+    def store(self) -> TensorStore:
+        """The store saved tensors go to."""
+        return self._pipeline.store
+
+    @property
+    def policy(self) -> Policy:
+        """The :class:`~tensorstore_hooks.Policy` in force."""
+        return self._pipeline.policy
+
+    @property
+    def settings(self) -> PipelineSettings:
+        """The pipeline settings in force (the config's ``pipeline:`` section, resolved)."""
+        return self._pipeline.settings
+
+    @property
+    def router(self) -> Router:
+        """The :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks."""
+        return self._pipeline.router
+
+    @property
+    def live_records(self) -> int:
+        """Saved tensors in the store or in flight whose graph is still alive (0 once freed)."""
+        return self._pipeline.live_records
+
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Timeline]:
+        """Record a Chrome/Perfetto timeline of these hooks' work while the block runs.
+
+        ``with hooks.trace("trace.json"): ...train steps...``: forward and backward
+        spans, and every pack, unpack, unpack wait, write and read (with its thread),
+        saved as Chrome trace JSON at ``path`` on exit (open it in
+        https://ui.perfetto.dev). See NOTE [ Profiler ranges ] for torch.profiler.
+        """
+        from ._trace import record
+
+        return record(self._pipeline, path)
+
+    def flush(self) -> None:
+        """Block until every pending write has reached the store.
+
+        Leaving the ``with`` block does not wait: backward wants the newest tensors
+        first and may take them straight from memory.
+        """
+        self._pipeline.flush()
+
+    def close(self) -> None:
+        """Stop offloading; an owned store is closed once backward has freed every key.
+
+        A fallback warning still pending (a write refused after the last hook
+        call) is issued here, so a refusal is never silent.
+        """
+        self._pipeline.close()
+        self._pipeline.emit_warning()
+
+
+class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that offload what autograd saves into a :class:`TensorStore`.
 
     Use as a context manager around forward; backward may run after the block has
@@ -40,17 +118,19 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
     Entering is all or nothing: if it fails, no hooks are left installed.
     """
 
-    def __init__(self, session: OffloadSession) -> None:
-        self._bind(session)
-        self._scope = session.scope
+    def __init__(self, pipeline: Pipeline) -> None:
+        HooksBase.__init__(self, pipeline)
+        self._scope = pipeline.scope
         self._models: list[torch.nn.Module] = []
         self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
         self._depth_lock = threading.Lock()
-        super().__init__(session.router.pack, session.router.unpack)
+        torch.autograd.graph.saved_tensors_hooks.__init__(
+            self, pipeline.router.pack, pipeline.router.unpack
+        )
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
-        if self._session.closed:
+        if self._pipeline.closed:
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
@@ -66,7 +146,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
                 counted = True
                 outermost = self._depth == 1
             if outermost:  # nested re-entry: tracking lasts until the outermost exit
-                forward_begin(self._session)
+                forward_begin(self._pipeline)
                 has_scope = self._scope is not None and bool(self._models)
                 before_forward(self, self.policy, has_scope)
                 if self._scope is not None:
@@ -94,7 +174,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
             last = self._depth == 0
         if not last:
             return
-        forward_end(self._session)
+        forward_end(self._pipeline)
         if self._scope is not None:
             self._scope.detach()
             after_forward(self, self.policy, self._scope.seen)
@@ -110,7 +190,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         if self._scope is None:
             from ._scope import ModuleScope
 
-            self._scope = self._session.scope = ModuleScope()
+            self._scope = self._pipeline.scope = ModuleScope()
         self._models.append(model)
         if self._is_active():
             self._scope.attach(model)
@@ -121,10 +201,10 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         return stack is not None and stack[0] is self.pack_hook
 
     def __repr__(self) -> str:
-        return f"OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"
+        return f"OffloadHooks(store={self._pipeline.store.url!r}, {self.stats.summary()})"
 
 
-def _check_model(model: Any, where: str) -> None:
+def _check_model(model: object, where: str) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             f"{where}: expected a torch.nn.Module whose module paths `module` rules "
@@ -132,7 +212,7 @@ def _check_model(model: Any, where: str) -> None:
         )
 
 
-def _store_options(url: object, store_cfg: Any) -> dict[str, Any]:
+def _store_options(url: object, store_cfg: StoreSettings) -> dict[str, object]:
     # The store kind (registry) says which store: settings its factory takes.
     return options_from_config(
         url, store_cfg.codec, store_cfg.chunk_bytes, store_cfg.storage_options
@@ -142,9 +222,9 @@ def _store_options(url: object, store_cfg: Any) -> dict[str, Any]:
 def offload(
     store: str | os.PathLike[str] | TensorStore | None = None,
     *,
-    config: Any = None,
+    config: ConfigSource = None,
     model: torch.nn.Module | None = None,
-    **overrides: Any,
+    **overrides: object,
 ) -> OffloadHooks:
     """Offload the tensors autograd saves during forward into a store.
 
@@ -162,16 +242,18 @@ def offload(
     """
     if model is not None:
         _check_model(model, "offload(model=...)")
-    hooks = OffloadHooks(make_session(store, config, overrides))
+    hooks = OffloadHooks(make_pipeline(store, config, overrides))
     if model is not None:
         hooks.attach(model)
     return hooks
 
 
-def make_session(
-    store: str | os.PathLike[str] | TensorStore | None, config: Any, overrides: dict[str, Any]
-) -> OffloadSession:
-    """Resolve the config, open (or adopt) the store and build the session behind the hooks.
+def make_pipeline(
+    store: str | os.PathLike[str] | TensorStore | None,
+    config: ConfigSource,
+    overrides: Mapping[str, object],
+) -> Pipeline:
+    """Resolve the config, open (or adopt) the store and build the pipeline behind the hooks.
 
     Shared by the torch and paddle ``offload()``; arguments as :func:`offload` takes them.
     """
@@ -184,6 +266,6 @@ def make_session(
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
-    session = OffloadSession(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
-    log.info("%s", describe_session(session))
-    return session
+    pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    log.info("%s", describe_pipeline(pipeline))
+    return pipeline

@@ -40,9 +40,12 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Generic, TypeVar
 
 __all__ = ["HostTier", "round_up"]
+
+B = TypeVar("B")
+"""The buffer type: what ``allocate`` returns (a pinned ``torch.Tensor`` in real use)."""
 
 _ALIGN = 4096
 
@@ -52,7 +55,7 @@ def round_up(nbytes: int) -> int:
     return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
 
 
-class HostTier:
+class HostTier(Generic[B]):
     """Host buffers for tensors leaving an accelerator, within ``cap_bytes``.
 
     ``allocate(nbytes)`` returns a new buffer of exactly ``nbytes`` bytes (called
@@ -65,19 +68,20 @@ class HostTier:
         ...                                # later: tier.release(key)
     """
 
-    def __init__(self, cap_bytes: int, allocate: Callable[[int], Any]) -> None:
+    def __init__(self, cap_bytes: int, allocate: Callable[[int], B]) -> None:
         if cap_bytes < 0:
             raise ValueError(f"HostTier: cap_bytes must be >= 0, got {cap_bytes}")
         self.cap_bytes = cap_bytes
         self._allocate = allocate
         self._cond = threading.Condition(threading.Lock())
-        self._held: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()  # oldest first
-        self._spilling: dict[Hashable, tuple[Any, int]] = {}
-        self._lent: dict[Hashable, tuple[Any, int]] = {}  # reads (rule 5)
-        self._pending: dict[Hashable, tuple[Any, int]] = {}  # make_room done, take to come
+        self._held: OrderedDict[Hashable, tuple[B, int]] = OrderedDict()  # oldest first
+        self._spilling: dict[Hashable, tuple[B, int]] = {}
+        self._lent: dict[Hashable, tuple[B, int]] = {}  # reads (rule 5)
+        # make_room done, take to come (the buffer: an idle one reused, else None)
+        self._pending: dict[Hashable, tuple[B | None, int]] = {}
         # Idle buffers by size, and all of them least recently returned first (rule 2).
-        self._idle: dict[int, list[Any]] = defaultdict(list)
-        self._idle_order: OrderedDict[int, tuple[int, Any]] = OrderedDict()  # id -> (size, buf)
+        self._idle: dict[int, list[B]] = defaultdict(list)
+        self._idle_order: OrderedDict[int, tuple[int, B]] = OrderedDict()  # id -> (size, buf)
         self._used = 0  # bytes of every buffer that exists (rule 1)
         self._reserved = 0  # bytes promised by make_room, not yet allocated
         self.peak_bytes = 0
@@ -109,7 +113,7 @@ class HostTier:
         with self._cond:
             return list(self._spilling)
 
-    def buffer(self, key: Hashable) -> Any:
+    def buffer(self, key: Hashable) -> B:
         """The buffer of a held, spilling or lent key (``KeyError`` if it has none)."""
         with self._cond:
             for table in (self._held, self._spilling, self._lent):
@@ -148,14 +152,13 @@ class HostTier:
                 over -= entry[1]
         return victims
 
-    def take(self, key: Hashable, timeout_s: float | None = None) -> Any:
+    def take(self, key: Hashable, timeout_s: float | None = None) -> B:
         """The buffer reserved for ``key`` by :meth:`make_room`; ``key`` is now held.
 
         Blocks until the room is there (spilled keys released). Raises
         ``TimeoutError`` after ``timeout_s`` (the reservation is then given up).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        fresh = False
         with self._cond:
             buf, size = self._pending[key]
             while buf is None:
@@ -166,8 +169,7 @@ class HostTier:
                     break
                 self._drop_idle(self._used + size - self.cap_bytes)
                 if self._used + size <= self.cap_bytes:
-                    self._grow(size)
-                    fresh = True
+                    self._grow(size)  # a new buffer, made below outside the lock
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -181,13 +183,12 @@ class HostTier:
             if self._pending[key][0] is None:
                 self._reserved -= size
             del self._pending[key]
-        if fresh:
-            buf = self._new_buffer(size)
+        got = self._new_buffer(size) if buf is None else buf
         with self._cond:
-            self._held[key] = (buf, size)
-        return buf
+            self._held[key] = (got, size)
+        return got
 
-    def try_take(self, key: Hashable, nbytes: int) -> Any | None:
+    def try_take(self, key: Hashable, nbytes: int) -> B | None:
         """Lend a buffer for a read if it fits now, else ``None`` (rule 5: never spills).
 
         Give it back with :meth:`release` when the read is done with it.
@@ -241,7 +242,7 @@ class HostTier:
         self.peak_bytes = max(self.peak_bytes, self._used)
         self.allocations += 1
 
-    def _new_buffer(self, size: int) -> Any:
+    def _new_buffer(self, size: int) -> B:
         try:
             return self._allocate(size)
         except BaseException:
@@ -250,7 +251,7 @@ class HostTier:
                 self._cond.notify_all()
             raise
 
-    def _pop_idle(self, size: int) -> Any | None:
+    def _pop_idle(self, size: int) -> B | None:
         bucket = self._idle.get(size)
         if not bucket:
             return None

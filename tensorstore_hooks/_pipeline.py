@@ -1,53 +1,53 @@
-"""The offload session: the pipeline's units for one ``OffloadHooks``, wired together.
+"""The pipeline: the units behind one ``OffloadHooks``, built and wired together.
 
 A saved tensor goes, in order, through (see ``docs/life-of-a-saved-tensor.md``):
 
 * :class:`~tensorstore_hooks._router.Router` - pack decides keep / host / store;
-* :class:`~tensorstore_hooks._records.RecordTable` - a record per stored tensor,
-  its state (NOTE [ Record lifecycle ]), dedup, and the handles' finalizers;
+* :class:`~tensorstore_hooks._records.RecordTable` - a record per stored tensor and
+  every change to it (NOTE [ Record lifecycle ]), dedup, the handles' finalizers;
 * :class:`~tensorstore_hooks._writebehind.WriteBehind` - its bytes into the store on
-  I/O threads, bounded by ``max_inflight`` (CUDA tensors staged to pinned host memory
-  first by :class:`~tensorstore_hooks._device.DeviceStager`, or held there within
-  ``host_budget`` and spilled oldest first: NOTE [ Host tier wiring ]);
+  I/O threads, bounded by ``max_inflight`` (accelerator tensors staged to pinned host
+  memory first by :class:`~tensorstore_hooks._device.DeviceStager`, or held there
+  within ``host_budget`` and spilled oldest first: NOTE [ Host tier wiring ]);
 * :class:`~tensorstore_hooks._prefetch.Prefetcher` - back from the store ahead of
   backward, newest first, within ``prefetch`` bytes; unpack returns it.
 
-The session owns those units, the I/O pool reference and the close sequence: when
-the last record is freed after :meth:`OffloadSession.close`, the owned store closes.
+The pipeline owns those units and the close sequence: when the last record is freed
+after :meth:`Pipeline.close`, an owned store closes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+import threading
 
 from ._budgets import BudgetControl, pinned_idle_cap
+from ._config import PipelineSettings
 from ._device import DeviceStager
 from ._heap import HeapReleaser, set_mmap_threshold
 from ._iopool import StorePool, on_io_thread, shutdown_pool
-from ._parts import SessionParts
+from ._policy import Policy
 from ._prefetch import Prefetcher
-from ._records import Record, RecordTable, State
-from ._router import Router, inplace_error
+from ._records import Record, RecordTable
+from ._router import Router
+from ._scope import ModuleScope
 from ._stats import OffloadStats
 from ._store import TensorStore
 from ._trace import Timeline
 from ._writebehind import WriteBehind
 
-if TYPE_CHECKING:
-    from ._config import PipelineSettings
-
-__all__ = ["OffloadSession", "inplace_error"]
+__all__ = ["Pipeline"]
 
 log = logging.getLogger("tensorstore_hooks")
 
 
-class OffloadSession:
+class Pipeline:
     """The pipeline behind one :class:`~tensorstore_hooks.OffloadHooks` (torch or Paddle).
 
     ``policy`` decides per tensor (keep / host / store); ``settings`` is the config's
-    ``pipeline:`` section as it is (:class:`~tensorstore_hooks._config.PipelineSettings`).
+    ``pipeline:`` section as it is (:class:`~tensorstore_hooks._config.PipelineSettings`);
+    ``owns_store``: close ``store`` once the pipeline is closed and nothing is live.
     Hooks pack and unpack through :attr:`router`.
     """
 
@@ -55,12 +55,13 @@ class OffloadSession:
         self,
         store: TensorStore,
         *,
-        policy: Any,
+        policy: Policy,
         settings: PipelineSettings,
-        scope: Any = None,
+        scope: ModuleScope | None = None,
         owns_store: bool = False,
     ) -> None:
         self.store = store
+        self.policy = policy
         self.settings = settings
         self.owns_store = owns_store
         self.stats = stats = OffloadStats()
@@ -70,50 +71,47 @@ class OffloadSession:
         )
         if settings.mmap_threshold is not None:
             set_mmap_threshold(settings.mmap_threshold)  # NOTE [ Mmap threshold ]
-        self._io = StorePool(store, settings.writer_threads + 2)
-        self._closing = False
+        io = StorePool(store, settings.writer_threads + 2)
         self._closed = False
-        self._table = RecordTable(self._release)
-        self.stager = DeviceStager(  # NOTE [ Host tier wiring ]
-            self._table,
+        self._close_lock = threading.Lock()
+        self.table = table = RecordTable(self._release, stats)
+        self.stager = stager = DeviceStager(  # NOTE [ Host tier wiring ]
+            table.copies,
             idle_cap=pinned_idle_cap(settings),
             host_budget=settings.host_budget,
             stats=stats,
             hold_timeout_s=settings.read_deadline_s,
         )
-        parts = SessionParts(self._table, store, stats, self.stager, self._io, self.heap)
-        self._writer = WriteBehind(parts, max_inflight=0)
-        self._prefetcher = Prefetcher(
-            parts,
-            window_bytes=0,
+        self.writer = WriteBehind(table, store, stager=stager, io=io, heap=self.heap, stats=stats)
+        self.prefetcher = Prefetcher(
+            table.reads,
+            store,
+            stager=stager,
+            io=io,
+            heap=self.heap,
+            stats=stats,
             read_deadline_s=settings.read_deadline_s,
         )
         # Sets both windows now and after every forward (NOTE [ Windows ]).
-        budget = BudgetControl.for_session(
-            policy, settings, self._writer, self._prefetcher, self.stats
-        )
+        budget = BudgetControl.for_pipeline(policy, settings, self.writer, self.prefetcher, stats)
         self.router = Router(
             policy=policy,
-            stats=self.stats,
-            table=self._table,
-            writer=self._writer,
-            prefetcher=self._prefetcher,
-            stager=self.stager,
+            stats=stats,
+            table=table,
+            writer=self.writer,
+            prefetcher=self.prefetcher,
+            stager=stager,
             scope=scope,
             budget=budget,
         )
 
     @property
-    def policy(self) -> Any:
-        return self.router.policy
-
-    @property
-    def scope(self) -> Any:
+    def scope(self) -> ModuleScope | None:
         """Where ``module`` rules read the running module's path (``None``: no model)."""
         return self.router.scope
 
     @scope.setter
-    def scope(self, scope: Any) -> None:
+    def scope(self, scope: ModuleScope | None) -> None:
         self.router.scope = scope
 
     @property
@@ -123,37 +121,24 @@ class OffloadSession:
 
     @timeline.setter
     def timeline(self, timeline: Timeline | None) -> None:
-        self.router.timeline = self._writer.timeline = self._prefetcher.timeline = timeline
+        self.router.timeline = self.writer.timeline = self.prefetcher.timeline = timeline
 
     # -------------------------------------------------------------- release
     def _release(self, rec: Record) -> None:
-        """Finalizer of a handle: free the record once its last handle is gone."""
+        """Finalizer of a handle: the record table frees the record; this cleans up."""
         try:
-            with self._table.lock:
-                prev = self._table.free(rec)
-                if prev is None:
-                    return
-                key, rec.key = rec.key, None
-                self._prefetcher.forget(rec)
-                if prev in (State.STORED, State.MEMORY, State.DIRTY, State.HELD):
-                    self.stager.release(rec)
-                source, rec.source = rec.source, None
-                rec.guard = None
-                idle = self._table.live == 0
-                if idle:
-                    self._prefetcher.reset()
-                elif self._table.wants_compaction():
-                    self._prefetcher.cursor = self._table.compact(self._prefetcher.cursor)
-            del source  # may free graph pieces; outside the lock
-            if key is not None:
-                self._writer.discard(key)
-            elif rec.write_started and not rec.writing_done.is_set() and not on_io_thread():
-                # A write in progress (freed mid-write, or served from memory by the tail
-                # shortcut) deletes what it wrote once it sees the record unwanted; wait
-                # for that so "graph freed => every key gone" holds when `del loss` returns.
-                # (An I/O thread must not wait: the write may be queued behind it.)
-                rec.writing_done.wait(self.settings.read_deadline_s)
-            if idle and self._closing:
+            freed = self.table.free(rec)
+            if freed is None:
+                return
+            self.stager.give_back(rec, freed.give_back)
+            if freed.key is not None:
+                self.writer.discard(freed.key)
+            elif freed.write_running is not None and not on_io_thread():
+                # Rule 2 of NOTE [ Record lifecycle ]: "graph freed => every key gone"
+                # holds when `del loss` returns. (An I/O thread must not wait: the
+                # write may be queued behind it.)
+                freed.write_running.wait(self.settings.read_deadline_s)
+            if freed.last:
                 self._close_now()
         except Exception:  # pragma: no cover - a finalizer must never raise
             log.debug("release failed", exc_info=True)
@@ -164,26 +149,22 @@ class OffloadSession:
         self.router.emit_warning()
 
     def flush(self) -> None:
-        """Block until every pending write of this session has reached the store."""
-        self._writer.flush()
+        """Block until every pending write of this pipeline has reached the store."""
+        self.writer.flush()
         self.emit_warning()
 
     @property
     def live_records(self) -> int:
         """Records whose graph is still alive."""
-        return self._table.live
+        return self.table.live
 
     def close(self) -> None:
         """Stop taking tensors; close the store (if owned) once every record is freed."""
-        with self._table.lock:
-            self._closing = True
-            self.router.closing = True
-            idle = self._table.live == 0
-        if idle:
+        if self.table.close():
             self._close_now()
 
     def _close_now(self) -> None:
-        with self._table.lock:
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True

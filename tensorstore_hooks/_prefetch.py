@@ -5,7 +5,9 @@ Backward unpacks roughly in reverse pack order. Records sit in the record table 
 pack order; each unpack of a stored record moves a cursor to just below it, and the
 prefetcher walks the cursor downwards (newest first), reading records ahead (stored
 ones from the store, held ones from the host tier: NOTE [ Host tier wiring ]) while
-the bytes read but not yet consumed stay within the ``prefetch`` window. An unpack
+the bytes read but not yet consumed stay within the ``prefetch`` window. The cursor
+and the window are the record table's (:class:`~tensorstore_hooks._records.ReadAhead`,
+and ``claim_for_unpack``); the prefetcher runs the reads. An unpack
 that finds its read already done or running is a hit; one that has to start its own
 read is a miss. Out-of-order access (branches, several graphs) is correct, only
 slower: the cursor simply jumps.
@@ -19,36 +21,57 @@ is final for its unpack (it already had the whole deadline) rather than retried 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import Any
 
 import torch
 
-from ._iopool import READ
-from ._parts import PipelineUnit, SessionParts
-from ._records import Record, State
+from ._device import DeviceStager
+from ._heap import HeapReleaser
+from ._iopool import READ, StorePool
+from ._records import ReadAhead, Record
 from ._retry import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
+from ._staging import Loaded
+from ._stats import OffloadStats
+from ._store import TensorStore
 from ._trace import READ_RANGE, UNPACK_WAIT_RANGE, Timeline, span
 from .errors import StoreUnavailableError
 
 __all__ = ["Prefetcher"]
 
-_READABLE = (State.STORED, State.HELD)
-"""What the read-ahead reads: stored records, and held ones (from the host tier)."""
-
 log = logging.getLogger("tensorstore_hooks")
 
 
-class Prefetcher(PipelineUnit):
-    """Cursor and window of read-ahead; :meth:`read` is the one way bytes come back."""
+class Prefetcher:
+    """Reads records back from ``store`` ahead of backward; :meth:`read` is the one way
+    bytes come back.
 
-    def __init__(self, parts: SessionParts, *, window_bytes: int, read_deadline_s: float) -> None:
-        super().__init__(parts)
+    ``window_bytes``: the ``prefetch`` window (set by the budget control, NOTE
+    [ Windows ]). ``io()``: the store's I/O pool. ``heap`` is told of every byte read.
+    """
+
+    def __init__(
+        self,
+        reads: ReadAhead,
+        store: TensorStore,
+        *,
+        stager: DeviceStager,
+        io: StorePool,
+        heap: HeapReleaser,
+        stats: OffloadStats,
+        read_deadline_s: float,
+        window_bytes: int = 0,
+    ) -> None:
+        self._reads = reads
+        self._store = store
+        self._stager = stager
+        self._io = io
+        self._heap = heap
+        self._stats = stats
+        self._stats_lock = threading.Lock()  # reader threads add up their times
         self.window_bytes = window_bytes
         self.read_deadline_s = read_deadline_s
-        self.cursor = -1  # pack position the next read-ahead looks at
-        self._window = 0  # bytes read ahead and not yet consumed
         self._retrier = Retrier(
             RetryPolicy(
                 deadline_s=max(read_deadline_s, 1e-3),
@@ -56,27 +79,13 @@ class Prefetcher(PipelineUnit):
                 max_backoff_s=1.0,
                 min_attempt_s=0.0,
             ),
-            label=f"offload reads from {parts.store.url}",
+            label=f"offload reads from {store.url}",
             classify=classify_store_read,
         )
         self.timeline: Timeline | None = None  # set while hooks.trace() records
 
     # ---------------------------------------------------------------- unpack
-    def claim(self, rec: Record) -> Future[Any] | None:
-        """Take the read running ahead for ``rec``, or ``None`` (lock held).
-
-        Without one, the cursor jumps to just below ``rec`` (NOTE [ Prefetch order ]).
-        """
-        fut = rec.fetch
-        if fut is not None:
-            rec.fetch = None
-            self._window -= rec.nbytes
-            self._stats.hold(-rec.nbytes)
-        else:
-            self.cursor = rec.pos - 1
-        return fut
-
-    def take(self, rec: Record, fut: Future[Any] | None, t0: float) -> torch.Tensor:
+    def take(self, rec: Record, fut: Future[Loaded] | None, t0: float) -> torch.Tensor:
         """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss)."""
         if fut is not None:
             self._stats.prefetch_hits += 1
@@ -96,12 +105,12 @@ class Prefetcher(PipelineUnit):
         return self._stager.finish(out)
 
     # ------------------------------------------------------------------ read
-    def read(self, rec: Record) -> Any:
+    def read(self, rec: Record) -> Loaded:
         """Read one record back: from its host copy if it has one, else from the store,
         retrying transient errors until the deadline.
 
-        Returns the tensor on its device (an accelerator: ``(tensor, event)`` for
-        :meth:`DeviceStager.finish`). Runs on I/O threads and the caller's.
+        Returns the tensor on its device, with the event its copy there completes on
+        (for :meth:`DeviceStager.finish`). Runs on I/O threads and the caller's.
         """
         out = self._stager.from_host(rec)  # held in the host tier, or not yet written
         if out is not None:
@@ -115,7 +124,7 @@ class Prefetcher(PipelineUnit):
         with span(READ_RANGE, self.timeline, {"bytes": rec.nbytes}):  # NOTE [ Profiler ranges ]
             t = self._get(key)
         read_s = time.perf_counter() - t0
-        with self._table.lock:  # reader threads run this concurrently
+        with self._stats_lock:  # reader threads run this concurrently
             self._stats.bytes_read += rec.nbytes
             self._stats.read_s += read_s
         log.debug("read: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, read_s * 1e3)
@@ -124,8 +133,8 @@ class Prefetcher(PipelineUnit):
         if self._stager.accelerated(rec.device):
             return self._stager.to_device(t, rec.device, rec.offset)
         if rec.device.type != "cpu":
-            return t.to(rec.device)
-        return t
+            return t.to(rec.device), None
+        return t, None
 
     def _get(self, key: str) -> torch.Tensor:
         try:
@@ -141,48 +150,18 @@ class Prefetcher(PipelineUnit):
 
     def restart(self) -> None:
         """A backward begins: read ahead from the newest record down."""
-        with self._table.lock:
-            self.cursor = self._table.end - 1
+        self._reads.restart()
         self.fill()
 
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
         if self.window_bytes <= 0:
             return
-        submit = []
-        table = self._table
-        with table.lock:
-            while self.cursor >= 0:
-                rec = table.at(self.cursor)
-                if rec is not None and rec.state in _READABLE and rec.fetch is None:
-                    if self._window and self._window + rec.nbytes > self.window_bytes:
-                        break
-                    rec.fetch = Future()  # a placeholder: claimed, submitted below
-                    self._window += rec.nbytes
-                    self._stats.hold(rec.nbytes)
-                    submit.append(rec)
-                self.cursor -= 1
-        pool = self._io() if submit else None
-        for rec in submit:
-            assert pool is not None
+        planned = self._reads.plan(self.window_bytes)
+        if not planned:
+            return
+        pool = self._io()
+        for rec in planned:
             fut = pool.submit(READ, self.read, rec)
-            with table.lock:
-                if rec.fetch is not None:
-                    rec.fetch = fut
-                else:
-                    fut.cancel()
-
-    # --------------------------------------------------------------- release
-    def forget(self, rec: Record) -> None:
-        """``rec`` was freed: cancel its read ahead (lock held)."""
-        if rec.fetch is not None:
-            rec.fetch.cancel()
-            rec.fetch = None
-            self._window -= rec.nbytes
-            self._stats.hold(-rec.nbytes)
-
-    def reset(self) -> None:
-        """Nothing is live: start over (lock held)."""
-        self.cursor = -1
-        self._stats.hold(-self._window)
-        self._window = 0
+            if not self._reads.attach(rec, fut):
+                fut.cancel()

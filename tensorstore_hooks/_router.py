@@ -2,12 +2,13 @@
 
 Both the PyTorch hooks (:meth:`Router.pack` / :meth:`Router.unpack`) and the Paddle
 hooks (which see their tensors through a zero-copy torch alias) go through one
-:class:`Router` per session. Pack asks the policy (:meth:`Router.decide`), counts the
+:class:`Router` per pipeline. Pack asks the policy (:meth:`Router.decide`), counts the
 decision (:meth:`Router.account`) and then keeps the tensor (:class:`Kept`), moves it
 to pinned host memory (:class:`Host`) or hands it to the record table and the
 write-behind (:meth:`Router.store`); unpack reverses that (:meth:`Router.load` for a
 stored tensor, :meth:`Router.unkeep` for a kept one). A planner that overrides the
-policy (budgets) sits between :meth:`decide` and :meth:`account`.
+policy (budgets) sits between :meth:`decide` and :meth:`account`. What happens to a
+stored tensor's record is the record table's to decide (NOTE [ Record lifecycle ]).
 """
 
 from __future__ import annotations
@@ -15,41 +16,48 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 
-from ._budgets import BUDGET_LABEL
+from ._budgets import BUDGET_LABEL, BudgetControl
 from ._codec import is_dense, unsupported_reason
-from ._records import Handle, RecordTable, State, dedup_key
+from ._device import DeviceStager
+from ._policy import Policy
+from ._prefetch import Prefetcher
+from ._records import (
+    DedupKey,
+    Fetch,
+    Handle,
+    Ready,
+    RecordTable,
+    Refused,
+    VersionCounter,
+    dedup_key,
+    inplace_error,
+)
+from ._scope import ModuleScope
 from ._signals import shielded
 from ._stats import OffloadStats, RouteStats
 from ._trace import PACK_RANGE, UNPACK_RANGE, Timeline, span
 from ._warn import warn_user
-from .errors import StoreUnavailableError
+from ._writebehind import WriteBehind
 
-if TYPE_CHECKING:
-    from ._budgets import BudgetControl
-    from ._device import DeviceStager
-    from ._prefetch import Prefetcher
-    from ._writebehind import WriteBehind
-
-__all__ = ["Host", "Kept", "Route", "Router", "inplace_error"]
+__all__ = ["Host", "Kept", "Packed", "Route", "Router", "inplace_error"]
 
 log = logging.getLogger("tensorstore_hooks")
 
-
-def inplace_error(what: str) -> RuntimeError:
-    """Torch's error for a saved tensor modified in place (NOTE [ In-place checks ])."""
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation ({what} was saved for backward by an offloaded op and changed "
-        "afterwards). tensorstore-hooks keeps torch's rule: do not modify saved tensors in "
-        "place, or clone them before modifying."
-    )
+_T = TypeVar("_T", bound="_Detachable")
+_D = TypeVar("_D")
 
 
-class Kept:
+class _Detachable(Protocol):
+    """A tensor of any framework: ``detach()`` gives an alias without autograd history."""
+
+    def detach(self: _T) -> _T: ...
+
+
+class Kept(Generic[_T]):
     """A tensor left in place, with its version at pack (see NOTE [ In-place checks ]).
 
     Holds ``t.detach()``: see NOTE [ Detached aliases ]. ``guard`` is what the version
@@ -58,20 +66,30 @@ class Kept:
 
     __slots__ = ("guard", "tensor", "version")
 
-    def __init__(self, t: Any, guard: Any = None) -> None:
-        self.tensor = t.detach()
-        self.guard = self.tensor if guard is None else guard
+    def __init__(self, t: _T, guard: VersionCounter | None = None) -> None:
+        self.tensor: _T = t.detach()
+        self.guard: VersionCounter
+        if guard is not None:
+            self.guard = guard
+        elif isinstance(self.tensor, torch.Tensor):
+            self.guard = self.tensor
+        else:
+            raise TypeError(f"Kept: a {type(t).__name__} needs a version guard")
         self.version: int = self.guard._version
 
 
-class Host:
+class Host(Generic[_T, _D]):
     """A tensor moved to pinned host memory by a ``host`` rule, and where it came from."""
 
     __slots__ = ("device", "tensor")
 
-    def __init__(self, t: Any, device: Any) -> None:
+    def __init__(self, t: _T, device: _D) -> None:
         self.tensor = t
         self.device = device
+
+
+Packed: TypeAlias = "Handle | Kept[torch.Tensor] | Host[torch.Tensor, torch.device]"
+"""What the torch pack hook returns: the tensor's stand-in in the autograd graph."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +104,7 @@ class Route:
 
 
 class Router:
-    """Routes saved tensors of one session. Made by the session; used by the hooks.
+    """Routes saved tensors of one pipeline. Made by the pipeline; used by the hooks.
 
     Not thread-safe for pack (autograd packs on the forward thread); :meth:`load` may
     run on several threads.
@@ -95,20 +113,19 @@ class Router:
     def __init__(
         self,
         *,
-        policy: Any,
+        policy: Policy,
         stats: OffloadStats,
         table: RecordTable,
         writer: WriteBehind,
         prefetcher: Prefetcher,
         stager: DeviceStager,
-        scope: Any = None,
+        scope: ModuleScope | None = None,
         budget: BudgetControl | None = None,
     ) -> None:
         self.policy = policy
         self.scope = scope
+        """Where ``module`` rules read the running module's path (``None``: no model)."""
         self.stats = stats
-        self.closing = False
-        """Set when the session closes: from then on every tensor is kept."""
         self.timeline: Timeline | None = None
         """Set while ``hooks.trace()`` records (NOTE [ Profiler ranges ])."""
         self._table = table
@@ -119,13 +136,18 @@ class Router:
         self.budget = budget
         """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
 
+    @property
+    def closing(self) -> bool:
+        """Whether the pipeline is closing: from then on every tensor is kept."""
+        return self._table.closing
+
     # ------------------------------------------------------------ torch hooks
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> Packed:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
         with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
             return self._pack(t)
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> Packed:
         self.emit_warning()
         reason = unsupported_reason(t)
         if reason is not None:
@@ -148,7 +170,7 @@ class Router:
             return _pack_host(t)
         return Kept(t)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Packed) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
         if isinstance(packed, Handle):
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
@@ -157,7 +179,6 @@ class Router:
         self.emit_warning()
         if isinstance(packed, Kept):
             return self.unkeep(packed)
-        assert isinstance(packed, Host)
         return packed.tensor.to(packed.device, non_blocking=True)
 
     # --------------------------------------------------------------- routing
@@ -175,7 +196,7 @@ class Router:
         """Count ``route`` and return the action to take: ``keep``, ``host`` or ``store``.
 
         A ``keep`` and a ``host`` are counted as kept/host here; a ``store`` is
-        counted by :meth:`store`. Once the session is closing, a ``store`` is kept.
+        counted by :meth:`store`. Once the pipeline is closing, a ``store`` is kept.
         """
         action, nbytes = route.action, route.nbytes
         self._count(action, route.label, nbytes)
@@ -223,7 +244,12 @@ class Router:
 
     # ----------------------------------------------------------------- store
     def store(
-        self, t: torch.Tensor, nbytes: int, *, guard: Any = None, host: bool = False
+        self,
+        t: torch.Tensor,
+        nbytes: int,
+        *,
+        guard: VersionCounter | None = None,
+        host: bool = False,
     ) -> Handle:
         """Queue ``t`` for write-behind and return its handle (blocks at ``max_inflight``).
 
@@ -233,55 +259,40 @@ class Router:
         tensor goes to the host tier when there is one (NOTE [ Host tier wiring ]);
         ``host``: a ``host`` rule sent it (counted as host, not as offloaded).
         """
-        table = self._table
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
+        handle = self._table.share(t, key)
+        if handle is not None:
+            log.debug("pack: store %d B: the tensor of record %d (dedup)", nbytes, handle.rec.pos)
+            return handle
         held = self._stager.holds(t)
-        with table.lock:
-            handle = self._reuse(t, key, nbytes)
-            if handle is not None:
-                return handle
-            if not held:
-                self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
+        if not held:
+            self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
         handle = self._admit(t, nbytes, guard, key, held=held, host=host)
         if held:
             self._writer.hold(handle.rec, t)  # may wait for spills: not shielded
         return handle
-
-    @shielded  # a reference taken must get its handle: NOTE [ Signals and finalizers ]
-    def _reuse(self, t: torch.Tensor, key: tuple[Any, ...] | None, nbytes: int) -> Handle | None:
-        rec = self._table.reuse(t, key)
-        if rec is None:
-            return None
-        self.stats.dedup_hits += 1
-        log.debug("pack: store %d B: the tensor of record %d (dedup)", nbytes, rec.pos)
-        return self._table.handle(rec)
 
     @shielded  # a record counted in flight must get its handle and its write
     def _admit(
         self,
         t: torch.Tensor,
         nbytes: int,
-        guard: Any,
-        key: tuple[Any, ...] | None,
+        guard: VersionCounter | None,
+        key: DedupKey | None,
         *,
         held: bool,
         host: bool,
     ) -> Handle:
-        table = self._table
-        with table.lock:
-            rec = table.add(t, nbytes, guard, key, State.HELD if held else State.QUEUED)
-            rec.host_rule = host
-            self._writer.count(rec)
-            if not held:
-                self._writer.enqueue(rec)
-            handle = table.handle(rec)
+        handle = self._table.add(t, nbytes, guard=guard, key=key, held=held, host_rule=host)
         if log.isEnabledFor(logging.DEBUG):  # the hot path: no tuple(shape) unless asked
             shape = tuple(t.shape)
             where = "host tier" if held else "store"
-            log.debug("pack: %s %d B %s %s as record %d", where, nbytes, t.dtype, shape, rec.pos)
+            log.debug(
+                "pack: %s %d B %s %s as record %d", where, nbytes, t.dtype, shape, handle.rec.pos
+            )
         if not held:
-            self._writer.start(rec, t)
+            self._writer.start(handle.rec, t)
         return handle
 
     def load(self, handle: Handle) -> torch.Tensor:
@@ -291,48 +302,26 @@ class Router:
         rec = handle.rec
         t0 = time.perf_counter()
         while True:
-            with self._table.lock:
-                state = rec.state
-                src = rec.source
-                if src is not None and state in (State.QUEUED, State.WRITING, State.MEMORY):
-                    self._writer.cancel(rec)  # the tail shortcut
-                    if rec.modified():
-                        raise inplace_error(f"a tensor of shape {tuple(src.shape)}")
-                    return _on_device(src, rec.device)
-                if state == State.HELD and src is not None:
-                    # Its copy to host has not been reaped yet: the tensor itself.
-                    if rec.modified():
-                        raise inplace_error(f"a tensor of shape {tuple(src.shape)}")
-                    return src
-                if state == State.DIRTY:
-                    raise inplace_error("a tensor")
-                if state in (State.MEMORY, State.FREED):
-                    raise StoreUnavailableError(
-                        f"offload: a saved tensor is no longer available ({state.name.lower()}); "
-                        "was the graph freed or the session closed?"
-                    )
-                if state in (State.STORED, State.HELD) or rec.staged is not None:
-                    # Stored, held in the host tier, or on its way to the store with
-                    # its host copy still there: no need to wait for the write.
-                    if rec.modified():  # NOTE [ In-place checks ]
-                        raise inplace_error(f"a tensor of {rec.nbytes} bytes")
-                    fut = self._prefetcher.claim(rec)
-                    break
-                done = rec.writing_done  # written from the device: wait for the write
-            done.wait()
-        return self._prefetcher.take(rec, fut, t0)
+            claim = self._table.claim_for_unpack(rec)
+            if isinstance(claim, Ready):
+                return _on_device(claim.tensor, rec.device)
+            if isinstance(claim, Refused):
+                raise claim.error()
+            if isinstance(claim, Fetch):
+                return self._prefetcher.take(rec, claim.read, t0)
+            claim.done.wait()  # written from the device: wait for the write
 
     # ------------------------------------------------------------------ kept
     @staticmethod
-    def keep(t: Any, guard: Any = None) -> Kept:
+    def keep(t: _T, guard: VersionCounter | None = None) -> Kept[_T]:
         """A :class:`Kept` stand-in for ``t`` (``guard``: see :class:`Kept`)."""
         return Kept(t, guard)
 
-    def unkeep(self, kept: Kept) -> Any:
+    def unkeep(self, kept: Kept[_T]) -> _T:
         """The kept tensor; raises torch's in-place error if it was modified since pack."""
         self.backward_step()
         if kept.guard._version != kept.version:
-            raise inplace_error(f"a tensor of shape {tuple(kept.tensor.shape)}")
+            raise inplace_error(f"a tensor of shape {tuple(_shape(kept.tensor))}")
         return kept.tensor
 
     @property
@@ -341,7 +330,7 @@ class Router:
         return self._stager.tier is not None
 
     def warn_once(self, topic: str, message: str) -> None:
-        """Warn the user once per session and ``topic`` (at the user's line)."""
+        """Warn the user once per pipeline and ``topic`` (at the user's line)."""
         if topic not in self._warned:
             self._warned.add(topic)
             warn_user(message)
@@ -362,7 +351,12 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _pack_host(t: torch.Tensor) -> Any:
+def _shape(t: object) -> tuple[int, ...]:
+    shape = getattr(t, "shape", ())
+    return tuple(int(n) for n in shape)
+
+
+def _pack_host(t: torch.Tensor) -> Kept[torch.Tensor] | Host[torch.Tensor, torch.device]:
     if t.device.type == "cpu":
         return Kept(t)  # already in host memory; a copy would only add memory
     if is_dense(tuple(t.shape), tuple(t.stride())):

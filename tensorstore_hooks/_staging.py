@@ -1,4 +1,8 @@
-"""Device staging: pooled pinned host buffers and CUDA copy streams.
+"""Staging: moving tensors between an accelerator and host memory (pinned buffers, streams).
+
+"Staging" means only that here (see the glossary in ``docs/life-of-a-saved-tensor.md``).
+:class:`DeviceOps` is the seam the device stager (``_device.py``) drives; :class:`CudaOps`
+is its CUDA implementation.
 
 NOTE [ Stream ordering ]
 Device-to-host: the producing stream is captured *before* entering the copy stream's
@@ -17,13 +21,68 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeAlias, cast
 
 import torch
 
 from ._codec import span_of
 
-__all__ = ["CudaOps", "PinnedPool", "StreamSet", "pinned_buffer", "span_bytes"]
+__all__ = [
+    "CopyEvent",
+    "CudaOps",
+    "DeviceOps",
+    "Loaded",
+    "PinnedPool",
+    "StreamSet",
+    "pinned_buffer",
+    "span_bytes",
+]
+
+
+class CopyEvent(Protocol):
+    """A copy between host and device in progress (``torch.cuda.Event`` is one)."""
+
+    def query(self) -> bool:
+        """Whether the copy has completed (never blocks)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until the copy has completed."""
+        ...
+
+
+Loaded: TypeAlias = tuple[torch.Tensor, CopyEvent | None]
+"""A tensor read back, and the event its copy to the device completes on (``None``:
+ready now). :meth:`DeviceOps.finish` orders the consumer after the event."""
+
+
+class DeviceOps(Protocol):
+    """Every device-specific step the device stager takes: the seam CPU tests replace.
+
+    :class:`CudaOps` is the real one; ``tests/fake_accelerator.py`` treats CPU tensors
+    as accelerator tensors through the same five methods. Events returned may be
+    ``None`` (the copy has completed already).
+    """
+
+    def accelerated(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` are staged through host memory."""
+        ...
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A new (pinned) host buffer of ``nbytes`` bytes."""
+        ...
+
+    def to_host(self, t: torch.Tensor, buf: torch.Tensor) -> Loaded:
+        """Start copying ``t`` into ``buf``: ``(host_view, event)``."""
+        ...
+
+    def to_device(self, host: torch.Tensor, device: torch.device, offset: int) -> Loaded:
+        """Start copying ``host`` onto ``device`` at storage ``offset``: ``(tensor, event)``."""
+        ...
+
+    def finish(self, t: torch.Tensor, done: CopyEvent) -> torch.Tensor:
+        """The tensor unpack returns, ordered after ``done`` on the current stream."""
+        ...
 
 
 def pinned_buffer(nbytes: int) -> torch.Tensor:
@@ -85,11 +144,11 @@ class StreamSet:
     """One device-to-host and one host-to-device stream per CUDA device, made lazily."""
 
     def __init__(self) -> None:
-        self._d2h: dict[int, Any] = {}
-        self._h2d: dict[int, Any] = {}
+        self._d2h: dict[int, torch.cuda.Stream] = {}
+        self._h2d: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
 
-    def _get(self, table: dict[int, Any], device: torch.device) -> Any:
+    def _get(self, table: dict[int, torch.cuda.Stream], device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
             stream = table.get(index)
@@ -97,10 +156,10 @@ class StreamSet:
                 stream = table[index] = torch.cuda.Stream(device=index)
             return stream
 
-    def d2h(self, device: torch.device) -> Any:
+    def d2h(self, device: torch.device) -> torch.cuda.Stream:
         return self._get(self._d2h, device)
 
-    def h2d(self, device: torch.device) -> Any:
+    def h2d(self, device: torch.device) -> torch.cuda.Stream:
         return self._get(self._h2d, device)
 
 
@@ -109,9 +168,7 @@ def span_bytes(t: torch.Tensor) -> int:
     return max(span_of(tuple(t.shape), tuple(t.stride())) * t.element_size(), 1)
 
 
-def copy_to_host(
-    t: torch.Tensor, buf: torch.Tensor, streams: StreamSet
-) -> tuple[torch.Tensor, Any]:
+def copy_to_host(t: torch.Tensor, buf: torch.Tensor, streams: StreamSet) -> Loaded:
     """Start an async copy of CUDA tensor ``t`` into pinned buffer ``buf``.
 
     ``buf`` holds at least :func:`span_bytes` of ``t``. Returns ``(host_view,
@@ -139,7 +196,7 @@ def copy_to_host(
 
 def copy_to_device(
     host: torch.Tensor, device: torch.device, offset: int, streams: StreamSet
-) -> tuple[torch.Tensor, Any]:
+) -> Loaded:
     """Start a copy of CPU tensor ``host`` onto ``device`` on the host-to-device stream.
 
     Returns ``(device_tensor, done_event)`` with ``host``'s shape and strides and
@@ -161,14 +218,7 @@ def copy_to_device(
 
 
 class CudaOps:
-    """What the device stager does with a CUDA device: the real implementation.
-
-    The seam of :class:`~tensorstore_hooks._device.DeviceStager`: every device-specific
-    step goes through these five methods, so tests can drive the whole staging and
-    host-tier logic on a CPU-only machine with an object that treats CPU tensors as if
-    they lived on an accelerator (``tests/fake_accelerator.py``). Events returned may
-    be ``None`` (the copy has completed already).
-    """
+    """:class:`DeviceOps` for CUDA devices: what the device stager does with one."""
 
     def __init__(self) -> None:
         self.streams = StreamSet()
@@ -183,23 +233,21 @@ class CudaOps:
         """A new pinned host buffer of ``nbytes`` bytes."""
         return pinned_buffer(nbytes)
 
-    def to_host(self, t: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def to_host(self, t: torch.Tensor, buf: torch.Tensor) -> Loaded:
         """Start copying ``t`` into ``buf``: ``(host_view, event)``; :func:`copy_to_host`."""
         return copy_to_host(t, buf, self.streams)
 
-    def to_device(
-        self, host: torch.Tensor, device: torch.device, offset: int
-    ) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, device: torch.device, offset: int) -> Loaded:
         """Start copying ``host`` onto ``device``: ``(tensor, event)``; :func:`copy_to_device`."""
         return copy_to_device(host, device, offset, self.streams)
 
     @staticmethod
-    def finish(t: torch.Tensor, done: Any) -> torch.Tensor:
+    def finish(t: torch.Tensor, done: CopyEvent) -> torch.Tensor:
         """The tensor unpack returns, ordered after ``done`` on the current stream."""
-        return consume(t, done)
+        return consume(t, cast(torch.cuda.Event, done))  # CudaOps' own events
 
 
-def consume(t: torch.Tensor, done: Any) -> torch.Tensor:
+def consume(t: torch.Tensor, done: torch.cuda.Event) -> torch.Tensor:
     """Order the current stream after ``done`` and tell the allocator it uses ``t``."""
     stream = torch.cuda.current_stream(t.device)
     stream.wait_event(done)

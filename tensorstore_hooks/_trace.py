@@ -40,7 +40,7 @@ __all__ = [
     "UNPACK_WAIT_RANGE",
     "WRITE_RANGE",
     "Timeline",
-    "describe_session",
+    "describe_pipeline",
     "forward_begin",
     "forward_end",
     "record",
@@ -64,7 +64,7 @@ def _nvtx() -> Any:
 
 
 class Timeline:
-    """Chrome trace events of one session, collected from any thread.
+    """Chrome trace events of one pipeline, collected from any thread.
 
     ``span()`` adds a complete event; forward and backward spans come from
     :meth:`forward_begin`/:meth:`forward_end` and the unpacks between forwards.
@@ -208,44 +208,44 @@ def span(
 
 
 @contextlib.contextmanager
-def record(session: Any, path: str | os.PathLike[str]) -> Iterator[Timeline]:
-    """Record ``session``'s work into a :class:`Timeline` saved at ``path`` on exit.
+def record(pipeline: Any, path: str | os.PathLike[str]) -> Iterator[Timeline]:
+    """Record ``pipeline``'s work into a :class:`Timeline` saved at ``path`` on exit.
 
-    ``session`` is an :class:`~tensorstore_hooks._pipeline.OffloadSession` (its
-    ``timeline`` attribute is set while the block runs). The file is written even
-    if the block raises.
+    ``pipeline`` is a :class:`~tensorstore_hooks._pipeline.Pipeline` (its ``timeline``
+    attribute is set while the block runs). The file is written even if the block
+    raises.
     """
-    if session.timeline is not None:
+    if pipeline.timeline is not None:
         raise RuntimeError("hooks.trace(): these hooks are already recording a timeline")
     timeline = Timeline(path)
-    session.timeline = timeline
+    pipeline.timeline = timeline
     try:
         yield timeline
     finally:
-        session.flush()  # writes still running belong in the picture
-        session.timeline = None
+        pipeline.flush()  # writes still running belong in the picture
+        pipeline.timeline = None
         timeline.write()
 
 
-def forward_begin(session: Any) -> None:
-    """A forward under ``session``'s hooks starts (for the timeline, if recording)."""
-    timeline = session.timeline
+def forward_begin(pipeline: Any) -> None:
+    """A forward under ``pipeline``'s hooks starts (for the timeline, if recording)."""
+    timeline = pipeline.timeline
     if timeline is not None:
         timeline.forward_begin()
 
 
-def forward_end(session: Any) -> None:
-    """The forward under ``session``'s hooks ended."""
-    timeline = session.timeline
+def forward_end(pipeline: Any) -> None:
+    """The forward under ``pipeline``'s hooks ended."""
+    timeline = pipeline.timeline
     if timeline is not None:
         timeline.forward_end()
 
 
-def describe_session(session: Any) -> str:
-    """One line: the store and every setting of ``session``, for the INFO log at open."""
+def describe_pipeline(pipeline: Any) -> str:
+    """One line: the store and every setting of ``pipeline``, for the INFO log at open."""
     from ._policy import exact_size
 
-    policy, settings, store = session.policy, session.settings, session.store
+    policy, settings, store = pipeline.policy, pipeline.settings, pipeline.store
 
     def size(n: int | None, unset: str) -> int | str:
         return unset if n is None else exact_size(n)
@@ -253,7 +253,7 @@ def describe_session(session: Any) -> str:
     temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
     rules = ", ".join(f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())) or "none"
     return (
-        f"offload session: store {store.url}{temporary}; policy min_bytes="
+        f"offload pipeline: store {store.url}{temporary}; policy min_bytes="
         f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "
         f"default={policy.default} device_budget={size(policy.device_budget, 'none')} "
         f"rules: {rules}; pipeline max_inflight={size(settings.max_inflight, 'derived')} "

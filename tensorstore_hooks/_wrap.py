@@ -3,7 +3,7 @@
 NOTE [ Wrap hooks ]
 Hooks stored on a module (``register_forward_pre_hook``) live in its ``__dict__``:
 ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` would copy them, and with
-them the session and its locks (``cannot pickle '_thread.lock'``), and a copy
+them the pipeline and its locks (``cannot pickle '_thread.lock'``), and a copy
 would offload into the original's store. So nothing of ours is stored on the
 model. One pair of *global* module hooks
 (``torch.nn.modules.module.register_module_forward_pre_hook`` and
@@ -43,7 +43,7 @@ from torch.nn.modules import module as _nn_module
 
 from ._compose import checkpoint_decides
 from ._diagnose import after_forward, glob_matches, sample_names
-from ._hooks import OffloadHooks, make_session
+from ._hooks import OffloadHooks, make_pipeline
 from ._policy import compile_module_glob
 from ._scope import ModuleScope
 from ._store import TensorStore
@@ -111,7 +111,7 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
             hooks = wrap.hooks
             _push_hooks(hooks.pack_hook, hooks.unpack_hook)
             pushed = True
-            forward_begin(hooks._session)
+            forward_begin(hooks._pipeline)
     _FRAMES.stack.append((module, entry, pushed))
 
 
@@ -123,7 +123,7 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     wrap = entry.wrap
     if pushed:
         _pop_hooks()
-        forward_end(wrap.hooks._session)
+        forward_end(wrap.hooks._pipeline)
     if wrap.scope is not None:
         wrap.scope.exit(entry.path)
     if entry.selected:
@@ -132,7 +132,7 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             hooks = wrap.hooks
             seen = wrap.scope.seen if wrap.scope is not None else None
             after_forward(hooks, hooks.policy, seen)
-            hooks._session.emit_warning()
+            hooks._pipeline.emit_warning()
 
 
 def _install_global_hooks() -> None:
@@ -168,7 +168,7 @@ class WrapHooks(OffloadHooks):
     def remove(self) -> None:
         """Take the module hooks off (like :func:`unwrap`); safe to call twice.
 
-        The session closes once backward has freed what it stored.
+        The pipeline closes once backward has freed what it stored.
         """
         root = self._wrap_root() if self._wrap_root is not None else None
         if root is not None:
@@ -245,7 +245,7 @@ def wrap(
 
     The model stays a plain model: ``copy.deepcopy``, ``pickle``/``torch.save`` and
     ``state_dict()`` work, and a copy is not wrapped. Undo with :func:`unwrap` or
-    ``hooks.remove()``; the session closes once backward has freed what it stored.
+    ``hooks.remove()``; the pipeline closes once backward has freed what it stored.
 
     Raises :class:`ConfigError` for a glob that matches nothing (naming it and
     showing names that exist), a module already wrapped (or sharing a module with
@@ -270,17 +270,17 @@ def wrap(
                     f"wrap: {where} is already wrapped (by tsh.wrap of a {other}); "
                     "call tsh.unwrap(model) (or hooks.remove()) first"
                 )
-    session = make_session(store, config, overrides)
-    rules = getattr(session.policy, "rules", ())
+    pipeline = make_pipeline(store, config, overrides)
+    rules = getattr(pipeline.policy, "rules", ())
     scope = ModuleScope() if any(r.module is not None for r in rules) else None
     if scope is not None:
-        session.scope = scope
-    hooks = WrapHooks(session)
+        pipeline.scope = scope
+    hooks = WrapHooks(pipeline)
     hooks._wrap_root = weakref.ref(module)
     state = _Wrap(hooks, scope, type(module).__name__)
     with _LOCK:
         if any(sub in _REGISTRY for sub in names.values()):  # lost a race with another wrap
-            session.close()
+            pipeline.close()
             raise ConfigError("wrap: the module was wrapped concurrently; unwrap it first")
         for name, sub in names.items():
             _REGISTRY[sub] = _Entry(state, name, name in selected)
@@ -289,7 +289,7 @@ def wrap(
         _live_roots += 1
         _install_global_hooks()
     # A model dropped without unwrap: its registry entries vanish with it; this drops
-    # the global hooks (and the hooks' own finalizer closes the session).
+    # the global hooks (and the hooks' own finalizer closes the pipeline).
     state.finalizer = weakref.finalize(module, _root_gone)
     state.finalizer.atexit = False
     return hooks
@@ -310,9 +310,9 @@ def _unregister(module: torch.nn.Module) -> _Wrap | None:
 
 
 def unwrap(module: torch.nn.Module) -> None:
-    """Undo :func:`wrap`: take the module hooks off and close the session.
+    """Undo :func:`wrap`: take the module hooks off and close the pipeline.
 
-    The session's store closes once backward has freed every tensor it stored, so a
+    The pipeline's store closes once backward has freed every tensor it stored, so a
     graph built before ``unwrap`` still runs backward. Raises :class:`ConfigError` if
     ``module`` is not wrapped (a copy of a wrapped model never is).
     """

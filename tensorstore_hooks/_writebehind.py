@@ -22,19 +22,25 @@ Pack blocks while more than ``max_inflight`` bytes are queued or being written
 refused keeps the tensor in memory (fallback: counted, warned once). A record served
 from memory before its write ran (the tail shortcut) cancels the write; a write
 already under way deletes what it wrote once it sees the record unwanted.
+
+The write-behind does the I/O; every state change it needs is an intent of the
+record table (``begin_write``, ``end_write``, ...: NOTE [ Record lifecycle ]).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
 
 import torch
 
-from ._iopool import WRITE
-from ._parts import PipelineUnit, SessionParts
-from ._records import Record, State
+from ._device import DeviceStager
+from ._heap import HeapReleaser
+from ._iopool import WRITE, StorePool
+from ._records import Record, RecordTable, WriteJob
+from ._stats import OffloadStats
+from ._store import TensorStore
 from ._trace import WRITE_RANGE, Timeline, span
 
 __all__ = ["WriteBehind"]
@@ -42,176 +48,117 @@ __all__ = ["WriteBehind"]
 log = logging.getLogger("tensorstore_hooks")
 
 
-class _Dirty(Exception):
-    """Internal: the saved tensor changed in place before its bytes were copied."""
+class WriteBehind:
+    """Writes records' bytes into ``store`` on the I/O pool; falls back on failures.
 
+    ``max_inflight``: bytes queued or being written before pack blocks (set by the
+    budget control, NOTE [ Windows ]). ``io()``: the store's I/O pool. ``heap`` is
+    told of every byte written (NOTE [ Heap release ]).
+    """
 
-class WriteBehind(PipelineUnit):
-    """Queues records for writing, bounds the bytes in flight, falls back on failures."""
-
-    def __init__(self, parts: SessionParts, *, max_inflight: int) -> None:
-        super().__init__(parts)
+    def __init__(
+        self,
+        table: RecordTable,
+        store: TensorStore,
+        *,
+        stager: DeviceStager,
+        io: StorePool,
+        heap: HeapReleaser,
+        stats: OffloadStats,
+        max_inflight: int = 0,
+    ) -> None:
+        self._table = table
+        self._store = store
+        self._stager = stager
+        self._io = io
+        self._heap = heap
+        self._stats = stats
+        self._stats_lock = threading.Lock()  # writer threads add up their times
         self.max_inflight = max_inflight
-        self._inflight = 0
         self._warned = False
         self._pending_warning: str | None = None
         self.timeline: Timeline | None = None  # set while hooks.trace() records
 
-    @property
-    def inflight(self) -> int:
-        """Bytes queued or being written."""
-        return self._inflight
-
-    # ----------------------------------------------------------------- queue
+    # ----------------------------------------------------------------- pack
     def admit(self, nbytes: int) -> None:
-        """Block while ``nbytes`` more would exceed ``max_inflight`` (lock held)."""
-        if self._inflight and self._inflight + nbytes > self.max_inflight:
-            t0 = time.perf_counter()
-            while self._inflight and self._inflight + nbytes > self.max_inflight:
-                self._table.cond.wait(0.05)
-            self._stats.pack_stall_s += time.perf_counter() - t0
-
-    def count(self, rec: Record) -> None:
-        """Count a new record as offloaded (lock held; a ``host`` rule's is counted as host)."""
-        if not rec.host_rule:
-            self._stats.tensors_offloaded += 1
-            self._stats.bytes_offloaded += rec.nbytes
-
-    def enqueue(self, rec: Record) -> None:
-        """Count a QUEUED record in flight (lock held); then :meth:`start` it."""
-        self._inflight += rec.nbytes
-        self._stats.hold(rec.nbytes)
+        """Block while ``nbytes`` more would exceed ``max_inflight`` (backpressure)."""
+        self._stats.pack_stall_s += self._table.wait_for_room(nbytes, self.max_inflight)
 
     def start(self, rec: Record, t: torch.Tensor) -> None:
-        """Submit ``rec``'s write (call without the lock): stage device tensors first."""
+        """Submit QUEUED ``rec``'s write: a device tensor is staged to host first."""
         if self._stager.stages(t):
             self._stager.stage(rec, t)
         self._io().submit(WRITE, self._write, rec)
 
-    # ------------------------------------------------------------ host tier
     def hold(self, rec: Record, t: torch.Tensor) -> None:
-        """Put HELD ``rec`` in the host tier (call without the lock; NOTE [ Host tier
-        wiring ]); with no room in time, write it from the device instead."""
+        """Put HELD ``rec`` in the host tier (NOTE [ Host tier wiring ]); with no room
+        in time, write it from the device instead."""
         held, waited_s = self._stager.hold(rec, t, self.spill)
-        with self._table.lock:
-            self._stats.pack_stall_s += waited_s
-            if held or rec.state != State.HELD:
-                return
-            rec.move(State.QUEUED)
-            self.enqueue(rec)
+        self._stats.pack_stall_s += waited_s
+        if held or not self._table.write_directly(rec):
+            return
         log.debug("host tier: no room within %gs, writing record %d directly", waited_s, rec.pos)
         self.start(rec, t)
 
     def spill(self, rec: Record) -> None:
         """Write HELD ``rec`` to the store from its host copy: the tier needs its room."""
-        with self._table.lock:
-            if rec.state != State.HELD:  # freed meanwhile: its release gave the room back
-                return
-            rec.move(State.QUEUED)
-            self.enqueue(rec)
-            self._stats.tensors_spilled += 1
-            self._stats.bytes_spilled += rec.nbytes
+        if not self._table.spill(rec):  # freed meanwhile: its free gave the room back
+            return
         log.debug("host tier: spilling record %d (%d B)", rec.pos, rec.nbytes)
         self._io().submit(WRITE, self._write, rec)
 
-    def cancel(self, rec: Record) -> None:
-        """Tail shortcut: ``rec`` is served from memory, its write is not wanted (lock held)."""
-        if rec.state != State.MEMORY:
-            rec.move(State.MEMORY)
-            self._stats.tail_hits += 1
-
     # ----------------------------------------------------------------- write
-    def _put(self, src: torch.Tensor) -> str:
-        """The one place a saved tensor's bytes are copied out (into the store)."""
-        return self._store.put(src)
-
     def _write(self, rec: Record) -> None:
         """Writer thread: move one record's bytes into the store."""
-        lock = self._table.lock
-        with lock:
-            if rec.state != State.QUEUED:  # freed, or served from memory, before it ran
-                self._finished(rec)
-                return
-            rec.move(State.WRITING)
-            rec.write_started = True
-            staged = rec.staged
-            event = staged.event if staged is not None else None
-            src = staged.host if staged is not None else rec.source
+        table = self._table
+        job = table.begin_write(rec)
         key: str | None = None
         error: BaseException | None = None
-        orig: Any = None
-        try:
-            if event is not None:
-                event.synchronize()
-                with lock:
-                    self._stager.copied(rec)
-            if src is None or rec.state == State.DIRTY:
-                raise _Dirty()
-            orig = rec.guard  # the saved tensor (``src`` is its pinned copy for CUDA)
-            if orig is not None and orig._version != rec.version:
-                raise _Dirty()
-            t0 = time.perf_counter()  # NOTE [ Profiler ranges ]
-            with span(WRITE_RANGE, self.timeline, {"bytes": rec.nbytes}):
-                key = self._put(src)
-            write_s = time.perf_counter() - t0
-            with lock:
-                self._stats.write_s += write_s
-                self._stats.bytes_written += rec.nbytes
-            log.debug("write: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, write_s * 1e3)
-            if orig is not None and orig._version != rec.version:
-                raise _Dirty()
-        except _Dirty:
-            with lock:
-                if rec.state == State.WRITING:
-                    rec.move(State.DIRTY)
-                if rec.state == State.DIRTY:
-                    rec.drop_source()
-        except BaseException as e:
-            error = e
-        del src, orig  # the record alone decides how long the tensor lives
-        with lock:
-            if error is not None:
-                if rec.state == State.WRITING:
-                    self._fallback(rec, error)
-            elif key is not None and rec.state == State.WRITING:
-                rec.move(State.STORED)
-                rec.key = key
-                rec.drop_source()
-                key = None
-                self._stager.release(rec)
-        if key is not None:
-            # Freed or served from memory while writing: the bytes are not wanted. Delete
-            # them before the write counts as finished, so flush() covers the delete too.
-            self.discard(key)
-        with lock:
-            self._finished(rec)
-        self._heap.note(rec.nbytes)
+        dirty = False
+        if job is not None:
+            try:
+                key, dirty = self._put(rec, job)
+            except BaseException as e:
+                error = e
+            del job  # the record alone decides how long the tensor lives
+        end = table.end_write(rec, key=key, error=error, dirty=dirty)
+        self._stager.give_back(rec, end.give_back)
+        if end.discard is not None:
+            # Freed, served from memory or modified while writing: the bytes are not
+            # wanted. Deleted before the write counts as finished, so flush() covers it.
+            self.discard(end.discard)
+        if end.error is not None:
+            self._fell_back(end.error)
+        table.write_finished(rec)
+        if job is not None:
+            self._heap.note(rec.nbytes)
 
-    def _finished(self, rec: Record) -> None:
-        with self._table.lock:
-            if rec.state in (State.FREED, State.DIRTY):
-                self._stager.release(rec)  # its host copy is not wanted any more
-            self._inflight -= rec.nbytes
-            self._stats.hold(-rec.nbytes)
-            self._table.cond.notify_all()
-        rec.writing_done.set()
+    def _put(self, rec: Record, job: WriteJob) -> tuple[str | None, bool]:
+        """Check the version, copy the bytes into the store, check again (NOTE [ In-place
+        checks ]): the one place a saved tensor's bytes are copied out.
 
-    def _fallback(self, rec: Record, error: BaseException) -> None:
-        """Keep the tensor in memory after a failed or refused write (lock held)."""
-        rec.move(State.MEMORY)
-        rec.error = error
-        if rec.source is None and rec.staged is not None:
-            # Device tensor already released: a pageable copy of the host copy is the
-            # tensor now (unpack moves it back to its device), the buffer goes back.
-            rec.source = rec.staged.host.clone()
-            self._stager.release(rec)
-        stats = self._stats
-        stats.fallbacks += 1
-        if not rec.host_rule:
-            stats.tensors_offloaded -= 1
-            stats.bytes_offloaded -= rec.nbytes
-            stats.tensors_kept += 1
-            stats.bytes_kept += rec.nbytes
+        Returns the key written (``None``: nothing was) and whether the saved tensor
+        changed in place (then the bytes written are worthless).
+        """
+        table = self._table
+        if job.event is not None:
+            job.event.synchronize()
+            self._stager.give_back(rec, table.copies.done(rec))
+        src = job.source
+        if src is None or not table.unchanged(rec):
+            return None, True
+        t0 = time.perf_counter()  # NOTE [ Profiler ranges ]
+        with span(WRITE_RANGE, self.timeline, {"bytes": rec.nbytes}):
+            key = self._store.put(src)
+        write_s = time.perf_counter() - t0
+        with self._stats_lock:
+            self._stats.write_s += write_s
+            self._stats.bytes_written += rec.nbytes
+        log.debug("write: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, write_s * 1e3)
+        return key, not table.unchanged(rec)
+
+    def _fell_back(self, error: BaseException) -> None:
+        """A write failed or was refused and its tensor stays in memory: warn once."""
         if not self._warned:
             self._warned = True
             self._pending_warning = (
@@ -219,7 +166,7 @@ class WriteBehind(PipelineUnit):
                 f"tensor ({type(error).__name__}: {error}); keeping such tensors in memory "
                 "instead. Training continues; hooks.stats.fallbacks counts them."
             )
-        # One warning per session (above); each tensor only at DEBUG.
+        # One warning per pipeline (above); each tensor only at DEBUG.
         log.debug("write to %s failed, tensor kept in memory: %r", self._store.url, error)
 
     def take_warning(self) -> str | None:
@@ -239,6 +186,4 @@ class WriteBehind(PipelineUnit):
 
     def flush(self) -> None:
         """Block until every queued write has finished (and deleted what is unwanted)."""
-        with self._table.lock:
-            while self._inflight > 0:
-                self._table.cond.wait(0.1)
+        self._table.wait_for_writes()

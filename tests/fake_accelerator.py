@@ -1,7 +1,7 @@
 """A stand-in accelerator for CPU-only machines: the device stager's seam, driven on CPU.
 
 :class:`CpuAsAccelerator` implements the five methods of
-``tensorstore_hooks._staging.CudaOps`` but treats *CPU* tensors as if they lived on an
+``tensorstore_hooks._staging.DeviceOps`` but treats *CPU* tensors as if they lived on an
 accelerator: "device-to-host" copies a tensor's storage span into a host buffer and
 "host-to-device" copies it back into a new tensor. With it, everything the CUDA path
 does (staging, the host tier, spills, reads back through the tier, in-place checks,
@@ -51,7 +51,7 @@ class FakeEvent:
 
 
 class CpuAsAccelerator:
-    """``CudaOps`` for CPU tensors (see the module docstring); counts what it does."""
+    """``DeviceOps`` for CPU tensors (see the module docstring); counts what it does."""
 
     def __init__(self, *, lazy: bool = False, polls: int = 2) -> None:
         self.lazy = lazy
@@ -111,7 +111,7 @@ class CpuAsAccelerator:
 
 def on_fake_accelerator(hooks: OffloadHooks, ops: CpuAsAccelerator | None = None) -> Any:
     """Make ``hooks`` (not used yet) treat CPU tensors as accelerator ones; returns the
-    session's stager, whose ``tier`` and ``ops`` tests inspect."""
-    stager = hooks._session.stager
+    pipeline's stager, whose ``tier`` and ``ops`` tests inspect."""
+    stager = hooks._pipeline.stager
     stager.ops = ops if ops is not None else CpuAsAccelerator()
     return stager

@@ -1,4 +1,4 @@
-"""The host tier wired into the pipeline (issue 12, item 3): NOTE [ Host tier wiring ].
+"""The host tier wired into the pipeline: NOTE [ Host tier wiring ].
 
 What is held, what spills and in which order, the cap, reads back through the tier,
 ``host`` rules in the same pool, and the corners (retain_graph, several graphs,
@@ -45,11 +45,11 @@ def forward(hooks: tsh.OffloadHooks, n: int) -> tuple[torch.Tensor, torch.Tensor
 
 def states(hooks: tsh.OffloadHooks) -> list[str]:
     """The state of every live record, in pack order."""
-    return [r.state.name for r in hooks._session._table._order if r is not None]
+    return [r.state.name for r in hooks._pipeline.table.records()]
 
 
 def tier_of(hooks: tsh.OffloadHooks) -> Any:
-    tier = hooks._session.stager.tier
+    tier = hooks._pipeline.stager.tier
     assert tier is not None
     return tier
 
@@ -103,7 +103,7 @@ def test_the_cap_holds_through_a_step_and_reads_borrow_within_it() -> None:
     loss.backward()
     assert torch.equal(x.grad, reference_grad(x, 20))
     tier = tier_of(hooks)
-    # Every host buffer of the session came from the tier, never more than the cap.
+    # Every host buffer of the pipeline came from the tier, never more than the cap.
     assert tier.peak_bytes <= CAP and hooks.stats.peak_host_tier_bytes <= CAP
     assert ops.allocated_bytes == tier.allocations * round_up(T)
     assert hooks.stats.pinned_allocations == ops.allocations
@@ -175,7 +175,7 @@ def test_host_rules_share_the_pool_and_its_cap() -> None:
     stats = hooks.stats
     assert stats.tensors_host == 1  # `a`'s input, counted as the rule decided
     assert stats.tensors_offloaded >= 2
-    records = [r for r in hooks._session._table._order if r is not None]
+    records = hooks._pipeline.table.records()
     assert [r.host_rule for r in records].count(True) == 1  # a record in the tier
     # Host-rule tensors sit in the same tier: they are records, and they spill too.
     assert tier_of(hooks).peak_bytes <= 96 * KiB
@@ -270,7 +270,7 @@ def test_async_copies_keep_the_device_tensor_until_they_complete() -> None:
     store = WrappedStore()
     hooks = offload(store, ops=ops)
     x, loss = forward(hooks, 10)
-    recs = [r for r in hooks._session._table._order if r is not None]
+    recs = hooks._pipeline.table.records()
     assert [r.state for r in recs] == [State.STORED] * 6 + [State.HELD] * 4
     assert all(r.source is not None for r in recs[6:])  # copies still "running"
     loss.backward()
@@ -304,10 +304,10 @@ def test_no_room_in_time_writes_from_the_device() -> None:
     # Spills stuck behind a store that does not answer: pack waits at most
     # hold_timeout_s, then writes the tensor from the device instead of hanging.
     # The wait is read_deadline_s (docs/config.md); shortened here to keep the test fast.
-    assert offload(read_deadline_s=7)._session.stager.hold_timeout_s == 7
+    assert offload(read_deadline_s=7)._pipeline.stager.hold_timeout_s == 7
     store = GatedStore()
     hooks = offload(store, host_budget=2 * T)
-    hooks._session.stager.hold_timeout_s = 0.05
+    hooks._pipeline.stager.hold_timeout_s = 0.05
     x = torch.randn(T // 4, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 5)
@@ -339,7 +339,7 @@ def test_graph_freed_while_its_spill_is_written_gives_the_buffer_back() -> None:
     # shrink for good and pack would stall forever).
     store = GatedStore()
     hooks = offload(store, writer_threads=2)
-    hooks._session.stager.hold_timeout_s = 0.05
+    hooks._pipeline.stager.hold_timeout_s = 0.05
     x = torch.randn(T // 4, requires_grad=True)
     y = torch.randn(T // 4, requires_grad=True)
     with hooks:
@@ -348,7 +348,7 @@ def test_graph_freed_while_its_spill_is_written_gives_the_buffer_back() -> None:
         # that pack then times out waiting for the room and writes directly.
         loss_y = sin_chain(y, 4)
     tier = tier_of(hooks)
-    first = next(r for r in hooks._session._table._order if r is not None)
+    first = hooks._pipeline.table.records()[0]
     assert tier.spilling_keys() == [first]
     opener = threading.Timer(0.2, store.gate.set)
     opener.start()
@@ -380,14 +380,15 @@ def test_a_buffer_being_read_is_not_given_back_until_the_read_ends() -> None:
     x = torch.randn(T // 4, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 2)
-    stager = hooks._session.stager
-    rec = next(r for r in hooks._session._table._order if r is not None)
+    pipeline = hooks._pipeline
+    stager = pipeline.stager
+    rec = pipeline.table.records()[0]
     out: list[Any] = []
     reader = threading.Thread(target=lambda: out.append(stager.from_host(rec)))
     reader.start()
     assert entered.wait(30)
-    with hooks._session._table.lock:
-        stager.release(rec)  # what a finished spill or a freed graph does
+    # What a finished spill or a freed graph does: the record lets go of its copy.
+    stager.give_back(rec, pipeline.table.copies.take(rec))
     assert rec in tier_of(hooks).held_keys()  # still lent to the running copy
     gate.set()
     reader.join(30)
@@ -411,14 +412,14 @@ def test_without_a_host_budget_staging_goes_through_the_pool() -> None:
     shutdown_pool(store)
 
 
-def test_the_session_line_and_the_debug_log_name_the_host_tier(
+def test_the_pipeline_line_and_the_debug_log_name_the_host_tier(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tensorstore_hooks._trace import describe_session
+    from tensorstore_hooks._trace import describe_pipeline
 
     hooks = offload()
-    assert "host_budget=64KiB" in describe_session(hooks._session)
-    assert "host_budget=none" in describe_session(tsh.offload("memory://")._session)
+    assert "host_budget=64KiB" in describe_pipeline(hooks._pipeline)
+    assert "host_budget=none" in describe_pipeline(tsh.offload("memory://")._pipeline)
     x = torch.randn(T // 4, requires_grad=True)
     with caplog.at_level(logging.DEBUG, logger="tensorstore_hooks"):
         with hooks:

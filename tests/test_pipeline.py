@@ -1,4 +1,4 @@
-"""The offload pipeline (issue 3): write-behind, prefetch, tail shortcut, dedup,
+"""The offload pipeline: write-behind, prefetch, tail shortcut, dedup,
 backpressure, failures, steady state, and CUDA staging.
 
 Slow stores wait on ``threading.Event``s with timeouts, so a bug fails a test rather
@@ -33,7 +33,7 @@ from tensorstore_hooks import (
 from tensorstore_hooks._config import PipelineSettings
 from tensorstore_hooks._heap import HeapReleaser, malloc_trim
 from tensorstore_hooks._iopool import pool_for, shutdown_pool
-from tensorstore_hooks._pipeline import OffloadSession
+from tensorstore_hooks._pipeline import Pipeline
 
 from .store_conformance import WrappedStore
 
@@ -62,11 +62,11 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     return out.get("value")
 
 
-def session_hooks(store: Any, **options: Any) -> OffloadHooks:
-    """Hooks over an OffloadSession built directly (pipeline options offload() may not expose)."""
+def pipeline_hooks(store: Any, **options: Any) -> OffloadHooks:
+    """Hooks over a Pipeline built directly (pipeline options offload() may not expose)."""
     policy = Policy(min_bytes=0)
-    session = OffloadSession(store, policy=policy, settings=PipelineSettings(**options))
-    return OffloadHooks(session)
+    pipeline = Pipeline(store, policy=policy, settings=PipelineSettings(**options))
+    return OffloadHooks(pipeline)
 
 
 def sin_chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -387,7 +387,7 @@ class BrokenReads(WrappedStore):
 )
 def test_persistent_read_failure_names_the_key(error: BaseException) -> None:
     store = BrokenReads(error)
-    hooks = session_hooks(store, read_deadline_s=0.5)
+    hooks = pipeline_hooks(store, read_deadline_s=0.5)
     x = torch.randn(4096, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 3)
@@ -421,7 +421,7 @@ def test_offload_read_deadline_keyword() -> None:
 
 def test_integrity_error_is_not_retried() -> None:
     store = BrokenReads(IntegrityError("checksum mismatch in chunk c/0 of key 'k' (injected)"))
-    hooks = session_hooks(store, read_deadline_s=60)
+    hooks = pipeline_hooks(store, read_deadline_s=60)
     x = torch.randn(4096, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 2)
@@ -436,7 +436,7 @@ def test_integrity_error_is_not_retried() -> None:
 
 def test_transient_read_failures_are_retried() -> None:
     store = BrokenReads(StoreUnavailableError("blip (injected)"), failures=3)
-    hooks = session_hooks(store, read_deadline_s=30)
+    hooks = pipeline_hooks(store, read_deadline_s=30)
     x = torch.randn(4096, requires_grad=True)
     with hooks:
         loss = sin_chain(x, 4)
@@ -508,7 +508,7 @@ def test_fresh_offload_each_step_releases_everything() -> None:
             loss = model(torch.randn(32, 64))
         loss.backward()
         roots.append(hooks.store.url.removeprefix("file://"))
-        del hooks, loss  # plain reference counting closes the session and its store
+        del hooks, loss  # plain reference counting closes the pipeline and its store
         threads.append(threading.active_count())
     assert max(threads[3:]) == threads[3], threads
     assert not any(os.path.exists(r) for r in roots)

@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from .._codec import DTYPES
-from .._hooks import make_session
+from .._hooks import ConfigSource, HooksBase, make_pipeline
 from .._paddle_bridge import (
     PaddleVersion,
     from_torch,
@@ -35,9 +35,8 @@ from .._paddle_bridge import (
     to_place,
     to_torch,
 )
-from .._pipeline import OffloadSession
+from .._pipeline import Pipeline
 from .._router import Host, Kept
-from .._session_api import SessionAPI
 from .._store import TensorStore
 from ._scope import LayerScope
 
@@ -65,7 +64,7 @@ def _torch_dtype_of(t: Any) -> Any:
     return entry[0] if entry is not None else None
 
 
-class OffloadHooks(SessionAPI):
+class OffloadHooks(HooksBase):
     """Saved-tensor hooks for Paddle that offload into a :class:`~tensorstore_hooks.TensorStore`.
 
     Same contract as :class:`tensorstore_hooks.OffloadHooks`: a context manager
@@ -80,14 +79,14 @@ class OffloadHooks(SessionAPI):
     ``OSError("(External) RuntimeError: ...")`` with our message inside.
     """
 
-    def __init__(self, session: OffloadSession) -> None:
-        self._bind(session)
-        self._scope = session.scope
+    def __init__(self, pipeline: Pipeline) -> None:
+        super().__init__(pipeline)
+        self._scope = pipeline.scope
         self._layers: list[Any] = []
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:
-        if self._session.closed:
+        if self._pipeline.closed:
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with "
                 "tensorstore_hooks.paddle.offload(...)"
@@ -121,7 +120,7 @@ class OffloadHooks(SessionAPI):
             raise
 
     def _pack(self, t: Any) -> Any:
-        router = self._session.router
+        router = self._pipeline.router
         router.emit_warning()
         reason = paddle_unsupported_reason(t)
         dtype = _torch_dtype_of(t)
@@ -156,7 +155,7 @@ class OffloadHooks(SessionAPI):
         return router.keep(t, PaddleVersion(t))
 
     def _unpack(self, packed: Any) -> Any:
-        router = self._session.router
+        router = self._pipeline.router
         if isinstance(packed, _Stored):
             t = router.load(packed.handle)
             return from_torch(t, packed.place, stop_gradient=packed.stop_gradient)
@@ -169,7 +168,7 @@ class OffloadHooks(SessionAPI):
     def attach(self, layer: Any) -> OffloadHooks:
         """Track ``layer``'s sublayer paths for ``module`` rules while the hooks are active."""
         if self._scope is None:
-            self._scope = self._session.scope = LayerScope()
+            self._scope = self._pipeline.scope = LayerScope()
         self._layers.append(layer)
         with _STACK_LOCK:
             active = self in _ACTIVE
@@ -178,7 +177,7 @@ class OffloadHooks(SessionAPI):
         return self
 
     def __repr__(self) -> str:
-        return f"paddle.OffloadHooks(store={self._session.store.url!r}, {self.stats.summary()})"
+        return f"paddle.OffloadHooks(store={self._pipeline.store.url!r}, {self.stats.summary()})"
 
 
 def _grad_mode_back_on() -> None:
@@ -231,9 +230,9 @@ def _pop(hooks: OffloadHooks) -> None:
 def offload(
     store: str | os.PathLike[str] | TensorStore | None = None,
     *,
-    config: Any = None,
+    config: ConfigSource = None,
     model: Any = None,
-    **overrides: Any,
+    **overrides: object,
 ) -> OffloadHooks:
     """Offload the tensors Paddle saves for backward into a store.
 
@@ -248,7 +247,7 @@ def offload(
         raise ImportError(
             "tensorstore_hooks.paddle needs PaddlePaddle: pip install 'tensorstore-hooks[paddle]'"
         ) from e
-    hooks = OffloadHooks(make_session(store, config, overrides))
+    hooks = OffloadHooks(make_pipeline(store, config, overrides))
     if model is not None:
         hooks.attach(model)
     return hooks
