@@ -14,13 +14,14 @@ prefetched and rehydrated onto their original device, bit-identically::
 Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``):
 
 * ``_hooks.py`` / ``paddle/`` - ``offload()`` and ``OffloadHooks``: pack and unpack
-  wired to the session's router; ``_session_api.py`` their shared accessors.
-* ``_pipeline.py`` - ``OffloadSession``: builds and wires the units below
-  (``_parts.py``: what they share).
+  wired to the pipeline's router (``HooksBase``: what both give a caller).
+* ``_pipeline.py`` - ``Pipeline``: builds and wires the units below, and closes them.
 * ``_router.py`` - ``Router``: keep / host / store for each saved tensor, and unpack.
-* ``_records.py`` - the record table: pack order, dedup, lifecycle states, finalizers.
+* ``_records.py`` - the record table: every change to a record (intent methods, the
+  lifecycle), pack order, dedup, finalizers.
 * ``_writebehind.py`` - bytes into the store on I/O threads, backpressure, fallback.
-* ``_device.py``, ``_staging.py`` - CUDA tensors through pinned host buffers.
+* ``_device.py``, ``_staging.py``, ``_host_tier.py`` - staging: accelerator tensors
+  through pinned host buffers, and the host tier.
 * ``_prefetch.py`` - reads ahead of backward, newest first.
 * ``_iopool.py``, ``_heap.py`` - the shared I/O threads; freed heap back to the OS.
 * ``_retry.py`` - the one retry loop, with each layer's failure classifier;

@@ -15,7 +15,7 @@ pushed last decides. What each combination does, measured with torch 2.13:
    checkpointed function, ``checkpoint_wrapper(block)`` of a ``tsh.wrap``-ped
    block, a ``wrap`` glob naming a module inside a checkpointed layer): our hooks
    would be pushed on top of the checkpoint's, store every activation of the
-   region (448 MiB where 40 MiB were needed in the issue's run), and leave the
+   region (448 MiB where 40 MiB were needed on a measured run), and leave the
    checkpoint nothing to recompute. Rule 1: a block entered while a checkpoint's
    hooks (``_checkpoint_hook``/``_recomputation_hook`` from
    ``torch.utils.checkpoint``) are on top pushes nothing.

@@ -232,7 +232,7 @@ class DaemonStore(BlobStore):
         return f"DaemonStore({self.url}): {msg}"
 
     def _check_reachable(self) -> None:
-        # Issue 13: a wrong URL or token must fail at open, not 30 s into backward.
+        # A wrong URL or token fails at open, not 30 s into backward.
         try:
             conn = self._acquire()
         except Lost as e:

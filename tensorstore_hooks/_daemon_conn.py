@@ -118,7 +118,7 @@ def _peer_uid(sock: socket.socket) -> int | None:
 
 def _check_peer(sock: socket.socket, addr: DaemonAddress, peer_uid: int | None) -> None:
     # Before the token is sent: a socket path in a shared directory may have been
-    # replaced by another user's listener (issue 15 item 7).
+    # replaced by another user's listener, which must not learn the token.
     uid = _peer_uid(sock)
     allowed = {os.getuid(), 0} if peer_uid is None else {peer_uid}
     if uid is not None and uid not in allowed:

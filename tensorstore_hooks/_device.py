@@ -14,7 +14,7 @@ only allocates, copies and gives buffers back.
 NOTE [ Host tier wiring ]
 Without ``host_budget`` the host buffers come from a :class:`PinnedPool`: a tensor
 stays in one only while its write runs (``max_inflight`` bounds them). With a
-``host_budget`` every pinned buffer of the session comes from one
+``host_budget`` every pinned buffer of the pipeline comes from one
 :class:`~tensorstore_hooks._host_tier.HostTier` capped by it (NOTE [ Host tier ]):
 
 1. A tensor the rules send to the store (or to ``host``), small enough for the cap,

@@ -1,11 +1,11 @@
-"""Policy mistakes that would otherwise do nothing, silently: warned once per session.
+"""Policy mistakes that would otherwise do nothing, silently: warned once per hooks object.
 
 * A policy with ``module`` rules and no model to take module paths from
   (``model=`` forgotten): no module rule can ever match.
 * A ``module`` glob that matched none of the module paths that ran during a whole
   forward: the warning lists paths that do exist, so the typo is plain to see.
 
-Each is checked once per session (the first forward), so a training loop pays
+Each is checked once per hooks object (the first forward), so a training loop pays
 nothing after its first step.
 """
 

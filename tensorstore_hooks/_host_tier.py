@@ -27,7 +27,7 @@ Rules, numbered so code can cite them:
    anything spill: a read that finds no room gets ``None`` (the caller then copies
    from pageable memory), so reads cannot evict the tensors backward needs next.
 6. ``host`` rules (a tensor moved to pinned memory for backward) draw from the same
-   pool through the same calls, so one cap bounds all pinned memory of a session.
+   pool through the same calls, so one cap bounds all pinned memory of a pipeline.
 
 Thread-safe: writers, readers and the pack hook call it concurrently; :meth:`take`
 blocks (with a timeout) until spills or releases free enough room. How the pipeline

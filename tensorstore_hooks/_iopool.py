@@ -1,12 +1,12 @@
-"""Background I/O threads shared by every offload session on one store.
+"""Background I/O threads shared by every pipeline on one store.
 
 A small priority pool: reads (backward is waiting) go before writes. Threads start on
 first use and stop on :meth:`IOPool.shutdown`, which runs when the owning store is
 closed and at interpreter exit. A task's exception is delivered through its Future,
 never lost in the thread.
 
-One pool serves every session on a store, sized by the first session that asks
-(``writer_threads + 2``); see :func:`pool_for` for what a later session with another
+One pool serves every pipeline on a store, sized by the first pipeline that asks
+(``writer_threads + 2``); see :func:`pool_for` for what a later pipeline with another
 size gets.
 """
 
@@ -129,8 +129,8 @@ def pool_for(store: Any, threads: int) -> IOPool:
         elif pool.threads != max(1, threads):
             log.warning(
                 "tensorstore-hooks: the store %s already has an I/O pool of %d threads; "
-                "this session asked for %d and shares the existing %d (writer_threads "
-                "applies to the first session on a store)",
+                "these hooks asked for %d and share the existing %d (writer_threads "
+                "applies to the first hooks on a store)",
                 getattr(store, "url", store),
                 pool.threads,
                 threads,
@@ -140,9 +140,9 @@ def pool_for(store: Any, threads: int) -> IOPool:
 
 
 class StorePool:
-    """A session's way to its store's pool: ``pool()`` is :func:`pool_for`, cached.
+    """A pipeline's way to its store's pool: ``pool()`` is :func:`pool_for`, cached.
 
-    A pool shut down (its store closed by another session) is replaced on next use.
+    A pool shut down (its store closed by another pipeline) is replaced on next use.
     """
 
     __slots__ = ("_pool", "_store", "_threads")

@@ -1,6 +1,6 @@
 """The ``device_budget`` planner: which saved tensors stay, given what a forward saves.
 
-Pure bookkeeping, no torch: the session reports every saved tensor (its size and
+Pure bookkeeping, no torch: the pipeline reports every saved tensor (its size and
 whether the rules would move it) and the start of each backward; the planner answers
 keep or move. See NOTE [ Device budget plan ].
 
@@ -8,7 +8,7 @@ NOTE [ Device budget plan ]
 Rules, numbered so code can cite them:
 
 1. A *forward* is the run of packs between two backward passes: it starts with the
-   first pack after an unpack (or the session's first pack) and ends at the next
+   first pack after an unpack (or the pipeline's first pack) and ends at the next
    unpack. Entering or leaving the hooks does not end one, so ``offload()`` around a
    whole model, ``wrap()`` entering once per block, and several ``with`` blocks per
    step all give the same forwards. Gradient accumulation (forward, backward,
@@ -18,7 +18,7 @@ Rules, numbered so code can cite them:
 2. Only tensors the rules would move off their device (``store`` or ``host``)
    count. Parameters, tensors below ``min_bytes`` and ``keep`` rules are kept by the
    rules and are not the plan's to spend the budget on.
-3. The first forward of a session follows the rules and records, in pack order, the
+3. The first forward of a pipeline follows the rules and records, in pack order, the
    sizes of the tensors that count (its *trace*).
 4. At the end of a forward whose trace differs from the recorded one (another
    length, or another size anywhere) the new trace replaces it and the plan is made
@@ -36,7 +36,7 @@ Rules, numbered so code can cite them:
 7. Deterministic: the decisions depend only on the sequence of sizes and the
    budget, never on timing.
 
-The budget the plan spends is what the session gives it: ``device_budget`` minus the
+The budget the plan spends is what the pipeline gives it: ``device_budget`` minus the
 windows that live in the same memory (see NOTE [ Windows ] in ``_windows.py``).
 """
 
@@ -65,7 +65,7 @@ def plan_keep(sizes: Sequence[int], budget_bytes: int) -> int:
 class BudgetPlanner:
     """Keep/move decisions for the tensors of each forward under a byte budget.
 
-    Not thread-safe: the session calls it under its own lock. ``budget_bytes`` may
+    Not thread-safe: the budget control calls it under its own lock. ``budget_bytes`` may
     be changed between forwards (:meth:`set_budget`); the plan is then made again at
     the next forward's start.
     """

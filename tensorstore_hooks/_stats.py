@@ -10,7 +10,7 @@ Every tensor autograd saves under the hooks is counted exactly once at pack:
     saves = tensors_offloaded + tensors_kept + tensors_host + dedup_hits
 
 (a write that fails later moves its tensor from offloaded to kept and counts a
-fallback; a dedup hit is a save of a tensor already offloaded in this session,
+fallback; a dedup hit is a save of a tensor already offloaded by these hooks,
 which costs no new write). Every unpack of an offloaded tensor counts one of
 
     prefetch_hits + prefetch_misses + tail_hits
@@ -43,7 +43,7 @@ _LEVELS = frozenset({"held_bytes", "peak_held_bytes", "peak_host_tier_bytes"})
 
 @dataclass(slots=True)
 class OffloadStats:
-    """Counters of one :class:`~tensorstore_hooks.OffloadHooks` session.
+    """Counters of one :class:`~tensorstore_hooks.OffloadHooks` (its pipeline).
 
     Updated by the hooks and background threads as they go, so reading them while
     backward runs is fine (each field is individually current). Sizes are payload
@@ -73,7 +73,7 @@ class OffloadStats:
     """Saved tensors moved to (pinned) host memory by a ``host`` rule."""
     bytes_host: int = 0
     dedup_hits: int = 0
-    """Saves of a tensor already saved in this session (written once)."""
+    """Saves of a tensor already saved under these hooks (written once)."""
     tail_hits: int = 0
     """Unpacks served from memory because the write had not finished (write cancelled)."""
     bytes_written: int = 0
@@ -84,10 +84,10 @@ class OffloadStats:
     read_s: float = 0.0
     """Time spent reading from the store (summed over reader threads)."""
     held_bytes: int = 0
-    """Bytes of offloaded tensors the session holds in memory right now: waiting to
+    """Bytes of offloaded tensors the pipeline holds in memory right now: waiting to
     be written, or read ahead and not yet unpacked."""
     peak_held_bytes: int = 0
-    """The highest ``held_bytes`` since the session began (or the last ``reset()``)."""
+    """The highest ``held_bytes`` since the hooks were made (or the last ``reset()``)."""
     replans: int = 0
     """Times the ``device_budget`` plan was made again because a forward saved other
     sizes (tensors the plan kept are counted under the ``per_rule`` label
@@ -110,7 +110,7 @@ class OffloadStats:
     def hold(self, delta_bytes: int) -> None:
         """The pipeline holds ``delta_bytes`` more (or fewer) in memory; tracks the peak.
 
-        Called under the session's record lock (writes in flight, reads ahead).
+        Called under the record table's lock (writes in flight, reads ahead).
         """
         held = self.held_bytes + delta_bytes
         self.held_bytes = held
@@ -126,7 +126,7 @@ class OffloadStats:
         """What happened after ``earlier`` (a :meth:`snapshot`): counters subtracted.
 
         ``held_bytes`` and ``peak_held_bytes`` are levels: the result has the
-        current values (the peak is the session's, or since the last ``reset()``).
+        current values (the peak is the pipeline's, or since the last ``reset()``).
         """
         out = OffloadStats()
         for f in dataclasses.fields(self):

@@ -10,9 +10,9 @@ NOTE [ Device budget plan ]):
    ``largest``: the largest such tensor.
 2. A derived window is ``seen / 8`` (about one block of a model built of blocks),
    at least ``2 * largest`` (one transfer runs while the next tensor is packed or
-   consumed) and at most the fixed sizes used before (``max_inflight`` 512 MiB,
-   ``prefetch`` 256 MiB). Before anything was seen it is 0: the first tensors of a
-   session are written through, which costs the warm-up step a little time and no
+   consumed) and at most a fixed cap (``max_inflight`` 512 MiB, ``prefetch``
+   256 MiB). Before anything was seen it is 0: the first tensors of a
+   pipeline are written through, which costs the warm-up step a little time and no
    memory.
 3. Windows count against the budget of the memory they live in. On a CPU tensor
    both windows hold RAM, the ``device_budget``'s memory; on an accelerator the
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_MAX_INFLIGHT", "DEFAULT_PREFETCH", "Windows", "derive_windows"]
 
 DEFAULT_MAX_INFLIGHT = 512 << 20
-"""Upper bound of a derived ``max_inflight`` (the fixed size it had before)."""
+"""Upper bound of a derived ``max_inflight``."""
 DEFAULT_PREFETCH = 256 << 20
-"""Upper bound of a derived ``prefetch`` (the fixed size it had before)."""
+"""Upper bound of a derived ``prefetch``."""
 _BLOCKS = 8  # rule 2: a forward is taken to be about this many blocks
 _BUDGET_SHARE = 4  # rule 3: a derived window takes at most 1/4 of its budget
 

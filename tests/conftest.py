@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-# The daemon engineer's fixtures go here once tests/daemon_fixtures.py exists and is
-# wanted by every test module: ``from .daemon_fixtures import *``.
+# Real daemon processes: tests/daemon_fixtures.py, imported by the modules that
+# start one (most tests never do, so its fixtures are not loaded for every module).
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 """Use together with ``@pytest.mark.cuda``; see :func:`pytest_collection_modifyitems`."""

@@ -1,5 +1,5 @@
 """``tensorstore-hooks inspect`` on roots it cannot list and on damaged indexes:
-exit 1 with one line per problem, never a traceback (issue 14 items 3 and 12)."""
+exit 1 with one line per problem, never a traceback."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from tensorstore_hooks._config import config_from_dict
     [("0.3KiB", "307.2"), ("1.5", "1.5"), ("0.1B", "0.1"), ("1.0000001KB", "1000.0001")],
 )
 def test_fractional_sizes_are_refused_naming_the_field(value: str, exact: str) -> None:
-    """Issue 14 item 11: ``min_bytes='1.5'`` was 1 and ``'0.3KiB'`` 307."""
+    """Sizes are exact: ``min_bytes='1.5'`` is not 1, nor ``'0.3KiB'`` 307."""
     with pytest.raises(ConfigError) as info:
         tsh.offload(min_bytes=value)
     message = str(info.value)

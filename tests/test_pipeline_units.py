@@ -1,4 +1,4 @@
-"""The pipeline's units on their own (issue 16): record lifecycle, router, adapters, I/O pool.
+"""The pipeline's units on their own: record lifecycle, router, adapters, I/O pool.
 
 End-to-end behaviour (write-behind, prefetch, fallbacks, CUDA) is in ``test_pipeline.py``.
 """
@@ -259,3 +259,46 @@ def test_on_io_thread_is_true_on_pool_workers_only() -> None:
     other.join()
     assert seen == [False]
     shutdown_pool(store)
+
+
+# ------------------------------------------------------- the life of a tensor
+def test_life_of_a_saved_tensor_names_what_exists() -> None:
+    """The newcomer's walk: at most 8 hops, and every module, method and NOTE it
+    names is real (so renaming one without the doc fails here)."""
+    import re
+
+    from tensorstore_hooks import _staging
+    from tensorstore_hooks._host_tier import HostTier
+
+    doc = (PACKAGE.parent / "docs" / "life-of-a-saved-tensor.md").read_text()
+    hops = re.findall(r"^## (\d+)\. ", doc, re.M)
+    assert hops == [str(i) for i in range(1, len(hops) + 1)] and len(hops) <= 8
+    for module in set(re.findall(r"`((?:paddle/|server/)?_\w+\.py)`", doc)):
+        root = PACKAGE.parent if module.startswith("server/") else PACKAGE
+        assert (root / module).exists(), module
+    source = "".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    for note in set(re.findall(r"NOTE \[ ([^\]]+?) \]", doc)):
+        note = " ".join(note.split())  # a name may wrap across lines in the doc
+        assert f"NOTE [ {note} ]\n" in source, note
+    hooks = tsh.offload("memory://")
+    pipeline = hooks._pipeline
+    objects: dict[str, object] = {
+        "Pipeline": pipeline,
+        "RecordTable": pipeline.table,
+        "Router": pipeline.router,
+        "WriteBehind": pipeline.writer,
+        "Prefetcher": pipeline.prefetcher,
+        "DeviceStager": pipeline.stager,
+        "HostTier": HostTier,
+        "TensorStore": tsh.TensorStore,
+        "_staging": _staging,
+        "copies": pipeline.table.copies,
+    }
+    for owner_name, attr in re.findall(r"`(\w+)\.(\w+)`", doc):
+        if owner_name in objects and attr != "py":
+            assert hasattr(objects[owner_name], attr), f"{owner_name}.{attr}"
+    intents = ("share", "wait_for_room", "add", "spill", "begin_write", "end_write")
+    intents += ("write_finished", "claim_for_unpack", "free")
+    for intent in intents:
+        assert f"`{intent}`" in doc and callable(getattr(pipeline.table, intent)), intent
+    hooks.close()

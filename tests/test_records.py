@@ -518,3 +518,23 @@ def test_the_table_frees_without_its_owner_being_collected() -> None:
         assert ref() is None  # ... and nothing else does
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------ the written word
+def test_the_lifecycle_note_names_the_intents_that_exist(owner: Owner) -> None:
+    import tensorstore_hooks._records as records
+
+    doc = records.__doc__ or ""
+    note = doc.split("NOTE [ Record lifecycle ]")[1].split("Rules,")[0]
+    rows = [
+        line.split()[0]
+        for line in note.splitlines()
+        if line.startswith("    ") and line[4] != " "  # the intent column
+    ]
+    intents = [r for r in rows if r not in ("intent",) and r[0].islower()]
+    assert {"add", "free", "claim_for_unpack", "begin_write", "end_write", "spill"} <= set(intents)
+    for name in intents:
+        target: object = owner.table
+        for part in name.split("."):
+            target = getattr(target, part)
+        assert callable(target), name

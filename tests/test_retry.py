@@ -1,4 +1,4 @@
-"""The one retry layer (issue 16 item 9): classifiers plugged into one loop, one
+"""The one retry layer: classifiers plugged into one loop, one
 deadline per logical operation however the layers nest.
 
 The Retrier runs on a fake clock here; the end-to-end checks (a prefetched read

@@ -1,5 +1,5 @@
 """ZarrStore under faults: a full disk, damaged index records, swapped chunk files,
-two writers on one namespace (issue 14 items 1-4 and 10).
+two writers on one namespace.
 
 How the full disk is made, and why:
 
@@ -122,7 +122,7 @@ def _check_reopened(
         assert_same_tensor(got, issued[key])
 
 
-# ------------------------------------------------------ item 1: disk full, store API
+# ------------------------------------------------------------- disk full, store API
 def test_disk_full_during_journal_append_tmpfs(small_fs: Path) -> None:
     """Chunks are rewritten in place (spares) on a full disk while the journal must
     grow: appends fail, mid-record. No put is acknowledged unless its record is
@@ -244,7 +244,7 @@ def test_disk_full_during_journal_append_rlimit(tmp_path: Path) -> None:
         assert_same_tensor(store.get(fresh), tensor(999))
 
 
-# ----------------------------------------------- item 2: journal full during training
+# ------------------------------------------------------ journal full during training
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -366,7 +366,7 @@ def test_journal_full_during_training_leaks_nothing_rlimit(tmp_path: Path) -> No
     assert res["after"] == 0
 
 
-# --------------------------------------------- item 3: damaged index records (store)
+# ---------------------------------------------------- damaged index records (store)
 def _journal(root: Path, ns: str) -> Path:
     return root / ns / "index" / "journal"
 
@@ -467,7 +467,7 @@ def test_lost_delete_record_never_resurrects_a_key_with_another_tensors_bytes(
             store.get(a)
 
 
-# ------------------------------------------------ item 4: chunks bound to their place
+# ------------------------------------------------------- chunks bound to their place
 def _chunk(root: Path, ns: str, seg: int, i: int) -> Path:
     return root / ns / f"seg-{seg}" / "c" / str(i)
 
@@ -533,7 +533,7 @@ def test_plain_zarr_verifies_chunk_bytes_but_not_their_place(tmp_path: Path) -> 
         zarr.open_array(str(seg), mode="r")[:16384]
 
 
-# ------------------------------------------------------- item 10: one writer per namespace
+# ------------------------------------------------------------ one writer per namespace
 def test_second_store_on_a_namespace_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "root"
     s1 = ZarrStore(root, namespace="shared")

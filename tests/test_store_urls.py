@@ -99,7 +99,7 @@ def test_config_accepts_what_the_registry_opens(url: str) -> None:
 
 
 def test_daemon_url_needs_its_port_everywhere() -> None:
-    """Issue 14 item 11: ``open_store('tsh://127.0.0.1')`` no longer fills in a port."""
+    """``open_store('tsh://127.0.0.1')`` fills in no port: a daemon URL names its own."""
     with pytest.raises(ConfigError, match="port is missing") as info:
         tsh.open_store("tsh://127.0.0.1")
     assert "tsh://127.0.0.1:7077" in str(info.value)
