@@ -208,22 +208,7 @@ class ZarrStore(BlobStore):
         spare_bytes: int | str | None = None,
     ) -> None:
         self._closed = True  # until fully constructed: close() must be safe on failure
-        try:
-            spare = (
-                None
-                if spare_bytes is None
-                else parse_bytes(spare_bytes, what="ZarrStore spare_bytes")
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        try:
-            chunk = check_chunk_bytes(chunk_bytes)
-        except ConfigError as e:
-            raise ConfigError(f"ZarrStore: chunk_bytes: {e}; got {chunk_bytes!r}") from None
-        try:
-            self._codec = ChunkCodec(codec)
-        except ConfigError as e:
-            raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
+        chunk, self._codec, spare = _check_options(chunk_bytes, codec, spare_bytes)
         self.codec = codec
         self.chunk_bytes = chunk
         if namespace is not None and not (
@@ -249,7 +234,7 @@ class ZarrStore(BlobStore):
         """What replaying this namespace's index found damaged (empty when all was well)."""
         try:
             self._unlock = self._take_namespace()
-            self._init_layout()
+            _write_layout(self._io, self.namespace, self.chunk_bytes, self.codec)
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
@@ -286,44 +271,9 @@ class ZarrStore(BlobStore):
                 "keys. Close the other store first, or use another namespace."
             ) from None
 
-    def _init_layout(self) -> None:
-        if not self._io.exists("zarr.json"):
-            self._io.write("zarr.json", [root_doc(FORMAT_VERSION)])
-        ns_doc = f"{self.namespace}/zarr.json"
-        if not self._io.exists(ns_doc):
-            self._io.write(
-                ns_doc,
-                [namespace_doc(FORMAT_VERSION, self.namespace, self.chunk_bytes, self.codec)],
-            )
-
     def _resume(self, index_log: IndexLog) -> None:
-        records = index_log.load()
+        entries, self._next_key = _replay(index_log, self._alloc, self._url, self.namespace)
         self.damage = list(index_log.damage)
-        # Keys are never reused, not even deleted ones: a stale key must miss, not
-        # return another tensor. Deleted keys count, and so does every key the damage
-        # could have hidden (NOTE [ Journal records ] in _index.py).
-        order: dict[str, int] = {}
-        for key in [*index_log.retired_keys, *records]:
-            with contextlib.suppress(ValueError):
-                order[key] = int(key, 16)
-                self._next_key = max(self._next_key, order[key] + 1)
-        if self.damage:
-            self._next_key += index_log.damaged_bytes // HEADER_BYTES + 1
-        entries = {key: _Entry.from_record(rec) for key, rec in records.items()}
-        dropped = self._alloc.resume(
-            {k: e.run for k, e in entries.items()}, {k: order.get(k, -1) for k in entries}
-        )
-        if dropped:
-            # Their delete records were lost (damage, or a crash while the disk was full).
-            log.warning(
-                "ZarrStore(%s): namespace %r: %d deleted key(s) whose delete record was lost "
-                "reappeared on replay and were dropped (their chunks belong to newer keys)",
-                self._url,
-                self.namespace,
-                len(dropped),
-            )
-        for key in dropped:
-            del entries[key]
         for key, entry in entries.items():
             self._index[key] = entry
             self._nbytes += entry.meta.nbytes
@@ -397,13 +347,7 @@ class ZarrStore(BlobStore):
             self._alloc.cancel(run)
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
-        where = f"ZarrStore({self._url}): writing key {key!r}"
-        if isinstance(e, OSError):
-            err = os_error(e, where)
-        elif isinstance(e, TensorStoreError):
-            err = type(e)(f"{where} failed: {e}")
-        else:
-            err = StoreUnavailableError(f"{where} failed: {e}")
+        err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
         if isinstance(err, QuotaExceededError):
             self._drop_spares()  # the disk is full: spare chunk files are free space
         return type(err)(f"{err}; the tensor was not stored")
@@ -563,6 +507,79 @@ class ZarrStore(BlobStore):
                 self._io.remove_tree(self.namespace)
         self._finalizer()  # releases the namespace lock last, removes a temporary root
         self._io.close()
+
+
+def _check_options(
+    chunk_bytes: int | str, codec: str, spare_bytes: int | str | None
+) -> tuple[int, ChunkCodec, int | None]:
+    """``ZarrStore``'s chunk size, codec and spare limit, checked (``ConfigError``)."""
+    try:
+        spare = (
+            None if spare_bytes is None else parse_bytes(spare_bytes, what="ZarrStore spare_bytes")
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    try:
+        chunk = check_chunk_bytes(chunk_bytes)
+    except ConfigError as e:
+        raise ConfigError(f"ZarrStore: chunk_bytes: {e}; got {chunk_bytes!r}") from None
+    try:
+        return chunk, ChunkCodec(codec), spare
+    except ConfigError as e:
+        raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
+
+
+def _write_layout(io: ChunkIO, namespace: str, chunk_bytes: int, codec: str) -> None:
+    """The root's and the namespace's ``zarr.json`` (group documents), where missing."""
+    if not io.exists("zarr.json"):
+        io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+    ns_doc = f"{namespace}/zarr.json"
+    if not io.exists(ns_doc):
+        io.write(ns_doc, [namespace_doc(FORMAT_VERSION, namespace, chunk_bytes, codec)])
+
+
+def _replay(
+    index_log: IndexLog, alloc: ChunkAllocator, url: str, namespace: str
+) -> tuple[dict[str, _Entry], int]:
+    """A namespace's live entries from its index (their runs taken in ``alloc``), and
+    the next key to hand out."""
+    records = index_log.load()
+    # Keys are never reused, not even deleted ones: a stale key must miss, not
+    # return another tensor. Deleted keys count, and so does every key the damage
+    # could have hidden (NOTE [ Journal records ] in _index.py).
+    next_key = 0
+    order: dict[str, int] = {}
+    for key in [*index_log.retired_keys, *records]:
+        with contextlib.suppress(ValueError):
+            order[key] = int(key, 16)
+            next_key = max(next_key, order[key] + 1)
+    if index_log.damage:
+        next_key += index_log.damaged_bytes // HEADER_BYTES + 1
+    entries = {key: _Entry.from_record(rec) for key, rec in records.items()}
+    dropped = alloc.resume(
+        {k: e.run for k, e in entries.items()}, {k: order.get(k, -1) for k in entries}
+    )
+    if dropped:
+        # Their delete records were lost (damage, or a crash while the disk was full).
+        log.warning(
+            "ZarrStore(%s): namespace %r: %d deleted key(s) whose delete record was lost "
+            "reappeared on replay and were dropped (their chunks belong to newer keys)",
+            url,
+            namespace,
+            len(dropped),
+        )
+    for key in dropped:
+        del entries[key]
+    return entries, next_key
+
+
+def _write_failure(where: str, e: BaseException) -> TensorStoreError:
+    """The store's error for a write that failed with ``e``."""
+    if isinstance(e, OSError):
+        return os_error(e, where)
+    if isinstance(e, TensorStoreError):
+        return type(e)(f"{where} failed: {e}")
+    return StoreUnavailableError(f"{where} failed: {e}")
 
 
 def _finalize(index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None) -> None:

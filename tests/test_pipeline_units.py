@@ -302,3 +302,15 @@ def test_life_of_a_saved_tensor_names_what_exists() -> None:
     for intent in intents:
         assert f"`{intent}`" in doc and callable(getattr(pipeline.table, intent)), intent
     hooks.close()
+
+
+def test_no_library_class_is_over_350_lines() -> None:
+    """Small units with one job each: a class that grows past 350 lines is two."""
+    long = []
+    for p in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 350:
+                    long.append(f"{p.relative_to(PACKAGE)}:{node.name} ({lines} lines)")
+    assert not long, long
