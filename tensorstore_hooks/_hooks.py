@@ -18,14 +18,11 @@ from contextlib import AbstractContextManager
 import torch
 
 from ._compose import block_abort, block_enter, block_exit
-from ._config import EffectiveConfig, PipelineSettings, StoreSettings
+from ._config import EffectiveConfig, StoreSettings
 from ._diagnose import after_forward, before_forward
 from ._pipeline import Pipeline
-from ._policy import Policy
 from ._registry import open_store, options_from_config
-from ._router import Router
 from ._signals import install as install_signal_shield
-from ._stats import OffloadStats
 from ._store import TensorStore
 from ._trace import Timeline, describe_pipeline, forward_begin, forward_end
 from .errors import ConfigError
@@ -39,38 +36,22 @@ ConfigSource = str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] |
 
 
 class HooksBase:
-    """What an ``OffloadHooks`` (PyTorch or Paddle) gives a caller over its pipeline."""
+    """What an ``OffloadHooks`` (PyTorch or Paddle) gives a caller over its pipeline.
+
+    Attributes: ``stats`` (:class:`~tensorstore_hooks.OffloadStats`, live: readable
+    during and after backward), ``store`` (the :class:`~tensorstore_hooks.TensorStore`
+    saved tensors go to), ``policy`` (the :class:`~tensorstore_hooks.Policy` in force),
+    ``settings`` (the config's ``pipeline:`` section, resolved) and ``router`` (the
+    :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks).
+    """
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
+        self.stats, self.store, self.policy = pipeline.stats, pipeline.store, pipeline.policy
+        self.settings, self.router = pipeline.settings, pipeline.router
         # An owned store is closed when the hooks are collected and nothing is live.
         self._finalizer = weakref.finalize(self, pipeline.close)
         self._finalizer.atexit = False
-
-    @property
-    def stats(self) -> OffloadStats:
-        """Counters of these hooks (live; readable during and after backward)."""
-        return self._pipeline.stats
-
-    @property
-    def store(self) -> TensorStore:
-        """The store saved tensors go to."""
-        return self._pipeline.store
-
-    @property
-    def policy(self) -> Policy:
-        """The :class:`~tensorstore_hooks.Policy` in force."""
-        return self._pipeline.policy
-
-    @property
-    def settings(self) -> PipelineSettings:
-        """The pipeline settings in force (the config's ``pipeline:`` section, resolved)."""
-        return self._pipeline.settings
-
-    @property
-    def router(self) -> Router:
-        """The :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks."""
-        return self._pipeline.router
 
     @property
     def live_records(self) -> int:

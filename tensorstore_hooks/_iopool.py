@@ -20,7 +20,10 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._store import TensorStore
 
 __all__ = ["READ", "WRITE", "IOPool", "StorePool", "on_io_thread", "pool_for", "shutdown_pool"]
 
@@ -140,22 +143,24 @@ def pool_for(store: Any, threads: int) -> IOPool:
 
 
 class StorePool:
-    """A pipeline's way to its store's pool: ``pool()`` is :func:`pool_for`, cached.
+    """A pipeline's way to its store and the store's pool: ``pool()`` is :func:`pool_for`,
+    cached.
 
     A pool shut down (its store closed by another pipeline) is replaced on next use.
     """
 
-    __slots__ = ("_pool", "_store", "_threads")
+    __slots__ = ("_pool", "_threads", "store")
 
-    def __init__(self, store: Any, threads: int) -> None:
-        self._store = store
+    def __init__(self, store: TensorStore, threads: int) -> None:
+        self.store = store
+        """The store the pool's tasks read and write."""
         self._threads = threads
         self._pool: IOPool | None = None
 
     def __call__(self) -> IOPool:
         pool = self._pool
         if pool is None or pool.closed:
-            pool = self._pool = pool_for(self._store, self._threads)
+            pool = self._pool = pool_for(self.store, self._threads)
         return pool
 
 

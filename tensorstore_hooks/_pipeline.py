@@ -82,12 +82,11 @@ class Pipeline:
             stats=stats,
             hold_timeout_s=settings.read_deadline_s,
         )
-        self.writer = WriteBehind(table, store, stager=stager, io=io, heap=self.heap, stats=stats)
+        self.writer = WriteBehind(table, io, stager=stager, heap=self.heap, stats=stats)
         self.prefetcher = Prefetcher(
             table.reads,
-            store,
+            io,
             stager=stager,
-            io=io,
             heap=self.heap,
             stats=stats,
             read_deadline_s=settings.read_deadline_s,

@@ -34,7 +34,6 @@ from ._records import ReadAhead, Record
 from ._retry import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
 from ._staging import Loaded
 from ._stats import OffloadStats
-from ._store import TensorStore
 from ._trace import READ_RANGE, UNPACK_WAIT_RANGE, Timeline, span
 from .errors import StoreUnavailableError
 
@@ -44,33 +43,26 @@ log = logging.getLogger("tensorstore_hooks")
 
 
 class Prefetcher:
-    """Reads records back from ``store`` ahead of backward; :meth:`read` is the one way
-    bytes come back.
-
-    ``window_bytes``: the ``prefetch`` window (set by the budget control, NOTE
-    [ Windows ]). ``io()``: the store's I/O pool. ``heap`` is told of every byte read.
-    """
+    """Reads records back from ``io.store`` ahead of backward, on its I/O pool ``io()``;
+    :meth:`read` is the one way bytes come back. ``heap`` is told of every byte read."""
 
     def __init__(
         self,
         reads: ReadAhead,
-        store: TensorStore,
+        io: StorePool,
         *,
         stager: DeviceStager,
-        io: StorePool,
         heap: HeapReleaser,
         stats: OffloadStats,
         read_deadline_s: float,
-        window_bytes: int = 0,
     ) -> None:
         self._reads = reads
-        self._store = store
+        self._io, self._store, self._heap = io, io.store, heap  # where bytes come from
         self._stager = stager
-        self._io = io
-        self._heap = heap
         self._stats = stats
         self._stats_lock = threading.Lock()  # reader threads add up their times
-        self.window_bytes = window_bytes
+        self.window_bytes = 0
+        """Bytes read ahead and not yet unpacked, at most (``prefetch``, NOTE [ Windows ])."""
         self.read_deadline_s = read_deadline_s
         self._retrier = Retrier(
             RetryPolicy(
@@ -79,7 +71,7 @@ class Prefetcher:
                 max_backoff_s=1.0,
                 min_attempt_s=0.0,
             ),
-            label=f"offload reads from {store.url}",
+            label=f"offload reads from {self._store.url}",
             classify=classify_store_read,
         )
         self.timeline: Timeline | None = None  # set while hooks.trace() records

@@ -3,7 +3,8 @@
 NOTE [ Record lifecycle ]
 A tensor the pipeline stores has one :class:`Record` from pack until the last handle
 to it dies. This module is the only code that changes a record. The pipeline's units
-say what they want through the intent methods of :class:`RecordTable`; each takes
+say what they want through the intent methods of :class:`RecordTable` (and of its
+parts ``copies``, the host copies, and ``reads``, the read-ahead); each takes
 :attr:`RecordTable.lock`, checks the move against :data:`TRANSITIONS` (through
 :meth:`Record.move`: any other move raises :class:`IllegalTransition`, a bug in
 tensorstore-hooks) and returns what the caller must do outside the lock. The units

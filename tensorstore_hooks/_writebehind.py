@@ -40,7 +40,6 @@ from ._heap import HeapReleaser
 from ._iopool import WRITE, StorePool
 from ._records import Record, RecordTable, WriteJob
 from ._stats import OffloadStats
-from ._store import TensorStore
 from ._trace import WRITE_RANGE, Timeline, span
 
 __all__ = ["WriteBehind"]
@@ -49,32 +48,25 @@ log = logging.getLogger("tensorstore_hooks")
 
 
 class WriteBehind:
-    """Writes records' bytes into ``store`` on the I/O pool; falls back on failures.
-
-    ``max_inflight``: bytes queued or being written before pack blocks (set by the
-    budget control, NOTE [ Windows ]). ``io()``: the store's I/O pool. ``heap`` is
-    told of every byte written (NOTE [ Heap release ]).
-    """
+    """Writes records' bytes into ``io.store`` on its I/O pool ``io()``; falls back on
+    failures. ``heap`` is told of every byte written (NOTE [ Heap release ])."""
 
     def __init__(
         self,
         table: RecordTable,
-        store: TensorStore,
+        io: StorePool,
         *,
         stager: DeviceStager,
-        io: StorePool,
         heap: HeapReleaser,
         stats: OffloadStats,
-        max_inflight: int = 0,
     ) -> None:
         self._table = table
-        self._store = store
+        self._io, self._store, self._heap = io, io.store, heap  # where bytes go, who is told
         self._stager = stager
-        self._io = io
-        self._heap = heap
         self._stats = stats
         self._stats_lock = threading.Lock()  # writer threads add up their times
-        self.max_inflight = max_inflight
+        self.max_inflight = 0
+        """Bytes queued or being written before pack blocks (NOTE [ Windows ])."""
         self._warned = False
         self._pending_warning: str | None = None
         self.timeline: Timeline | None = None  # set while hooks.trace() records
