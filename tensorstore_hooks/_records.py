@@ -5,7 +5,7 @@ A tensor the pipeline stores has one :class:`Record` from pack until the last ha
 to it dies. This module is the only code that changes a record. The pipeline's units
 say what they want through the intent methods of :class:`RecordTable` (and of its
 parts ``copies``, the host copies, and ``reads``, the read-ahead); each takes
-:attr:`RecordTable.lock`, checks the move against :data:`TRANSITIONS` (through
+the table's one lock, checks the move against :data:`TRANSITIONS` (through
 :meth:`Record.move`: any other move raises :class:`IllegalTransition`, a bug in
 tensorstore-hooks) and returns what the caller must do outside the lock. The units
 (write-behind, prefetcher, device stager) only do I/O.
@@ -558,7 +558,7 @@ class ReadAhead:
 class RecordTable:
     """Records in pack order, their every change, and the counts that follow them.
 
-    Owns, under :attr:`lock`: the records' states and fields, dedup (rule 5), the
+    Owns, under its one lock: the records' states and fields, dedup (rule 5), the
     bytes in flight (rule 3), and ``stats`` that move with them; its parts
     :attr:`copies` (host copies) and :attr:`reads` (the read-ahead's cursor and
     window) share the lock.
@@ -573,8 +573,8 @@ class RecordTable:
     _COMPACT_MIN = 1024
 
     def __init__(self, on_last_handle: Callable[[Record], None], stats: OffloadStats) -> None:
-        self.lock = threading.RLock()
-        self._cond = threading.Condition(self.lock)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._on_last_handle = weakref.WeakMethod(on_last_handle)
         self._stats = stats
         self._order: list[Record | None] = []
@@ -582,9 +582,9 @@ class RecordTable:
         self._dedup: dict[DedupKey, tuple[weakref.ref[torch.Tensor], Record]] = {}
         self._inflight = 0  # bytes queued or being written (rule 3)
         self._closing = False
-        self.copies = HostCopies(self.lock)
+        self.copies = HostCopies(self._lock)
         """The records' host copies (the device stager's buffers)."""
-        self.reads = ReadAhead(self.lock, self._order, stats)
+        self.reads = ReadAhead(self._lock, self._order, stats)
         """The read-ahead's cursor and window over the pack order."""
 
     # ------------------------------------------------------------ reading
@@ -605,7 +605,7 @@ class RecordTable:
 
     def records(self) -> list[Record]:
         """The live records, in pack order."""
-        with self.lock:
+        with self._lock:
             return [r for r in self._order if r is not None]
 
     # ---------------------------------------------------------------- pack
@@ -614,7 +614,7 @@ class RecordTable:
         """A new handle to the live record already holding ``t`` (rule 5), or ``None``."""
         if key is None:
             return None
-        with self.lock:
+        with self._lock:
             hit = self._dedup.get(key)
             if hit is None:
                 return None
@@ -636,7 +636,7 @@ class RecordTable:
         A single record larger than the window still goes, alone. Returns the seconds
         waited (backpressure).
         """
-        with self.lock:
+        with self._lock:
             if not self._inflight or self._inflight + nbytes <= max_inflight:
                 return 0.0
             t0 = time.perf_counter()
@@ -660,7 +660,7 @@ class RecordTable:
         copies it into the host tier). ``host_rule``: a ``host`` rule sent it (counted
         as host, not as offloaded).
         """
-        with self.lock:
+        with self._lock:
             rec = Record(t, nbytes, len(self._order), guard, State.HELD if held else State.QUEUED)
             rec.host_rule = host_rule
             self._order.append(rec)
@@ -690,7 +690,7 @@ class RecordTable:
     def spill(self, rec: Record) -> bool:
         """HELD ``rec`` leaves the host tier for the store (counted in flight and as a
         spill); ``False``: freed meanwhile, and its free gave the room back."""
-        with self.lock:
+        with self._lock:
             if rec.state != State.HELD:
                 return False
             rec.move(State.QUEUED)
@@ -702,7 +702,7 @@ class RecordTable:
     def write_directly(self, rec: Record) -> bool:
         """HELD ``rec`` found no room in the host tier in time: it is written from the
         device instead. ``False``: it no longer needs that (spilled or freed)."""
-        with self.lock:
+        with self._lock:
             if rec.state != State.HELD:
                 return False
             rec.move(State.QUEUED)
@@ -713,7 +713,7 @@ class RecordTable:
     def begin_write(self, rec: Record) -> WriteJob | None:
         """QUEUED -> WRITING: what to write. ``None``: the write is not wanted (freed,
         or served from memory, before it ran): call :meth:`end_write` with nothing."""
-        with self.lock:
+        with self._lock:
             if rec.state != State.QUEUED:
                 return None
             rec.move(State.WRITING)
@@ -740,7 +740,7 @@ class RecordTable:
         nobody wants any more are returned as ``discard``, and a host copy nobody
         wants as ``give_back``. Follow with :meth:`write_finished`.
         """
-        with self.lock:
+        with self._lock:
             give_back = None
             failed = None
             if dirty:
@@ -783,7 +783,7 @@ class RecordTable:
     def write_finished(self, rec: Record) -> None:
         """The writer is done with ``rec``, clean-up included: it leaves the bytes in
         flight (rule 3), and whoever waits for the write (a free, ``flush()``) goes on."""
-        with self.lock:
+        with self._lock:
             self._inflight -= rec.nbytes
             self._stats.hold(-rec.nbytes)
             self._cond.notify_all()
@@ -791,7 +791,7 @@ class RecordTable:
 
     def wait_for_writes(self) -> None:
         """Block until no write is queued or running (``flush()``)."""
-        with self.lock:
+        with self._lock:
             while self._inflight > 0:
                 self._cond.wait(0.1)
 
@@ -805,7 +805,7 @@ class RecordTable:
         Stored, held, or written from a host copy: the read ahead for it, if one runs
         (it leaves the window), else the read-ahead cursor jumps to just below it.
         """
-        with self.lock:
+        with self._lock:
             state = rec.state
             src = rec.source
             if src is not None and state in _IN_MEMORY:
@@ -841,7 +841,7 @@ class RecordTable:
 
         Returns ``None`` while other handles remain (or if already freed).
         """
-        with self.lock:
+        with self._lock:
             rec.refs -= 1
             if rec.refs > 0 or rec.state == State.FREED:
                 return None
@@ -876,7 +876,7 @@ class RecordTable:
 
     def close(self) -> bool:
         """Take no more tensors; ``True`` if nothing is live (close now)."""
-        with self.lock:
+        with self._lock:
             self._closing = True
             return self._live == 0
 

@@ -1,4 +1,4 @@
-"""Budgets and tiers: ``device_budget`` / ``host_budget`` config, and the session under
+"""Budgets and tiers: ``device_budget`` / ``host_budget`` config, and the pipeline under
 them (DESIGN.md "Budgets and tiers")."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_control_counts_only_moved_tensors() -> None:
     assert out == [False, False, True, True]
 
 
-# ------------------------------------------------------------------ the session
+# ----------------------------------------------------------------- the pipeline
 KiB = 1 << 10
 
 

@@ -515,7 +515,7 @@ def test_fresh_offload_each_step_releases_everything() -> None:
 
 
 def test_user_store_threads_released() -> None:
-    """Sessions on many short-lived user stores do not accumulate I/O threads."""
+    """Hooks on many short-lived user stores do not accumulate I/O threads."""
     counts = []
     for _ in range(8):
         store = tsh.open_store("memory://")

@@ -99,7 +99,7 @@ def test_stats_time_bytes_and_peak_held(tmp_path: Path) -> None:
     hooks.close()
 
 
-def test_session_open_is_logged_at_info_and_each_tensor_at_debug(
+def test_pipeline_open_is_logged_at_info_and_each_tensor_at_debug(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = _model()

@@ -236,7 +236,7 @@ def test_module_rule_matching_nothing_warns_once_at_the_users_line() -> None:
     assert w[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model(X)  # once per session
+        model(X)  # once per hooks object
     hooks.remove()
 
 
