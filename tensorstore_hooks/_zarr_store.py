@@ -2,11 +2,11 @@
 
 See ``docs/layout.md`` for the on-disk format. In short::
 
-    ROOT/zarr.json                        group {"tensorstore_hooks": {"format": 2}}
+    ROOT/zarr.json                        group {"tensorstore_hooks": {"format": 3}}
     ROOT/NS/zarr.json                     group, one per writer (host-pid-random) or named
     ROOT/NS/seg-CHUNK/zarr.json           1-D uint8 array, chunk shape (CHUNK,), codecs
-                                          bytes [+ zstd|blosc-lz4] + crc32c
-    ROOT/NS/seg-CHUNK/c/I                 chunk I: CHUNK bytes [compressed] + crc32c
+                                          bytes [+ zstd|blosc-lz4]
+    ROOT/NS/seg-CHUNK/c/I                 chunk I: CHUNK bytes [compressed]
     ROOT/NS/index/{journal,snapshot}      key -> (segment, first chunk, chunks, crcs, meta)
     ROOT/NS/lock                          held (flock) by the store object writing NS
 
@@ -21,9 +21,9 @@ Creating a Zarr array costs 3-8 ms in zarr 3.1.6, whatever its size, and a train
 step saves hundreds of tensors, so arrays are created once per size class and each
 tensor occupies a run of whole chunks in the class that wastes least: chunk sizes are
 ``chunk_bytes`` halved down to 4 KiB, and a tensor goes to the largest class whose
-padding is at most 1/8 of its size. A put then writes whole chunks (the bytes Zarr
-itself would write: payload, zero padding, crc32c) and a delete frees them; chunk
-runs are reused. I/O bypasses zarr's async machinery (tens of microseconds a call)
+padding is at most 1/8 of its size. A put then writes whole chunks (NOTE [ Chunk
+objects ] in ``_chunkcodec.py``: what Zarr reads for them) and a delete frees them;
+chunk runs are reused. I/O bypasses zarr's async machinery (tens of microseconds a call)
 and writes the keys and encodings that ``zarr.open_array`` reads back.
 
 NOTE [ Spare chunk files ]
@@ -60,9 +60,10 @@ from typing import Any
 
 import numpy as np
 
+from ._aligned import BLOCK_BYTES, BufferPool, PoolStats, address_of, round_up
 from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
 from ._chunkcodec import ChunkCodec
-from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
+from ._chunkio import ChunkIO, DirectIOStatus, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
 from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import HEADER_BYTES, Damage, IndexLog, os_error
@@ -70,8 +71,14 @@ from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
 from ._urls import split_url
-from ._zarr_docs import namespace_doc, root_doc, segment_doc
-from ._zarr_options import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, parse_codec
+from ._zarr_docs import namespace_doc, namespace_format, root_doc, segment_doc
+from ._zarr_options import (
+    DEFAULT_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    check_chunk_bytes,
+    parse_codec,
+    parse_direct_io,
+)
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -92,8 +99,13 @@ __all__ = [
 
 log = logging.getLogger("tensorstore_hooks")
 
+DEFAULT_BUFFER_POOL_BYTES = 64 << 20
+"""Idle aligned buffers a store keeps for reuse by default (``buffer_pool_bytes``)."""
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""The layout this version writes and reads (docs/layout.md); a namespace of another
+format is refused when opened, naming its version."""
 
 
 @dataclass(slots=True)
@@ -187,6 +199,23 @@ class ZarrStore(BlobStore):
     up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
     directory holds exactly the live keys.
 
+    ``direct_io`` (local directories): ``"auto"`` (default) writes and reads chunk
+    files with ``O_DIRECT`` where the filesystem allows it (not tmpfs), so offloaded
+    bytes leave RAM and cost no page-cache copy; ``"on"`` requires it
+    (:class:`ConfigError` where it cannot be had); ``"off"`` goes through the page
+    cache. :attr:`direct_io` says what was chosen and why (NOTE [ Direct I/O ] in
+    ``_chunkio.py``).
+
+    ``buffer_pool_bytes``: how many bytes of idle page-aligned buffers (direct-write
+    staging, and read buffers that came back from dead tensors) to keep for reuse;
+    ``None`` (default): :data:`DEFAULT_BUFFER_POOL_BYTES`. What the pool holds is
+    :attr:`buffers` (NOTE [ Aligned buffers ] in ``_aligned.py``).
+
+    Reads: ``get``/``get_blob`` return tensors whose storage is the buffer the bytes
+    were read into (no copy; a tensor with a storage offset or a gapped view is
+    rebuilt by the codec). :meth:`put_aligned` writes from a caller's aligned
+    buffer with no copy at all.
+
     Errors: a put that fails for any OS reason raises a TensorStoreError
     (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
     chunks are deleted and nothing is journaled. A damaged index is replayed as far
@@ -206,6 +235,8 @@ class ZarrStore(BlobStore):
         namespace: str | None = None,
         retry_deadline_s: float = 30.0,
         spare_bytes: int | str | None = None,
+        direct_io: str | bool = "auto",
+        buffer_pool_bytes: int | str | None = None,
     ) -> None:
         self._closed = True  # until fully constructed: close() must be safe on failure
         try:
@@ -214,14 +245,24 @@ class ZarrStore(BlobStore):
                 if spare_bytes is None
                 else parse_bytes(spare_bytes, what="ZarrStore spare_bytes")
             )
+            pool_bytes = (
+                DEFAULT_BUFFER_POOL_BYTES
+                if buffer_pool_bytes is None
+                else parse_bytes(buffer_pool_bytes, what="ZarrStore buffer_pool_bytes")
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        try:
+            direct_mode = parse_direct_io(direct_io)
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore: direct_io: {e}; got {direct_io!r}") from None
         try:
             chunk = check_chunk_bytes(chunk_bytes)
         except ConfigError as e:
             raise ConfigError(f"ZarrStore: chunk_bytes: {e}; got {chunk_bytes!r}") from None
+        self._pool = BufferPool(pool_bytes)
         try:
-            self._codec = ChunkCodec(codec)
+            self._codec = ChunkCodec(codec, self._pool)
         except ConfigError as e:
             raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
         self.codec = codec
@@ -247,9 +288,11 @@ class ZarrStore(BlobStore):
         self._unlock: Callable[[], None] | None = None
         self.damage: list[Damage] = []
         """What replaying this namespace's index found damaged (empty when all was well)."""
+        self._direct = DirectIOStatus(False, direct_mode, "not configured")
         try:
             self._unlock = self._take_namespace()
             self._init_layout()
+            self._configure_direct_io(direct_mode)
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
@@ -295,6 +338,22 @@ class ZarrStore(BlobStore):
                 ns_doc,
                 [namespace_doc(FORMAT_VERSION, self.namespace, self.chunk_bytes, self.codec)],
             )
+            return
+        found = namespace_format(self._io.read(ns_doc))
+        if found != FORMAT_VERSION:
+            raise ConfigError(
+                f"ZarrStore({self._url}): namespace {self.namespace!r} is in layout format "
+                f"{found} ({ns_doc}), written by another version of tensorstore-hooks; this "
+                f"version reads format {FORMAT_VERSION} only (docs/layout.md, 'Formats'). Its "
+                "tensors cannot be read here: open another namespace, or remove the "
+                f"directory {self.namespace!r} under the root if its tensors are not needed"
+            )
+
+    def _configure_direct_io(self, mode: str) -> None:
+        try:
+            self._direct = self._io.configure_direct_io(mode, f"{self.namespace}/direct-probe")
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore({self._url}): {e}") from None
 
     def _resume(self, index_log: IndexLog) -> None:
         records = index_log.load()
@@ -351,6 +410,44 @@ class ZarrStore(BlobStore):
         data = memoryview(payload).cast("B") if n else memoryview(b"")
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
+        return self._put(meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk))
+
+    def put_aligned(self, meta: TensorMeta, buffer: Any) -> str:
+        """Store ``buffer[:meta.nbytes]`` like :meth:`put_blob`, straight from ``buffer``.
+
+        For callers that already hold a tensor's bytes in page-aligned memory (a pinned
+        staging buffer a device-to-host copy landed in, or an array from
+        :meth:`get_blob`): ``buffer`` is a writable buffer that starts on a
+        ``BLOCK_BYTES`` (4 KiB) boundary and has at least ``round_up(nbytes, 4096)``
+        bytes; the store may overwrite the bytes after ``nbytes`` up to that length
+        (zero padding). With direct I/O the chunks are written from ``buffer`` itself:
+        no host copy. Otherwise this is :meth:`put_blob`. The buffer is consumed
+        before this returns. Raises :class:`ConfigError` for a misaligned or short
+        buffer (nothing is written).
+        """
+        n = meta.nbytes
+        try:
+            region = memoryview(buffer).cast("B")
+        except TypeError as e:
+            raise ConfigError(
+                f"ZarrStore.put_aligned: expected a buffer, got {type(buffer).__name__}"
+            ) from e
+        need = round_up(n)
+        if region.readonly or len(region) < need or (n and address_of(region) % BLOCK_BYTES):
+            raise ConfigError(
+                "ZarrStore.put_aligned: the buffer must be writable, start on a "
+                f"{BLOCK_BYTES}-byte boundary and hold at least {need} bytes for a "
+                f"{n}-byte payload; got "
+                f"{len(region)} bytes{' (read-only)' if region.readonly else ''} at address "
+                f"offset {address_of(region) % BLOCK_BYTES if len(region) else 0}; use put_blob "
+                "for other buffers"
+            )
+        return self._put(
+            meta, lambda paths, chunk: self._codec.write_aligned(self._io, paths, region, n, chunk)
+        )
+
+    def _put(self, meta: TensorMeta, write: Callable[[list[str], int], bytes]) -> str:
+        n = meta.nbytes
         chunk, count = self._alloc.layout(n)
         with self._lock:
             self._check_open()
@@ -365,7 +462,7 @@ class ZarrStore(BlobStore):
             if count and chunk not in self._segments_made:  # the first put of a class
                 with self._lock:
                     self._ensure_segment(chunk)
-            crcs = self._codec.write(self._io, paths, data, chunk) if count else b""
+            crcs = write(paths, chunk) if count else b""
         except Exception as e:
             self._undo_put(run, paths)
             raise self._put_error(key, e) from e
@@ -437,14 +534,19 @@ class ZarrStore(BlobStore):
         return self._entry(key).meta
 
     def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
+        """The metadata and the payload in a writable, page-aligned uint8 array: from
+        :data:`~tensorstore_hooks._aligned.POOL_MIN_BYTES` up, a pooled buffer that
+        goes back to the pool when the array and everything made from it (a tensor's
+        storage) are gone (NOTE [ Aligned buffers ])."""
         entry = self._entry(key)
-        out = np.empty(entry.meta.nbytes, dtype=np.uint8)
+        n = entry.meta.nbytes
         if not entry.count:
-            return entry.meta, out
+            return entry.meta, np.empty(n, dtype=np.uint8)
+        out, region = self._pool.lend(n)
         paths = self._run_paths(entry.run)
         what = f"ZarrStore({self._url}): key {key!r}"
         try:
-            self._codec.read(self._io, paths, out, entry.chunk, entry.crc, what)
+            self._codec.read(self._io, paths, region, n, entry.chunk, entry.crc, what)
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
@@ -529,6 +631,24 @@ class ZarrStore(BlobStore):
         """True if this store made its own temporary directory (removed at close)."""
         return self._temporary
 
+    @property
+    def direct_io(self) -> DirectIOStatus:
+        """Whether chunk files are written and read with ``O_DIRECT``, what was asked
+        (``direct_io=``) and, when off, why (NOTE [ Direct I/O ] in ``_chunkio.py``)."""
+        return self._direct
+
+    @property
+    def buffers(self) -> PoolStats:
+        """The aligned buffers this store holds: idle in its pool, lent as tensor
+        storage, staging writes (NOTE [ Aligned buffers ] in ``_aligned.py``)."""
+        return self._pool.stats
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of aligned buffers this store holds right now (idle + in use): memory
+        beyond the tensors themselves that a caller's budget should count."""
+        return self._pool.stats.held_bytes
+
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
         with self._lock:
@@ -563,6 +683,7 @@ class ZarrStore(BlobStore):
                 self._io.remove_tree(self.namespace)
         self._finalizer()  # releases the namespace lock last, removes a temporary root
         self._io.close()
+        self._pool.close()
 
 
 def _finalize(index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None) -> None:
