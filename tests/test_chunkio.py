@@ -162,7 +162,7 @@ def test_tmpfs_refuses_direct_io_once_at_info(caplog: pytest.LogCaptureFixture) 
         assert (
             len(said) == 1 and said[0].levelno == logging.INFO and "tmpfs" in said[0].getMessage()
         )
-        with pytest.raises(ConfigError, match="tmpfs.*direct_io='auto'"):
+        with pytest.raises(ConfigError, match=r"tmpfs.*direct_io='auto'"):
             LocalIO(str(root)).configure_direct_io("on", "c/probe")
         off = LocalIO(str(root)).configure_direct_io("off", "d/probe")
         assert not off.enabled and off.reason == "direct_io is 'off'"
