@@ -304,6 +304,36 @@ def test_inspect_lists_namespaces_of_both_formats(tmp_path: Path) -> None:
         listing = inspect_root(str(root))
     names = {n["name"]: n for n in listing["namespaces"]}
     assert names["new"]["tensors"] == 1 and names["old"]["tensors"] == 0
+    assert (names["new"]["format"], names["old"]["format"]) == (3, 2)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorstore_hooks", "inspect", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "namespace old  (format 2, not readable by this version" in done.stdout
+    assert "namespace new  (format 3, chunk" in done.stdout
+
+
+def test_offloaded_bytes_leave_the_page_cache(direct_root: Path, tmp_path: Path) -> None:
+    """What direct I/O is for: a stored tensor's chunk files are not in RAM (with
+    direct_io off they are); chunks of the small classes stay buffered by design."""
+    from .test_chunkio import _resident_pages
+
+    def resident(root: Path, store: ZarrStore, key: str) -> int:
+        e = _journal_entries(root / "ns")[key]
+        seg = root / "ns" / f"seg-{e['seg']}" / "c"
+        return sum(_resident_pages(str(seg / str(e["start"] + i))) for i in range(e["count"]))
+
+    with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
+        big = store.put(torch.randn(3 * MiB))  # 12 MiB: 8 MiB + 4 MiB chunks
+        small = store.put(torch.randn(16 * KiB))  # one 64 KiB chunk: below the floor
+        assert resident(direct_root, store, big) == 0
+        assert resident(direct_root, store, small) > 0
+    buffered_root = tmp_path / "buffered"
+    with ZarrStore(buffered_root, namespace="ns", direct_io="off") as store:
+        big = store.put(torch.randn(3 * MiB))
+        assert resident(buffered_root, store, big) > 0
 
 
 # ------------------------------------------------------------ faults and crashes

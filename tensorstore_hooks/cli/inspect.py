@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Describe the ZarrStore root at ``url`` without writing to it.
 
-    Returns ``{"url", "format", "namespaces": [{"name", "chunk_bytes", "codec",
+    Returns ``{"url", "format", "namespaces": [{"name", "format", "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
     "device", "framework", "nbytes", "stored_bytes"}], "damage": [str], "error": str |
     None}], "totals": {...}, "problems": [str]}``. ``stored_bytes`` counts whole chunks
@@ -127,6 +127,7 @@ def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     attrs = attrs or {}
     ns: dict[str, Any] = {
         "name": name,
+        "format": attrs.get("format"),
         "chunk_bytes": attrs.get("chunk_bytes"),
         "codec": attrs.get("codec"),
         "tensors": 0,
@@ -192,13 +193,17 @@ def _count(n: int, noun: str) -> str:
 
 def _format(listing: dict[str, Any]) -> str:
     from .._units import format_bytes as fb
+    from .._zarr_store import FORMAT_VERSION
 
     lines = [f"store {listing['url']}  (tensorstore-hooks format {listing['format']})"]
     for ns in listing["namespaces"]:
         chunk = fb(ns["chunk_bytes"]) if isinstance(ns["chunk_bytes"], int) else "?"
         lines.append("")
+        fmt = ns.get("format")
+        old = "" if fmt in (None, FORMAT_VERSION) else ", not readable by this version"
         lines.append(
-            f"namespace {ns['name']}  (chunk {chunk}, codec {ns['codec'] or '?'}): "
+            f"namespace {ns['name']}  (format {fmt if fmt is not None else '?'}{old}, "
+            f"chunk {chunk}, codec {ns['codec'] or '?'}): "
             f"{_count(ns['tensors'], 'tensor')}, {fb(ns['bytes'])}"
         )
         if ns["error"]:
