@@ -482,19 +482,26 @@ def probe_direct_io(directory: str, probe_name: str | None = None) -> tuple[bool
     """Whether ``O_DIRECT`` chunk I/O works in ``directory`` (which must exist), and if
     not, why (NOTE [ Direct I/O ] rule 2). Creates and removes one probe file
     (``probe_name``, default a unique hidden name); never raises for a refusal."""
+    ok, why, _ = _probe(directory, probe_name)
+    return ok, why
+
+
+def _probe(directory: str, probe_name: str | None) -> tuple[bool, str, bool]:
+    """:func:`probe_direct_io`, plus whether the answer holds for good (a filesystem
+    that refuses O_DIRECT) or may change (no room for the probe file, no permission)."""
     if not _O_DIRECT:
-        return False, "this platform has no O_DIRECT"
+        return False, "this platform has no O_DIRECT", True
     ram = _ram_filesystem(directory)
     if ram is not None:
-        return False, f"the root is on {ram}, whose files live in RAM"
+        return False, f"the root is on {ram}, whose files live in RAM", True
     name = probe_name or f".tsh-direct-probe-{os.getpid()}-{secrets.token_hex(4)}"
     path = os.path.join(directory, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT, 0o600)
     except OSError as e:
         if e.errno == errno.EINVAL:
-            return False, "the filesystem refuses O_DIRECT"
-        return False, f"cannot create a probe file ({e.strerror})"
+            return False, "the filesystem refuses O_DIRECT", True
+        return False, f"cannot create a probe file ({e.strerror})", False
     try:
         out, back = AlignedBuffer(BLOCK_BYTES), AlignedBuffer(BLOCK_BYTES)
         out.view[:] = (b"tsh-direct-probe" * (BLOCK_BYTES // 16))[:BLOCK_BYTES]
@@ -502,10 +509,15 @@ def probe_direct_io(directory: str, probe_name: str | None = None) -> tuple[bool
             os.pwrite(fd, out.view, 0)
             got = os.preadv(fd, [back.view], 0)
         except OSError as e:
-            return False, f"O_DIRECT I/O of {BLOCK_BYTES}-byte blocks fails ({e.strerror})"
+            definitive = e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+            return (
+                False,
+                f"O_DIRECT I/O of {BLOCK_BYTES}-byte blocks fails ({e.strerror})",
+                definitive,
+            )
         if got != BLOCK_BYTES or back.view != out.view:
-            return False, "O_DIRECT reads did not return what was written"
-        return True, ""
+            return False, "O_DIRECT reads did not return what was written", True
+        return True, "", True
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -520,8 +532,10 @@ def _probe_cached(root: str, probe_file: str) -> tuple[bool, str]:
         hit = _probed.get(key)
         if hit is not None:
             return hit
-        result = probe_direct_io(os.path.dirname(probe_file), os.path.basename(probe_file))
-        _probed[key] = result
+        ok, why, definitive = _probe(os.path.dirname(probe_file), os.path.basename(probe_file))
+        result = (ok, why)
+        if definitive:  # a full disk or a permission problem is asked again next time
+            _probed[key] = result
     if not result[0]:
         log.info(
             "direct I/O is off under %s: %s; chunk files go through the page cache", key, result[1]

@@ -228,3 +228,28 @@ class TestFsspecMemory(_FsspecBase):
         io.close()
         if fs.exists(root):
             fs.rm(root, recursive=True)
+
+
+def test_a_probe_that_may_change_its_answer_is_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe file that could not be made (a full disk, permissions) says nothing
+    about the filesystem: the next store on that root probes again; a filesystem's own
+    answer (tmpfs, EINVAL) is kept for the process."""
+    from tensorstore_hooks import _chunkio
+
+    answers = [(False, "cannot create a probe file (No space left on device)", False)]
+    answers.append((True, "", True))
+    calls: list[str] = []
+
+    def fake(directory: str, name: str | None) -> tuple[bool, str, bool]:
+        calls.append(directory)
+        return answers[min(len(calls), len(answers)) - 1]
+
+    monkeypatch.setattr(_chunkio, "_probe", fake)
+    root = tmp_path / "root"
+    first = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
+    assert not first.enabled and "No space" in first.reason
+    second = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
+    third = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
+    assert second.enabled and third.enabled and len(calls) == 2
