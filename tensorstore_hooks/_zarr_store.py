@@ -26,6 +26,28 @@ objects ] in ``_chunkcodec.py``: what Zarr reads for them) and a delete frees th
 chunk runs are reused. I/O bypasses zarr's async machinery (tens of microseconds a call)
 and writes the keys and encodings that ``zarr.open_array`` reads back.
 
+NOTE [ Aligned I/O entry points ]
+For callers that move a tensor's bytes through page-aligned host memory of their own
+(the pipeline's CUDA staging: a device-to-host copy lands in a pinned buffer, and a
+host-to-device copy leaves from one), two methods skip the store's own buffers:
+
+1. ``put_aligned(meta, buffer)``: the chunks are written with ``O_DIRECT`` straight
+   from ``buffer`` (no host copy); ``get_into(key, buffer)``: the chunks are read
+   straight into it. ``buffer`` starts on a 4 KiB boundary, is writable and holds at
+   least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to there are
+   the store's to overwrite (zero padding on a put, whole blocks on a get). A buffer
+   that does not qualify is a ``ConfigError`` and nothing is transferred.
+2. Both return when the transfer is over: the buffer is the caller's again.
+3. Without direct I/O (tmpfs, ``direct_io="off"``, object stores) they are
+   ``put_blob`` and a read + copy: always correct, only not copy-free.
+4. What the store itself holds for everyone else is ``buffers`` (``PoolStats``):
+   read buffers lent as tensor storage (a tensor's ``nbytes`` rounded up to 4 KiB,
+   returned when the tensor dies), staging buffers in use by writes (at most one
+   chunk per writing thread), and idle buffers kept for reuse (at most
+   ``buffer_pool_bytes``, settable with ``set_buffer_pool_bytes``). A caller that
+   budgets memory counts the lent ones where the tensors are counted and the idle
+   and staging ones beside them.
+
 NOTE [ Spare chunk files ]
 A training loop frees and re-saves the same sizes every step. On a local filesystem,
 unlinking a chunk file and creating it again costs the kernel 3-10x more than
@@ -176,53 +198,75 @@ def make_io(
 class ZarrStore(BlobStore):
     """Tensors in chunked Zarr v3 arrays under a local path or any fsspec URL.
 
-    ``url``: a bare path, ``file://``, ``memory://`` (private to this object), or any
-    fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
-    ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
+        ``url``: a bare path, ``file://``, ``memory://`` (private to this object), or any
+        fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
+        ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
 
-    Each instance writes into its own *namespace* under the root (``host-pid-random``,
-    prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
-    so several processes and ranks can share a root. Opening a
-    named namespace that exists resumes it: its keys are readable again. On a local
-    root a namespace is locked (``flock`` on ``NS/lock``) while a store object has it
-    open: a second opener, in this process or another, gets a
-    :class:`StoreUnavailableError` naming the holder. Object stores have no lock:
-    give each writer its own namespace (the default does).
+        Each instance writes into its own *namespace* under the root (``host-pid-random``,
+        prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
+        so several processes and ranks can share a root. Opening a
+        named namespace that exists resumes it: its keys are readable again. On a local
+        root a namespace is locked (``flock`` on ``NS/lock``) while a store object has it
+        open: a second opener, in this process or another, gets a
+        :class:`StoreUnavailableError` naming the holder. Object stores have no lock:
+        give each writer its own namespace (the default does).
 
-    ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
-    transient failures (throttling, 5xx, connection resets) before it raises
-    :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
-    when the store is opened.
+        ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
+        transient failures (throttling, 5xx, connection resets) before it raises
+        :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
+        when the store is opened.
 
-    ``spare_bytes`` (local directories): how many bytes of deleted keys' chunk files
-    to keep for rewriting in place (NOTE [ Spare chunk files ]); ``None`` (default):
-    up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
-    directory holds exactly the live keys.
+        ``spare_bytes`` (local directories): how many bytes of deleted keys' chunk files
+        to keep for rewriting in place (NOTE [ Aligned I/O entry points ]
+    For callers that move a tensor's bytes through page-aligned host memory of their own
+    (the pipeline's CUDA staging: a device-to-host copy lands in a pinned buffer, and a
+    host-to-device copy leaves from one), two methods skip the store's own buffers:
 
-    ``direct_io`` (local directories): ``"auto"`` (default) writes and reads chunk
-    files with ``O_DIRECT`` where the filesystem allows it (not tmpfs), so offloaded
-    bytes leave RAM and cost no page-cache copy; ``"on"`` requires it
-    (:class:`ConfigError` where it cannot be had); ``"off"`` goes through the page
-    cache. :attr:`direct_io` says what was chosen and why (NOTE [ Direct I/O ] in
-    ``_chunkio.py``).
+    1. ``put_aligned(meta, buffer)``: the chunks are written with ``O_DIRECT`` straight
+       from ``buffer`` (no host copy); ``get_into(key, buffer)``: the chunks are read
+       straight into it. ``buffer`` starts on a 4 KiB boundary, is writable and holds at
+       least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to there are
+       the store's to overwrite (zero padding on a put, whole blocks on a get). A buffer
+       that does not qualify is a ``ConfigError`` and nothing is transferred.
+    2. Both return when the transfer is over: the buffer is the caller's again.
+    3. Without direct I/O (tmpfs, ``direct_io="off"``, object stores) they are
+       ``put_blob`` and a read + copy: always correct, only not copy-free.
+    4. What the store itself holds for everyone else is ``buffers`` (``PoolStats``):
+       read buffers lent as tensor storage (a tensor's ``nbytes`` rounded up to 4 KiB,
+       returned when the tensor dies), staging buffers in use by writes (at most one
+       chunk per writing thread), and idle buffers kept for reuse (at most
+       ``buffer_pool_bytes``, settable with ``set_buffer_pool_bytes``). A caller that
+       budgets memory counts the lent ones where the tensors are counted and the idle
+       and staging ones beside them.
 
-    ``buffer_pool_bytes``: how many bytes of idle page-aligned buffers (direct-write
-    staging, and read buffers that came back from dead tensors) to keep for reuse;
-    ``None`` (default): :data:`DEFAULT_BUFFER_POOL_BYTES`. What the pool holds is
-    :attr:`buffers` (NOTE [ Aligned buffers ] in ``_aligned.py``).
+    NOTE [ Spare chunk files ]); ``None`` (default):
+        up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
+        directory holds exactly the live keys.
 
-    Reads: ``get``/``get_blob`` return tensors whose storage is the buffer the bytes
-    were read into (no copy; a tensor with a storage offset or a gapped view is
-    rebuilt by the codec). :meth:`put_aligned` writes from a caller's aligned
-    buffer with no copy at all.
+        ``direct_io`` (local directories): ``"auto"`` (default) writes and reads chunk
+        files with ``O_DIRECT`` where the filesystem allows it (not tmpfs), so offloaded
+        bytes leave RAM and cost no page-cache copy; ``"on"`` requires it
+        (:class:`ConfigError` where it cannot be had); ``"off"`` goes through the page
+        cache. :attr:`direct_io` says what was chosen and why (NOTE [ Direct I/O ] in
+        ``_chunkio.py``).
 
-    Errors: a put that fails for any OS reason raises a TensorStoreError
-    (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
-    chunks are deleted and nothing is journaled. A damaged index is replayed as far
-    as it goes (:attr:`damage`, NOTE [ Journal records ] in ``_index.py``).
+        ``buffer_pool_bytes``: how many bytes of idle page-aligned buffers (direct-write
+        staging, and read buffers that came back from dead tensors) to keep for reuse;
+        ``None`` (default): :data:`DEFAULT_BUFFER_POOL_BYTES`. What the pool holds is
+        :attr:`buffers` (NOTE [ Aligned buffers ] in ``_aligned.py``).
 
-    Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
-    index is guarded by a lock and chunk I/O happens outside it.
+        Reads: ``get``/``get_blob`` return tensors whose storage is the buffer the bytes
+        were read into (no copy; a tensor with a storage offset or a gapped view is
+        rebuilt by the codec). :meth:`put_aligned` writes from a caller's aligned
+        buffer with no copy at all.
+
+        Errors: a put that fails for any OS reason raises a TensorStoreError
+        (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
+        chunks are deleted and nothing is journaled. A damaged index is replayed as far
+        as it goes (:attr:`damage`, NOTE [ Journal records ] in ``_index.py``).
+
+        Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
+        index is guarded by a lock and chunk I/O happens outside it.
     """
 
     def __init__(
@@ -413,7 +457,8 @@ class ZarrStore(BlobStore):
         return self._put(meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk))
 
     def put_aligned(self, meta: TensorMeta, buffer: Any) -> str:
-        """Store ``buffer[:meta.nbytes]`` like :meth:`put_blob`, straight from ``buffer``.
+        """Store ``buffer[:meta.nbytes]`` like :meth:`put_blob`, straight from ``buffer``
+        (NOTE [ Aligned I/O entry points ]).
 
         For callers that already hold a tensor's bytes in page-aligned memory (a pinned
         staging buffer a device-to-host copy landed in, or an array from
@@ -422,26 +467,11 @@ class ZarrStore(BlobStore):
         bytes; the store may overwrite the bytes after ``nbytes`` up to that length
         (zero padding). With direct I/O the chunks are written from ``buffer`` itself:
         no host copy. Otherwise this is :meth:`put_blob`. The buffer is consumed
-        before this returns. Raises :class:`ConfigError` for a misaligned or short
-        buffer (nothing is written).
+        before this returns. Raises :class:`ConfigError` for a misaligned, short or
+        read-only buffer (nothing is written).
         """
         n = meta.nbytes
-        try:
-            region = memoryview(buffer).cast("B")
-        except TypeError as e:
-            raise ConfigError(
-                f"ZarrStore.put_aligned: expected a buffer, got {type(buffer).__name__}"
-            ) from e
-        need = round_up(n)
-        if region.readonly or len(region) < need or (n and address_of(region) % BLOCK_BYTES):
-            raise ConfigError(
-                "ZarrStore.put_aligned: the buffer must be writable, start on a "
-                f"{BLOCK_BYTES}-byte boundary and hold at least {need} bytes for a "
-                f"{n}-byte payload; got "
-                f"{len(region)} bytes{' (read-only)' if region.readonly else ''} at address "
-                f"offset {address_of(region) % BLOCK_BYTES if len(region) else 0}; use put_blob "
-                "for other buffers"
-            )
+        region = _aligned_region(buffer, n, "put_aligned")
         return self._put(
             meta, lambda paths, chunk: self._codec.write_aligned(self._io, paths, region, n, chunk)
         )
@@ -543,10 +573,34 @@ class ZarrStore(BlobStore):
         if not entry.count:
             return entry.meta, np.empty(n, dtype=np.uint8)
         out, region = self._pool.lend(n)
+        self._read_into(key, entry, region)
+        return entry.meta, out
+
+    def get_into(self, key: str, buffer: Any) -> TensorMeta:
+        """Read ``key``'s payload into the first ``nbytes`` of ``buffer`` and return its
+        metadata (NOTE [ Aligned I/O entry points ]).
+
+        ``buffer``: writable, starting on a ``BLOCK_BYTES`` (4 KiB) boundary, at least
+        ``round_up(nbytes, 4096)`` bytes (a direct read fills whole blocks: the bytes
+        after ``nbytes`` up to there are overwritten). With direct I/O the chunks land
+        in it straight from the disk. Raises :class:`ConfigError` for a buffer that is
+        misaligned, short or read-only (nothing is read), and what :meth:`get_blob`
+        raises.
+        """
+        entry = self._entry(key)
+        n = entry.meta.nbytes
+        region = _aligned_region(buffer, n, "get_into")
+        if entry.count:
+            self._read_into(key, entry, region)
+        return entry.meta
+
+    def _read_into(self, key: str, entry: _Entry, region: memoryview) -> None:
         paths = self._run_paths(entry.run)
         what = f"ZarrStore({self._url}): key {key!r}"
         try:
-            self._codec.read(self._io, paths, region, n, entry.chunk, entry.crc, what)
+            self._codec.read(
+                self._io, paths, region, entry.meta.nbytes, entry.chunk, entry.crc, what
+            )
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
@@ -566,7 +620,6 @@ class ZarrStore(BlobStore):
         # the bound checksums catch that, and so does this.
         if key not in self._index:
             raise self._missing(key)
-        return entry.meta, out
 
     def _missing(self, key: str) -> KeyNotFoundError:
         return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")
@@ -649,6 +702,11 @@ class ZarrStore(BlobStore):
         beyond the tensors themselves that a caller's budget should count."""
         return self._pool.stats.held_bytes
 
+    def set_buffer_pool_bytes(self, nbytes: int) -> None:
+        """How many idle aligned bytes to keep from now on (trims at once if lower):
+        for a caller that sizes the pool from its own windows and budgets."""
+        self._pool.set_idle_limit(nbytes)
+
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
         with self._lock:
@@ -684,6 +742,28 @@ class ZarrStore(BlobStore):
         self._finalizer()  # releases the namespace lock last, removes a temporary root
         self._io.close()
         self._pool.close()
+
+
+def _aligned_region(buffer: Any, n: int, what: str) -> memoryview:
+    """``buffer`` as a writable byte view that a direct transfer of ``n`` bytes may use
+    (NOTE [ Aligned I/O entry points ]), or a ConfigError saying what is wrong."""
+    try:
+        region = memoryview(buffer).cast("B")
+    except TypeError as e:
+        raise ConfigError(
+            f"ZarrStore.{what}: expected a buffer, got {type(buffer).__name__}"
+        ) from e
+    need = round_up(n)
+    offset = address_of(region) % BLOCK_BYTES if len(region) else 0
+    if region.readonly or len(region) < need or (n and offset):
+        raise ConfigError(
+            f"ZarrStore.{what}: the buffer must be writable, start on a "
+            f"{BLOCK_BYTES}-byte boundary and hold at least {need} bytes for a "
+            f"{n}-byte payload; got {len(region)} bytes"
+            f"{' (read-only)' if region.readonly else ''} at address offset {offset}; "
+            "use put_blob / get_blob for other buffers"
+        )
+    return region
 
 
 def _finalize(index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None) -> None:

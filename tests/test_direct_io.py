@@ -224,6 +224,47 @@ def test_put_aligned_refuses_buffers_it_cannot_write_from(direct_root: Path) -> 
         assert len(store) == 0  # nothing was written
 
 
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+def test_get_into_reads_into_the_callers_buffer(direct_root: Path, direct_io: str) -> None:
+    """The read side of the CUDA path: the chunks land in a page-aligned buffer the
+    caller owns (a pinned staging buffer), with direct I/O straight from the disk."""
+    t = torch.randint(0, 255, (9 * MiB + 5,), dtype=torch.uint8)
+    with ZarrStore(direct_root, namespace="ns", direct_io=direct_io) as store:
+        key = store.put(t)
+        buf = AlignedBuffer(10 * MiB)
+        landed: list[int] = []
+        real = store._io.read_aligned
+
+        def spy(path: str, view: memoryview) -> tuple[int, int]:
+            landed.append(address_of(view))
+            return real(path, view)
+
+        store._io.read_aligned = spy  # type: ignore[method-assign]
+        before = store.buffers.allocations + store.buffers.reuses
+        meta = store.get_into(key, buf.view)
+        assert meta.nbytes == t.numel()
+        assert np.array_equal(np.frombuffer(buf.view, np.uint8, count=t.numel()), t.numpy())
+        assert store.buffers.allocations + store.buffers.reuses == before  # no buffer of ours
+        start = address_of(buf.view)
+        if direct_io == "on":
+            assert landed[0] == start and all(start <= a < start + 10 * MiB for a in landed)
+        else:
+            assert not landed
+        with pytest.raises(ConfigError, match="get_into: the buffer must be writable"):
+            store.get_into(key, buf.view[4096 : 4096 + 9 * MiB])  # one block short
+        store.set_buffer_pool_bytes(0)
+        assert store.buffers.idle_bytes == 0 and store.buffers.idle_limit_bytes == 0
+
+
+def test_get_into_from_a_compressed_store(tmp_path: Path) -> None:
+    t = torch.arange(300_000, dtype=torch.float32)
+    with ZarrStore(tmp_path, namespace="ns", codec="zstd:1", chunk_bytes="256KiB") as store:
+        buf = AlignedBuffer(2 * MiB)
+        meta = store.get_into(store.put(t), buf.view)
+        got = np.frombuffer(buf.view, dtype=np.float32, count=meta.nbytes // 4)
+        assert np.array_equal(got, t.numpy())
+
+
 # --------------------------------------------------------- modes and reporting
 def test_direct_io_modes_and_where_it_cannot_be_had(tmp_path: Path) -> None:
     with ZarrStore("memory://") as mem:
