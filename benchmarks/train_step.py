@@ -291,13 +291,11 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     hooks: Any = None
     scratch = tempfile.mkdtemp(prefix="tsh-bench-tutorial-")
     if mode.startswith("tsh-"):
-        import tensorstore_hooks as tsh
-
         url, options = _tsh_mode_store(mode)
         options.update(_parse_tsh_options(args.tsh_option))
         if budget is not None:
             options["device_budget"] = budget
-        hooks = tsh.offload(url, **options)
+        hooks = _open_tsh_hooks(url, options, args.tsh_store_option)
 
     def context() -> Any:
         if mode in ("none", "checkpoint"):
@@ -387,6 +385,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         torch.save(mine, ref_path)
     if hooks is not None:
         hooks.close()
+        if args.tsh_store_option:
+            hooks.store.close()  # opened here, not by offload()
     return {
         "mode": args.mode,
         "round": args.round,
@@ -433,6 +433,19 @@ def _tsh_mode_store(mode: str) -> tuple[str | None, dict[str, Any]]:
     if mode == "tsh-disk-buffered":
         return None, {"direct_io": "off"}
     return None, {}  # tsh-disk: direct_io "auto"
+
+
+def _open_tsh_hooks(url: str | None, options: dict[str, Any], store_items: list[str]) -> Any:
+    """``tsh.offload(url, **options)``; with ``--tsh-store-option``, the store is opened
+    here with those options (e.g. ``buffer_pool_bytes``) and handed to ``offload``."""
+    import tensorstore_hooks as tsh
+
+    if not store_items:
+        return tsh.offload(url, **options)
+    store_options = _parse_tsh_options(store_items)
+    if "direct_io" in options:
+        store_options.setdefault("direct_io", options.pop("direct_io"))
+    return tsh.offload(tsh.open_store(url, **store_options), **options)
 
 
 def _worker_group() -> Any:
@@ -543,6 +556,8 @@ def _worker_argv(
             argv += [f"--{name.replace('_', '-')}", str(value)]
     for opt in args.tsh_option:
         argv += ["--tsh-option", opt]
+    for opt in args.tsh_store_option:
+        argv += ["--tsh-store-option", opt]
     if args.io_nice is not None:
         argv += ["--io-nice", str(args.io_nice)]
     return argv
@@ -1041,6 +1056,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3600.0,
         metavar="SECONDS",
         help="give up on a worker after this long (reported as timed out under a limit)",
+    )
+    p.add_argument(
+        "--tsh-store-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for tsh.open_store() in the tsh-* modes (the store is then opened by "
+        "the benchmark), e.g. buffer_pool_bytes=256MiB (repeatable)",
     )
     p.add_argument(
         "--io-nice",
