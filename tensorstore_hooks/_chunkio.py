@@ -73,6 +73,7 @@ __all__ = [
     "FsspecIO",
     "LocalIO",
     "MemoryIO",
+    "direct_io_readonly_check",
     "probe_direct_io",
 ]
 
@@ -484,6 +485,25 @@ def probe_direct_io(directory: str, probe_name: str | None = None) -> tuple[bool
     (``probe_name``, default a unique hidden name); never raises for a refusal."""
     ok, why, _ = _probe(directory, probe_name)
     return ok, why
+
+
+def direct_io_readonly_check(root: str) -> str:
+    """What a store under ``root`` would get from ``direct_io="auto"``, found without
+    writing anything (for ``inspect``): ``"available (FS accepts O_DIRECT)"`` or
+    ``"off (why)"``. Opens the root's ``zarr.json`` with ``O_DIRECT`` for reading."""
+    if not _O_DIRECT:
+        return "off (this platform has no O_DIRECT)"
+    ram = _ram_filesystem(root)
+    if ram is not None:
+        return f"off (the root is on {ram}, whose files live in RAM)"
+    try:
+        fd = os.open(os.path.join(root, "zarr.json"), os.O_RDONLY | _O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return "off (the filesystem refuses O_DIRECT)"
+        return f"unknown ({e.strerror})"
+    os.close(fd)
+    return "available (the filesystem accepts O_DIRECT; direct_io=auto uses it)"
 
 
 def _probe(directory: str, probe_name: str | None) -> tuple[bool, str, bool]:

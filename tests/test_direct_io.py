@@ -157,6 +157,31 @@ def test_no_allocation_per_tensor_after_the_first_step(direct_root: Path) -> Non
         assert store.buffers.idle_bytes <= 64 * MiB
 
 
+def test_spare_chunk_files_are_rewritten_in_place_with_direct_io(direct_root: Path) -> None:
+    """NOTE [ Spare chunk files ] holds with O_DIRECT: a put/delete loop of the same
+    sizes rewrites the same files (still linked: never unlinked and created again),
+    whose size stays the chunk size, and reads back each step's bytes."""
+    sizes = [1 << 18, 3 << 18, (1 << 20) + 7]  # 1 MiB, 3 MiB, 4 MiB + 28 bytes (floats)
+    with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
+        keys = [store.put(torch.full((n,), 0.0)) for n in sizes]
+        files = sorted(p for p in direct_root.rglob("*") if p.is_file() and p.parent.name == "c")
+        fds = [os.open(p, os.O_RDONLY) for p in files]
+        try:
+            for step in range(1, 4):
+                store.delete_many(keys)
+                keys = [store.put(torch.full((n,), float(step))) for n in sizes]
+                assert [os.fstat(fd).st_nlink for fd in fds] == [1] * len(fds)
+                for key, n in zip(keys, sizes, strict=True):
+                    assert torch.equal(store.get(key), torch.full((n,), float(step)))
+            now = sorted(p for p in direct_root.rglob("*") if p.is_file() and p.parent.name == "c")
+            assert now == files
+            for path, fd in zip(files, fds, strict=True):  # exactly the class: seg-C/c/I
+                assert os.fstat(fd).st_size == int(path.parent.parent.name.removeprefix("seg-"))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
 def test_buffer_pool_bytes_bounds_idle_buffers(direct_root: Path) -> None:
     with ZarrStore(direct_root, namespace="ns", buffer_pool_bytes=0) as store:
         key = store.put(torch.ones(MiB))
@@ -286,6 +311,9 @@ def test_tmpfs_root_falls_back_and_says_so() -> None:
         with ZarrStore(root) as store:
             assert not store.direct_io.enabled and "tmpfs" in store.direct_io.reason
             assert torch.equal(store.get(store.put(torch.ones(MiB))), torch.ones(MiB))
+            from tensorstore_hooks.cli.inspect import inspect_root
+
+            assert inspect_root(str(root))["direct_io"].startswith("off (the root is on tmpfs")
         with pytest.raises(ConfigError, match="tmpfs"):
             ZarrStore(root, direct_io="on")
     finally:
@@ -353,6 +381,8 @@ def test_inspect_lists_namespaces_of_both_formats(tmp_path: Path) -> None:
         timeout=120,
     )
     assert "namespace old  (format 2, not readable by this version" in done.stdout
+    want = "available" if probe_direct_io(str(root))[0] else "off ("
+    assert f"direct I/O: {want}" in done.stdout and listing["direct_io"].startswith(want)
     assert "namespace new  (format 3, chunk" in done.stdout
 
 
