@@ -47,7 +47,7 @@ from ._policy import (
 )
 from ._units import Duration, OptSize, Size, check_size
 from ._urls import BadURLError
-from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec
+from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec, parse_direct_io
 from .errors import ConfigError
 
 __all__ = [
@@ -89,6 +89,9 @@ class StoreSettings:
     (``_zarr_options.CODEC_HELP``; ``zstd:0`` is refused)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Zarr chunk size in bytes: a power of two >= 4 KiB."""
+    direct_io: str = "auto"
+    """Local directories: ``auto`` (``O_DIRECT`` where the filesystem allows it), ``on``
+    (required) or ``off`` (page cache). See NOTE [ Direct I/O ] in ``_chunkio.py``."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class EffectiveConfig:
                 "storage_options": options,
                 "codec": self.store.codec,
                 "chunk_bytes": exact_size(self.store.chunk_bytes),
+                "direct_io": self.store.direct_io,
             },
             "pipeline": {
                 "max_inflight": _opt_exact(self.pipeline.max_inflight),
@@ -208,6 +212,10 @@ def _chunk_size(value: Any) -> int:
     return check_chunk_bytes(value)
 
 
+def _direct_io(value: Any) -> str:
+    return parse_direct_io(value)
+
+
 def _codec(value: Any) -> Any:
     parse_codec(value)  # also refuses None and other non-strings, with the allowed forms
     return value
@@ -239,6 +247,7 @@ class _StoreModel(_Model):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
+    direct_io: Annotated[str, BeforeValidator(_direct_io)] = "auto"
 
 
 class _PipelineModel(_Model):
@@ -318,6 +327,7 @@ class _ConfigModel(_Model):
                 storage_options=dict(s.storage_options),
                 codec=s.codec,
                 chunk_bytes=s.chunk_bytes,
+                direct_io=s.direct_io,
             ),
             pipeline=PipelineSettings(
                 max_inflight=p.max_inflight,
@@ -587,6 +597,7 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "storage_options": ("store", _StoreModel),
     "codec": ("store", _StoreModel),
     "chunk_bytes": ("store", _StoreModel),
+    "direct_io": ("store", _StoreModel),
 }
 OVERRIDE_KEYS: tuple[str, ...] = tuple(_OVERRIDES)
 """The keyword arguments of ``offload()`` that override config fields."""

@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Describe the ZarrStore root at ``url`` without writing to it.
 
-    Returns ``{"url", "format", "namespaces": [{"name", "chunk_bytes", "codec",
+    Returns ``{"url", "format", "direct_io", "namespaces": [{"name", "format",
+    "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
     "device", "framework", "nbytes", "stored_bytes"}], "damage": [str], "error": str |
     None}], "totals": {...}, "problems": [str]}``. ``stored_bytes`` counts whole chunks
@@ -74,10 +75,21 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     return {
         "url": io.url,
         "format": fmt,
+        "direct_io": _direct_io_here(io),
         "namespaces": namespaces,
         "totals": totals,
         "problems": problems,
     }
+
+
+def _direct_io_here(io: Any) -> str | None:
+    """Whether the root's filesystem takes O_DIRECT, found without writing: ``None``
+    for roots that are not local directories (NOTE [ Direct I/O ] in ``_chunkio.py``)."""
+    from .._chunkio import LocalIO, direct_io_readonly_check
+
+    if not isinstance(io, LocalIO):
+        return None
+    return direct_io_readonly_check(io.root)
 
 
 def _not_a_root(io: Any, why: str) -> Exception:
@@ -127,6 +139,7 @@ def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     attrs = attrs or {}
     ns: dict[str, Any] = {
         "name": name,
+        "format": attrs.get("format"),
         "chunk_bytes": attrs.get("chunk_bytes"),
         "codec": attrs.get("codec"),
         "tensors": 0,
@@ -192,13 +205,19 @@ def _count(n: int, noun: str) -> str:
 
 def _format(listing: dict[str, Any]) -> str:
     from .._units import format_bytes as fb
+    from .._zarr_store import FORMAT_VERSION
 
     lines = [f"store {listing['url']}  (tensorstore-hooks format {listing['format']})"]
+    if listing.get("direct_io") is not None:
+        lines.append(f"direct I/O: {listing['direct_io']}")
     for ns in listing["namespaces"]:
         chunk = fb(ns["chunk_bytes"]) if isinstance(ns["chunk_bytes"], int) else "?"
         lines.append("")
+        fmt = ns.get("format")
+        old = "" if fmt in (None, FORMAT_VERSION) else ", not readable by this version"
         lines.append(
-            f"namespace {ns['name']}  (chunk {chunk}, codec {ns['codec'] or '?'}): "
+            f"namespace {ns['name']}  (format {fmt if fmt is not None else '?'}{old}, "
+            f"chunk {chunk}, codec {ns['codec'] or '?'}): "
             f"{_count(ns['tensors'], 'tensor')}, {fb(ns['bytes'])}"
         )
         if ns["error"]:
