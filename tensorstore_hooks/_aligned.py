@@ -4,9 +4,10 @@ NOTE [ Aligned buffers ]
 ``O_DIRECT`` moves bytes between the disk and the caller's memory without the page
 cache, so that memory must be aligned (the buffer's address, its length and the file
 offset: 512 bytes on this machine's virtual disk, 4 KiB on many; :data:`BLOCK_BYTES`
-covers both). A torch CPU tensor is 64-byte aligned, never page-aligned, so a write
-stages its bytes in an aligned buffer (one copy), and a read lands in an aligned
-buffer that *becomes* the returned tensor's storage (no copy). Rules:
+covers both). A torch CPU tensor is 64-byte aligned, never page-aligned: a write goes
+from its own memory anyway (its bytes are stored rotated, NOTE [ Chunk objects ] in
+``_chunkcodec.py``), and a read lands in an aligned buffer that *becomes* the
+returned tensor's storage (no copy). Rules:
 
 1. A buffer is an anonymous private ``mmap``: page-aligned by the kernel, its own
    pages (``MAP_PRIVATE``: a forked child writing it never touches the parent's), and
@@ -18,7 +19,7 @@ buffer that *becomes* the returned tensor's storage (no copy). Rules:
 2. Below :data:`POOL_MIN_BYTES` a buffer is an aligned slice of an ordinary numpy
    allocation (the C heap reuses it for free; an ``mmap`` per small tensor would
    cost a system call and a mapping each) and is never pooled.
-3. A pooled buffer is *acquired* (staging: the caller gives it back with
+3. A pooled buffer is *acquired* (a write's copy buffer: the caller gives it back with
    :meth:`BufferPool.release`) or *lent* (:meth:`BufferPool.lend`: an ndarray over
    it, e.g. a tensor's storage, whose death gives the buffer back). Lending hangs a
    ``weakref.finalize`` on a ctypes array that exports the memory: every ndarray,
@@ -121,7 +122,7 @@ class PoolStats:
     idle_bytes: int
     """Buffers waiting in the pool (memory no tensor and no I/O uses right now)."""
     in_use_bytes: int
-    """Buffers lent (tensor storage) or acquired (staging a write) right now."""
+    """Buffers lent (tensor storage) or acquired (a write's copy buffer) right now."""
     peak_held_bytes: int
     """The most :attr:`held_bytes` has been."""
     idle_limit_bytes: int
@@ -149,7 +150,7 @@ class BufferPool:
         self._reuses = 0
         self._closed = False
 
-    # ---------------------------------------------------------------- staging
+    # ------------------------------------------------------------ acquiring
     def acquire(self, nbytes: int) -> AlignedBuffer:
         """A buffer of at least ``round_up(nbytes, PAGE_BYTES)`` bytes; give it back
         with :meth:`release`. Its contents are whatever it last held."""
@@ -200,24 +201,34 @@ class BufferPool:
         return out
 
     # ---------------------------------------------------------------- lending
-    def lend(self, nbytes: int) -> tuple[np.ndarray, memoryview]:
-        """A writable 1-D uint8 array of ``nbytes`` starting on a page boundary, and a
-        writable view of the ``round_up(nbytes, BLOCK_BYTES)`` bytes of aligned memory
-        that start with it (what a direct read fills).
+    def lend(self, nbytes: int, lead: int = 0) -> tuple[np.ndarray, memoryview]:
+        """A writable 1-D uint8 array of ``nbytes``, and a writable view of the
+        ``round_up(nbytes, BLOCK_BYTES)`` bytes of aligned memory a direct read fills.
+
+        ``lead == 0``: both start on the same page boundary. ``0 < lead <
+        BLOCK_BYTES``: the region starts on the buffer's second block and the array
+        ``lead`` bytes before it (so the array's address is ``-lead`` modulo 4 KiB:
+        the address alignment of a tensor whose bytes were stored rotated by
+        ``lead``, NOTE [ Chunk objects ] in ``_chunkcodec.py``); the region's last
+        ``lead`` payload bytes are then the caller's to move to the array's start.
 
         At least :data:`POOL_MIN_BYTES`, the memory is a pooled buffer that comes back
         to the pool when nothing references the array, anything made from it, or the
         view (rule 3); below, heap memory (rule 2).
         """
+        if not 0 <= lead < BLOCK_BYTES:
+            raise ValueError(f"BufferPool.lend: lead must be in [0, {BLOCK_BYTES}), got {lead}")
+        front = BLOCK_BYTES if lead else 0
         span = round_up(max(nbytes, 1), BLOCK_BYTES)
         if nbytes < POOL_MIN_BYTES:
-            region = aligned_empty(span)
-            return region[:nbytes], region.data[:span]
-        buf = self.acquire(nbytes)
-        holder = buf.exporter()
-        weakref.finalize(holder, self.release, buf).atexit = False
-        region = np.frombuffer(holder, dtype=np.uint8)
-        return region[:nbytes], region.data[:span]
+            whole = aligned_empty(front + span)
+        else:
+            buf = self.acquire(front + span)
+            holder = buf.exporter()
+            weakref.finalize(holder, self.release, buf).atexit = False
+            whole = np.frombuffer(holder, dtype=np.uint8)
+        start = front - lead
+        return whole[start : start + nbytes], whole.data[front : front + span]
 
     # ------------------------------------------------------------------ state
     @property

@@ -1,29 +1,44 @@
 """A tensor's chunks as objects on a :class:`~tensorstore_hooks._chunkio.ChunkIO`:
-the chunk layout (format 3), the optional compressor, and the checksums that bind
+the chunk layout (format 4), the optional compressor, and the checksums that bind
 each chunk to its place.
 
 NOTE [ Chunk objects ]
 A tensor of ``n`` payload bytes occupies a run of chunks of one size class ``C``
-(NOTE [ Segment layout ] in ``_zarr_store.py``); chunk ``i`` holds payload bytes
-``[i*C, min(n, (i+1)*C))``. Each chunk is one object, exactly what Zarr reads for a
-chunk of a 1-D uint8 array with codecs ``bytes`` [+ compressor]:
+(NOTE [ Segment layout ] in ``_zarr_store.py``). The run holds the *stored stream*:
+the payload rotated left by ``rot`` bytes (``0 <= rot < 4096``, in the tensor's
+index entry), i.e. ``payload[rot:]`` then ``payload[:rot]``, ``n`` bytes in all.
+Chunk ``i`` holds stream bytes ``[i*C, min(n, (i+1)*C))``. Each chunk is one object,
+exactly what Zarr reads for a chunk of a 1-D uint8 array with codecs ``bytes``
+[+ compressor]:
 
-1. Uncompressed: exactly ``C`` bytes, the payload slice and then padding. The
+1. Uncompressed: exactly ``C`` bytes, the stream slice and then padding. The
    padding is zeros in a new object (memory and object stores write it; a new local
    file is extended with a hole) and unspecified in a local chunk file rewritten in
    place (NOTE [ Spare chunk files ]): no reader takes it for a tensor's bytes.
-2. Compressed (``lz4``, ``zstd``): the compressor's output for the payload slice
+2. Compressed (``lz4``, ``zstd``): the compressor's output for the stream slice
    zero-padded to ``C``.
-3. No checksum inside the object (format 2 appended zarr's 4-byte ``crc32c``, so no
-   chunk file was a whole number of blocks). Uncompressed chunk files are now
-   block-aligned in size and offset, and local ones are written and read with
-   ``O_DIRECT`` where the filesystem allows it (NOTE [ Direct I/O ] in
-   ``_chunkio.py``): a write stages the bytes in a page-aligned pooled buffer (one
-   copy, none at all from :meth:`ChunkCodec.write_aligned`) and writes the blocks
-   that hold payload, a read lands in the buffer that becomes the tensor's storage.
-   Measured against the alternative of a trailer in an object of its own: see
-   docs/layout.md ("Why no checksum in the chunk").
-4. Size classes below :data:`DIRECT_MIN_CHUNK_BYTES` stay buffered even with direct
+3. No checksum inside the object: uncompressed chunk files are block-aligned in
+   size and offset, and local ones are written and read with ``O_DIRECT`` where the
+   filesystem allows it (NOTE [ Direct I/O ] in ``_chunkio.py``).
+4. Why the rotation: ``O_DIRECT`` needs the memory address, the file offset and the
+   length block-aligned, and a CPU tensor's bytes start 64 bytes past a page
+   boundary. With ``rot = -address mod 4096``, stream byte ``j < n - rot`` is
+   payload byte ``rot + j`` at ``address + rot + j``: page-aligned wherever ``j``
+   is. So each chunk is written by one ``pwritev`` straight from the tensor's own
+   memory (no copy), and only the last stream bytes (the payload's last partial
+   block and its first ``rot`` bytes, under 8 KiB) go through a zero-padded bounce
+   buffer; no byte outside the tensor reaches the disk. The run needs exactly ``n``
+   bytes, as without rotation (placing the payload at an in-chunk offset instead
+   would need ``rot + n``: an 8 MiB tensor would take nine 1 MiB chunks instead of
+   one 8 MiB chunk). A read lands the stream in a page-aligned buffer at a block
+   boundary, ``rot`` bytes after where the tensor's storage starts, and moves the
+   last ``rot`` bytes to the front (under 4 KiB): the storage keeps the original
+   address alignment, with no copy of the rest. Writes that cannot go from the
+   source (memory the kernel cannot pin for I/O, ``EFAULT``; compressed, buffered or
+   object-store chunks) store ``rot = 0``; a copied write copies the payload into a
+   pooled aligned buffer first, chunk by chunk (also what :attr:`ChunkCodec.zero_copy`
+   off does: the alternative measured in BENCHMARKS.md).
+5. Size classes below :data:`DIRECT_MIN_CHUNK_BYTES` stay buffered even with direct
    I/O on. Measured here at 64 KiB, a direct write + read costs 220 us and 88 us of
    CPU against 11 us for a buffered rewrite of the same file (two sleeps on the
    device and the page pinning, for little data), and what such chunks would keep in
@@ -31,25 +46,29 @@ chunk of a 1-D uint8 array with codecs ``bytes`` [+ compressor]:
 
 NOTE [ Bound chunk checksums ]
 Each chunk's crc32c is kept in the tensor's index entry only (``crc``: 4
-little-endian bytes per chunk, in order): of the payload slice the chunk holds
-(uncompressed) or of the whole object (compressed). A read checks every chunk
-against it, so a chunk that is corrupted, truncated, swapped with another, moved to
-another position or rewritten for another key (a key resurrected by a lost delete
-record) is an :class:`~tensorstore_hooks.IntegrityError`, never another tensor's
-bytes. Chunks whose bytes are identical compare equal, and then the bytes read are
-the right ones anyway. Plain zarr reads the arrays without any checksum; comparing
-with the index's ``crc`` is how an outside reader verifies (docs/layout.md).
+little-endian bytes per chunk, in order): of the stream slice the chunk holds
+(uncompressed) or of the whole object (compressed). A write computes it from the
+memory the chunk is written from (no copy), on the checksum thread while the write
+runs. A read checks every chunk against it, so a chunk that is corrupted, truncated,
+swapped with another, moved to another position or rewritten for another key (a
+key resurrected by a lost delete record) is an
+:class:`~tensorstore_hooks.IntegrityError`, never another tensor's bytes. Chunks
+whose bytes are identical compare equal, and then the bytes read are the right ones
+anyway. Plain zarr reads the arrays without any checksum; comparing with the index's
+``crc`` is how an outside reader verifies (docs/layout.md).
 """
 
 from __future__ import annotations
 
+import errno
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from ._aligned import BLOCK_BYTES, BufferPool, address_of, round_up
+from ._aligned import BLOCK_BYTES, BufferPool, address_of, aligned_empty, round_up
 from ._checksum import OVERLAP_BYTES, READ_PIECE_BYTES, RunningCrc, crc
 from ._chunkio import ChunkIO
 from ._zarr_options import parse_codec  # the one codec-spec parser (config uses it too)
@@ -61,12 +80,23 @@ DIRECT_MIN_CHUNK_BYTES = 256 << 10
 """Chunk size classes below this stay buffered even with direct I/O on (NOTE [ Chunk
 objects ] rule 4)."""
 _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))
+_bounce = threading.local()
+
+
+def _bounce_buffer() -> memoryview:
+    """This thread's two aligned blocks for the last stream bytes of a direct write
+    (NOTE [ Chunk objects ] rule 4); a write is over before its thread writes again."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = aligned_empty(2 * BLOCK_BYTES).data
+    return buf
 
 
 class ChunkCodec:
     """Encodes, writes, reads and verifies the chunks of one namespace. Thread-safe.
 
-    ``pool`` provides the aligned staging buffers of direct writes.
+    ``pool`` provides the aligned copy buffers of direct writes that cannot go from
+    the payload's own memory.
     """
 
     def __init__(self, codec: str, pool: BufferPool) -> None:
@@ -74,6 +104,9 @@ class ChunkCodec:
         self._compressor = _compressor(self.name, self.level)
         self._pool = pool
         self._zeros = b""
+        self.zero_copy = True
+        """Direct writes go from the payload's own memory (NOTE [ Chunk objects ] rule
+        4); ``False``: through a pooled copy buffer, one copy (for measurements)."""
 
     @property
     def compressed(self) -> bool:
@@ -88,16 +121,23 @@ class ChunkCodec:
         return []
 
     # ------------------------------------------------------------------ write
-    def write(self, io: ChunkIO, paths: Sequence[str], data: memoryview, chunk: int) -> bytes:
+    def write(
+        self, io: ChunkIO, paths: Sequence[str], data: memoryview, chunk: int
+    ) -> tuple[bytes, int]:
         """Write ``data`` as the chunks ``paths`` of ``chunk`` bytes each; returns their
-        crc32c values (NOTE [ Bound chunk checksums ])."""
+        crc32c values (NOTE [ Bound chunk checksums ]) and the rotation the stream was
+        stored with (NOTE [ Chunk objects ] rule 4)."""
         if self._compressor is not None:
-            return self._write_compressed(io, paths, data, chunk)
+            return self._write_compressed(io, paths, data, chunk), 0
         if io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES:
-            return self._write_direct(io, paths, data, chunk, in_place=False)
+            if self.zero_copy:
+                written = self._write_direct(io, paths, data, len(data), chunk, in_place=False)
+                if written is not None:
+                    return written
+            return self._write_copied(io, paths, data, chunk), 0
         if io.supports_rewrite_in_place:
-            return self._write_local(io, paths, data, chunk)
-        return self._write_objects(io, paths, data, chunk)
+            return self._write_local(io, paths, data, chunk), 0
+        return self._write_objects(io, paths, data, chunk), 0
 
     def write_aligned(
         self, io: ChunkIO, paths: Sequence[str], region: memoryview, n: int, chunk: int
@@ -105,80 +145,97 @@ class ChunkCodec:
         """:meth:`write` of ``region[:n]``, where ``region`` starts on a ``BLOCK_BYTES``
         boundary and has at least ``round_up(n, BLOCK_BYTES)`` writable bytes: with
         direct I/O every block goes to the disk straight from it (the bytes after
-        ``n`` up to the next block are zeroed first), with no copy at all."""
+        ``n`` up to the next block are zeroed first), with no copy at all and no
+        rotation."""
         if self._compressor is None and io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES:
-            return self._write_direct(io, paths, region, chunk, in_place=True, n=n)
-        return self.write(io, paths, region[:n], chunk)
+            written = self._write_direct(io, paths, region, n, chunk, in_place=True)
+            if written is not None:
+                return written[0]
+            return self._write_copied(io, paths, region[:n], chunk)
+        return self.write(io, paths, region[:n], chunk)[0]
 
     def _write_direct(
         self,
         io: ChunkIO,
         paths: Sequence[str],
         data: memoryview,
+        n: int,
         chunk: int,
         *,
         in_place: bool,
-        n: int | None = None,
+    ) -> tuple[bytes, int] | None:
+        """NOTE [ Chunk objects ] rule 4: every chunk in one ``pwritev`` from ``data``'s
+        own memory, the last stream bytes through a bounce buffer (``in_place``: an
+        aligned region the caller lets us pad: its padding is zeroed where it is and
+        nothing is bounced). Returns ``(crcs, rot)``, or ``None`` when ``data`` cannot
+        be written from (too short for a whole aligned block, or memory the kernel
+        refuses to pin): nothing acknowledged, the caller copies instead."""
+        rot = 0 if in_place else -address_of(data) % BLOCK_BYTES
+        whole = (n - rot) // BLOCK_BYTES * BLOCK_BYTES  # stream bytes sent from `data`
+        if whole <= 0 and not in_place:
+            return None
+        direct = data[rot : rot + whole]
+        if in_place:
+            tail = data[whole : round_up(n)]
+            tail[n - whole :] = _ZERO_BLOCK[: len(tail) - (n - whole)]
+        else:
+            tail = _bounce_buffer()
+            left = n - rot - whole  # the payload's last partial block, then its first rot bytes
+            tail[:left] = data[rot + whole : n]
+            tail[left : left + rot] = data[:rot]
+            padded = round_up(n - whole)
+            tail[n - whole : padded] = _ZERO_BLOCK[: padded - (n - whole)]
+        crcs = bytearray()
+        for i, path in enumerate(paths):
+            lo, hi = i * chunk, min(n, (i + 1) * chunk)
+            running = RunningCrc(background=hi - lo >= OVERLAP_BYTES)
+            try:
+                views: list[memoryview] = []
+                if lo < whole:
+                    views.append(direct[lo : min(hi, whole)])
+                    running.feed(views[-1])
+                if hi > whole:
+                    b_lo = max(lo, whole) - whole
+                    running.feed(tail[b_lo : hi - whole])
+                    views.append(tail[b_lo : round_up(hi - whole)])
+                try:
+                    io.write_aligned(path, views, chunk)
+                except OSError as e:
+                    if e.errno == errno.EFAULT:  # memory that cannot take part in I/O
+                        return None
+                    raise
+            finally:
+                # Never leave the helper reading a buffer the caller may reuse.
+                value = running.value()
+            crcs += value.to_bytes(4, "little")
+        return bytes(crcs), rot
+
+    def _write_copied(
+        self, io: ChunkIO, paths: Sequence[str], data: memoryview, chunk: int
     ) -> bytes:
-        """NOTE [ Chunk objects ] rule 3. ``in_place``: ``data`` is an aligned region
-        the caller lets us pad (see :meth:`write_aligned`); else its blocks are staged
-        in a pooled aligned buffer, or, when ``data`` happens to be aligned, sent from
-        it and only the last partial block staged."""
-        total = len(data) if n is None else n
-        aligned = in_place or address_of(data) % BLOCK_BYTES == 0
-        staging = None
-        tail = None
+        """Direct writes of chunks copied into a pooled aligned buffer (one copy): for
+        payloads :meth:`_write_direct` cannot send from their own memory."""
+        total = len(data)
+        copy = self._pool.acquire(round_up(min(chunk, total)))
         crcs = bytearray()
         try:
+            sv = copy.view
             for i, path in enumerate(paths):
                 lo = i * chunk
                 size = min(chunk, total - lo)
-                piece = data[lo : lo + size]
-                whole = size - size % BLOCK_BYTES
+                padded = round_up(size)
                 running = RunningCrc(background=size >= OVERLAP_BYTES)
                 try:
-                    views: list[memoryview] = []
-                    if aligned and in_place:
-                        running.feed(piece)
-                        padded = round_up(size)
-                        if padded > size:
-                            data[lo + size : lo + padded] = _ZERO_BLOCK[: padded - size]
-                        views.append(data[lo : lo + padded])
-                    elif aligned:
-                        running.feed(piece)
-                        if whole:
-                            views.append(piece[:whole])
-                        if size > whole:
-                            if tail is None:
-                                tail = self._pool.acquire(BLOCK_BYTES)
-                            tv = tail.view
-                            tv[: size - whole] = piece[whole:]
-                            tv[size - whole : BLOCK_BYTES] = _ZERO_BLOCK[
-                                : BLOCK_BYTES - size + whole
-                            ]
-                            views.append(tv[:BLOCK_BYTES])
-                    else:
-                        padded = round_up(size)
-                        if staging is None:
-                            staging = self._pool.acquire(round_up(min(chunk, total)))
-                        sv = staging.view
-                        sv[:size] = piece
-                        # The checksum reads the copy while it is still in the cache
-                        # (measured: 0.38 ms for 8 MiB against 0.5 ms from the source).
-                        running.feed(sv[:size])
-                        if padded > size:
-                            sv[size:padded] = _ZERO_BLOCK[: padded - size]
-                        views.append(sv[:padded])
-                    io.write_aligned(path, views, chunk)
+                    sv[:size] = data[lo : lo + size]
+                    # The checksum reads the copy while it is still in the cache.
+                    running.feed(sv[:size])
+                    sv[size:padded] = _ZERO_BLOCK[: padded - size]
+                    io.write_aligned(path, [sv[:padded]], chunk)
                 finally:
-                    # Never leave the helper reading a buffer the caller may reuse.
                     value = running.value()
                 crcs += value.to_bytes(4, "little")
         finally:
-            if staging is not None:
-                self._pool.release(staging)
-            if tail is not None:
-                self._pool.release(tail)
+            self._pool.release(copy)
         return bytes(crcs)
 
     def _write_local(

@@ -2,19 +2,23 @@
 
 See ``docs/layout.md`` for the on-disk format. In short::
 
-    ROOT/zarr.json                        group {"tensorstore_hooks": {"format": 3}}
+    ROOT/zarr.json                        group {"tensorstore_hooks": {"format": 4}}
     ROOT/NS/zarr.json                     group, one per writer (host-pid-random) or named
     ROOT/NS/seg-CHUNK/zarr.json           1-D uint8 array, chunk shape (CHUNK,), codecs
                                           bytes [+ zstd|blosc-lz4]
     ROOT/NS/seg-CHUNK/c/I                 chunk I: CHUNK bytes [compressed]
-    ROOT/NS/index/{journal,snapshot}      key -> (segment, first chunk, chunks, crcs, meta)
+    ROOT/NS/index/{journal,snapshot}      key -> (segment, first chunk, chunks, crcs,
+                                          rotation, meta)
     ROOT/NS/lock                          held (flock) by the store object writing NS
 
-The units: :class:`~tensorstore_hooks._allocator.ChunkAllocator` decides where chunks
-go (pure), :class:`~tensorstore_hooks._chunkcodec.ChunkCodec` turns a payload into
-chunk objects and back (codec, checksums), :class:`~tensorstore_hooks._index.IndexLog`
-persists the index, :class:`~tensorstore_hooks._chunkio.ChunkIO` moves objects; this
-class orchestrates them under one lock.
+The units: :class:`~tensorstore_hooks._namespace.NamespaceIndex` holds the keys and
+where their chunks go (with :class:`~tensorstore_hooks._allocator.ChunkAllocator`, pure,
+and :class:`~tensorstore_hooks._index.IndexLog`, the persisted journal) under its lock,
+:class:`~tensorstore_hooks._chunkcodec.ChunkCodec` turns a payload into chunk objects
+and back (codec, checksums, direct writes from the tensor's memory),
+:class:`~tensorstore_hooks._chunkio.ChunkIO` moves objects, and
+:class:`~tensorstore_hooks._aligned.BufferPool` lends the aligned read buffers; this
+class opens the namespace and orchestrates them.
 
 NOTE [ Segment layout ]
 Creating a Zarr array costs 3-8 ms in zarr 3.1.6, whatever its size, and a training
@@ -32,21 +36,26 @@ For callers that move a tensor's bytes through page-aligned host memory of their
 host-to-device copy leaves from one), two methods skip the store's own buffers:
 
 1. ``put_aligned(meta, buffer)``: the chunks are written with ``O_DIRECT`` straight
-   from ``buffer`` (no host copy); ``get_into(key, buffer)``: the chunks are read
-   straight into it. ``buffer`` starts on a 4 KiB boundary, is writable and holds at
-   least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to there are
-   the store's to overwrite (zero padding on a put, whole blocks on a get). A buffer
-   that does not qualify is a ``ConfigError`` and nothing is transferred.
+   from ``buffer``, every block of them (no host copy, no bounce buffer, no
+   rotation); ``get_into(key, buffer)``: the chunks of a key stored unrotated (by
+   ``put_aligned``, or from page-aligned memory) are read straight into it; a
+   rotated one (NOTE [ Chunk objects ] in ``_chunkcodec.py``) goes through a pooled
+   read buffer and a copy. ``buffer`` starts on a 4 KiB boundary, is writable and
+   holds at least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to
+   there are the store's to overwrite (zero padding on a put, whole blocks on a
+   get). A buffer that does not qualify is a ``ConfigError`` and nothing is
+   transferred.
 2. Both return when the transfer is over: the buffer is the caller's again.
 3. Without direct I/O (tmpfs, ``direct_io="off"``, object stores) they are
    ``put_blob`` and a read + copy: always correct, only not copy-free.
 4. What the store itself holds for everyone else is ``buffers`` (``PoolStats``):
    read buffers lent as tensor storage (a tensor's ``nbytes`` rounded up to 4 KiB,
-   returned when the tensor dies), staging buffers in use by writes (at most one
-   chunk per writing thread), and idle buffers kept for reuse (at most
+   plus one block for a rotated stream; returned when the tensor dies), copy
+   buffers in use by writes that cannot go from the tensor's own memory (at most
+   one chunk per writing thread), and idle buffers kept for reuse (at most
    ``buffer_pool_bytes``, settable with ``set_buffer_pool_bytes``). A caller that
    budgets memory counts the lent ones where the tensors are counted and the idle
-   and staging ones beside them.
+   and copy ones beside them.
 
 NOTE [ Spare chunk files ]
 A training loop frees and re-saves the same sizes every step. On a local filesystem,
@@ -74,26 +83,25 @@ import re
 import secrets
 import shutil
 import socket
-import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._aligned import BLOCK_BYTES, BufferPool, PoolStats, address_of, round_up
-from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
+from ._allocator import Run
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, DirectIOStatus, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
 from ._housekeeping import make_temp_root, sweep_at_open
-from ._index import HEADER_BYTES, Damage, IndexLog, os_error
+from ._index import Damage, IndexLog, os_error
+from ._namespace import Entry, NamespaceIndex
 from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
 from ._urls import split_url
-from ._zarr_docs import namespace_doc, namespace_format, root_doc, segment_doc
+from ._zarr_docs import namespace_doc, namespace_format, root_doc
 from ._zarr_options import (
     DEFAULT_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -125,44 +133,9 @@ DEFAULT_BUFFER_POOL_BYTES = 64 << 20
 """Idle aligned buffers a store keeps for reuse by default (``buffer_pool_bytes``)."""
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The layout this version writes and reads (docs/layout.md); a namespace of another
 format is refused when opened, naming its version."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    chunk: int  # chunk size class (bytes); 0 for an empty payload
-    start: int  # first chunk index in that class's segment
-    count: int  # number of chunks
-    crc: bytes  # crc32c of each chunk, 4 bytes each: NOTE [ Bound chunk checksums ]
-    meta: TensorMeta
-
-    @property
-    def run(self) -> Run:
-        return self.chunk, self.start, self.count
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "seg": self.chunk,
-            "start": self.start,
-            "count": self.count,
-            "crc": self.crc,
-            "meta": self.meta.to_dict(),
-        }
-
-    @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> _Entry:
-        try:
-            chunk, start, count = rec["seg"], rec["start"], rec["count"]
-            crcs, meta = rec["crc"], rec["meta"]
-        except (KeyError, TypeError) as e:
-            raise IntegrityError(f"index entry is malformed: {rec!r:.200}") from e
-        if not all(isinstance(v, int) and v >= 0 for v in (chunk, start, count)):
-            raise IntegrityError(f"index entry has bad extents: {rec!r:.200}")
-        if not isinstance(crcs, bytes) or len(crcs) != 4 * count:
-            raise IntegrityError(f"index entry has bad chunk checksums: {rec!r:.200}")
-        return cls(chunk, start, count, crcs, TensorMeta.from_dict(meta))
 
 
 def make_io(
@@ -198,75 +171,56 @@ def make_io(
 class ZarrStore(BlobStore):
     """Tensors in chunked Zarr v3 arrays under a local path or any fsspec URL.
 
-        ``url``: a bare path, ``file://``, ``memory://`` (private to this object), or any
-        fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
-        ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
+    ``url``: a bare path, ``file://``, ``memory://`` (private to this object), or any
+    fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
+    ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
 
-        Each instance writes into its own *namespace* under the root (``host-pid-random``,
-        prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
-        so several processes and ranks can share a root. Opening a
-        named namespace that exists resumes it: its keys are readable again. On a local
-        root a namespace is locked (``flock`` on ``NS/lock``) while a store object has it
-        open: a second opener, in this process or another, gets a
-        :class:`StoreUnavailableError` naming the holder. Object stores have no lock:
-        give each writer its own namespace (the default does).
+    Each instance writes into its own *namespace* under the root (``host-pid-random``,
+    prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
+    so several processes and ranks can share a root. Opening a named namespace that
+    exists resumes it: its keys are readable again. On a local root a namespace is
+    locked (``flock`` on ``NS/lock``) while a store object has it open: a second
+    opener, in this process or another, gets a :class:`StoreUnavailableError` naming
+    the holder. Object stores have no lock: give each writer its own namespace (the
+    default does).
 
-        ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
-        transient failures (throttling, 5xx, connection resets) before it raises
-        :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
-        when the store is opened.
+    ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
+    transient failures (throttling, 5xx, connection resets) before it raises
+    :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
+    when the store is opened.
 
-        ``spare_bytes`` (local directories): how many bytes of deleted keys' chunk files
-        to keep for rewriting in place (NOTE [ Aligned I/O entry points ]
-    For callers that move a tensor's bytes through page-aligned host memory of their own
-    (the pipeline's CUDA staging: a device-to-host copy lands in a pinned buffer, and a
-    host-to-device copy leaves from one), two methods skip the store's own buffers:
+    ``spare_bytes`` (local directories): how many bytes of deleted keys' chunk files
+    to keep for rewriting in place (NOTE [ Spare chunk files ]); ``None`` (default):
+    up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
+    directory holds exactly the live keys.
 
-    1. ``put_aligned(meta, buffer)``: the chunks are written with ``O_DIRECT`` straight
-       from ``buffer`` (no host copy); ``get_into(key, buffer)``: the chunks are read
-       straight into it. ``buffer`` starts on a 4 KiB boundary, is writable and holds at
-       least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to there are
-       the store's to overwrite (zero padding on a put, whole blocks on a get). A buffer
-       that does not qualify is a ``ConfigError`` and nothing is transferred.
-    2. Both return when the transfer is over: the buffer is the caller's again.
-    3. Without direct I/O (tmpfs, ``direct_io="off"``, object stores) they are
-       ``put_blob`` and a read + copy: always correct, only not copy-free.
-    4. What the store itself holds for everyone else is ``buffers`` (``PoolStats``):
-       read buffers lent as tensor storage (a tensor's ``nbytes`` rounded up to 4 KiB,
-       returned when the tensor dies), staging buffers in use by writes (at most one
-       chunk per writing thread), and idle buffers kept for reuse (at most
-       ``buffer_pool_bytes``, settable with ``set_buffer_pool_bytes``). A caller that
-       budgets memory counts the lent ones where the tensors are counted and the idle
-       and staging ones beside them.
+    ``direct_io`` (local directories): ``"auto"`` (default) writes and reads chunk
+    files with ``O_DIRECT`` where the filesystem allows it (not tmpfs), so offloaded
+    bytes leave RAM and cost no page-cache copy; ``"on"`` requires it
+    (:class:`ConfigError` where it cannot be had); ``"off"`` goes through the page
+    cache. :attr:`direct_io` says what was chosen and why (NOTE [ Direct I/O ] in
+    ``_chunkio.py``). With it, a put writes straight from the tensor's own memory
+    (NOTE [ Chunk objects ] in ``_chunkcodec.py``).
 
-    NOTE [ Spare chunk files ]); ``None`` (default):
-        up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
-        directory holds exactly the live keys.
+    ``buffer_pool_bytes``: how many bytes of idle page-aligned buffers (read buffers
+    that came back from dead tensors, copy buffers of writes that cannot go from the
+    tensor's memory) to keep for reuse; ``None`` (default):
+    :data:`DEFAULT_BUFFER_POOL_BYTES`. What the pool holds is :attr:`buffers` (NOTE
+    [ Aligned buffers ] in ``_aligned.py``).
 
-        ``direct_io`` (local directories): ``"auto"`` (default) writes and reads chunk
-        files with ``O_DIRECT`` where the filesystem allows it (not tmpfs), so offloaded
-        bytes leave RAM and cost no page-cache copy; ``"on"`` requires it
-        (:class:`ConfigError` where it cannot be had); ``"off"`` goes through the page
-        cache. :attr:`direct_io` says what was chosen and why (NOTE [ Direct I/O ] in
-        ``_chunkio.py``).
+    Reads: ``get``/``get_blob`` return tensors whose storage is the buffer the bytes
+    were read into (no copy; a tensor with a storage offset or a gapped view is
+    rebuilt by the codec). :meth:`put_aligned` writes from a caller's aligned
+    buffer with no copy at all (NOTE [ Aligned I/O entry points ]).
 
-        ``buffer_pool_bytes``: how many bytes of idle page-aligned buffers (direct-write
-        staging, and read buffers that came back from dead tensors) to keep for reuse;
-        ``None`` (default): :data:`DEFAULT_BUFFER_POOL_BYTES`. What the pool holds is
-        :attr:`buffers` (NOTE [ Aligned buffers ] in ``_aligned.py``).
+    Errors: a put that fails for any OS reason raises a TensorStoreError
+    (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
+    chunks are deleted and nothing is journaled. A damaged index is replayed as far
+    as it goes (:attr:`damage`, NOTE [ Journal records ] in ``_index.py``).
 
-        Reads: ``get``/``get_blob`` return tensors whose storage is the buffer the bytes
-        were read into (no copy; a tensor with a storage offset or a gapped view is
-        rebuilt by the codec). :meth:`put_aligned` writes from a caller's aligned
-        buffer with no copy at all.
-
-        Errors: a put that fails for any OS reason raises a TensorStoreError
-        (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
-        chunks are deleted and nothing is journaled. A damaged index is replayed as far
-        as it goes (:attr:`damage`, NOTE [ Journal records ] in ``_index.py``).
-
-        Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
-        index is guarded by a lock and chunk I/O happens outside it.
+    Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
+    index (:class:`~tensorstore_hooks._namespace.NamespaceIndex`) is guarded by a
+    lock and chunk I/O happens outside it.
     """
 
     def __init__(
@@ -282,7 +236,6 @@ class ZarrStore(BlobStore):
         direct_io: str | bool = "auto",
         buffer_pool_bytes: int | str | None = None,
     ) -> None:
-        self._closed = True  # until fully constructed: close() must be safe on failure
         chunk, spare, pool_bytes, direct_mode = _check_options(
             chunk_bytes, spare_bytes, buffer_pool_bytes, direct_io
         )
@@ -303,28 +256,19 @@ class ZarrStore(BlobStore):
         self._io = make_io(location or url, storage_options, retry_deadline_s)
         self._url = self._io.url
         self.namespace = namespace or _default_namespace()
-        self._lock = threading.Lock()
-        self._index: dict[str, _Entry] = {}
-        self._nbytes = 0
-        self._next_key = 0
-        self._alloc = ChunkAllocator(
-            chunk, keep_spares=self._io.supports_rewrite_in_place, spare_limit=spare
-        )
-        self._segments_made: set[int] = set()
         self._unlock: Callable[[], None] | None = None
-        self.damage: list[Damage] = []
-        """What replaying this namespace's index found damaged (empty when all was well)."""
         self._direct = DirectIOStatus(False, direct_mode, "not configured")
+        self._ns = NamespaceIndex(self._io, self._url, self.namespace, chunk, spare_limit=spare)
+        self._ns.closed = True  # until fully constructed: close() must be safe on failure
         try:
-            self._unlock = self._take_namespace()
+            self._unlock = _lock_namespace(self._io, self.namespace)
             _write_layout(self._io, self._url, self.namespace, self.chunk_bytes, self.codec)
-            self._configure_direct_io(direct_mode)
+            self._direct = _configure_direct_io(self._io, direct_mode, self.namespace)
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
                     sweep_at_open(root)  # NOTE [ Stale namespaces ]
-            self._log = IndexLog(self._io, f"{self.namespace}/index")
-            self._resume(self._log)
+            self._ns.resume()
         except BaseException as e:
             if self._unlock is not None:
                 self._unlock()
@@ -337,53 +281,17 @@ class ZarrStore(BlobStore):
             if isinstance(e, OSError):
                 raise os_error(e, f"ZarrStore: opening {self._url}") from e
             raise StoreUnavailableError(f"ZarrStore: cannot open {self._url}: {e}") from e
-        self._closed = False
+        self._ns.closed = False
         # Collected without close(): close the journal quietly, release the namespace
         # (and remove a temporary directory).
         self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
-            self, _finalize, self._log, self._unlock, location
+            self, _finalize, self._ns.log, self._unlock, location
         )
 
-    # ------------------------------------------------------------------ setup
-    def _take_namespace(self) -> Callable[[], None] | None:
-        try:
-            return self._io.lock(f"{self.namespace}/lock")
-        except BlockingIOError as e:
-            raise StoreUnavailableError(
-                f"ZarrStore({self._url}): namespace {self.namespace!r} is open in another "
-                f"store object ({e.strerror}); two writers would overwrite each other's "
-                "keys. Close the other store first, or use another namespace."
-            ) from None
-
-    def _configure_direct_io(self, mode: str) -> None:
-        try:
-            self._direct = self._io.configure_direct_io(mode, f"{self.namespace}/direct-probe")
-        except ConfigError as e:
-            raise ConfigError(f"ZarrStore({self._url}): {e}") from None
-
-    def _resume(self, index_log: IndexLog) -> None:
-        entries, self._next_key = _replay(index_log, self._alloc, self._url, self.namespace)
-        self.damage = list(index_log.damage)
-        for key, entry in entries.items():
-            self._index[key] = entry
-            self._nbytes += entry.meta.nbytes
-            if entry.count:
-                self._segments_made.add(entry.chunk)
-
-    def _segment_path(self, chunk: int) -> str:
-        return f"{self.namespace}/seg-{chunk}"
-
-    def _ensure_segment(self, chunk: int) -> None:
-        if chunk in self._segments_made:
-            return
-        doc = segment_doc(chunk, SEGMENT_CHUNKS, self._codec.zarr_compressors())
-        self._io.write(f"{self._segment_path(chunk)}/zarr.json", [doc])
-        self._segments_made.add(chunk)
-
-    def _run_paths(self, run: Run) -> list[str]:
-        chunk, start, count = run
-        seg = self._segment_path(chunk)
-        return [f"{seg}/c/{start + i}" for i in range(count)]
+    @property
+    def damage(self) -> list[Damage]:
+        """What replaying this namespace's index found damaged (empty when all was well)."""
+        return self._ns.damage
 
     # ------------------------------------------------------------------- puts
     def put_blob(self, meta: TensorMeta, payload: Any) -> str:
@@ -398,113 +306,83 @@ class ZarrStore(BlobStore):
         (NOTE [ Aligned I/O entry points ]).
 
         For callers that already hold a tensor's bytes in page-aligned memory (a pinned
-        staging buffer a device-to-host copy landed in, or an array from
-        :meth:`get_blob`): ``buffer`` is a writable buffer that starts on a
-        ``BLOCK_BYTES`` (4 KiB) boundary and has at least ``round_up(nbytes, 4096)``
-        bytes; the store may overwrite the bytes after ``nbytes`` up to that length
-        (zero padding). With direct I/O the chunks are written from ``buffer`` itself:
-        no host copy. Otherwise this is :meth:`put_blob`. The buffer is consumed
-        before this returns. Raises :class:`ConfigError` for a misaligned, short or
-        read-only buffer (nothing is written).
+        staging buffer a device-to-host copy landed in): ``buffer`` is a writable
+        buffer that starts on a ``BLOCK_BYTES`` (4 KiB) boundary and has at least
+        ``round_up(nbytes, 4096)`` bytes; the store may overwrite the bytes after
+        ``nbytes`` up to that length (zero padding). With direct I/O every block is
+        written from ``buffer`` itself: no host copy. Otherwise this is
+        :meth:`put_blob`. The buffer is consumed before this returns. Raises
+        :class:`ConfigError` for a misaligned, short or read-only buffer (nothing is
+        written).
         """
         n = meta.nbytes
         region = _aligned_region(buffer, n, "put_aligned")
         return self._put(
-            meta, lambda paths, chunk: self._codec.write_aligned(self._io, paths, region, n, chunk)
+            meta,
+            lambda paths, chunk: (
+                self._codec.write_aligned(self._io, paths, region, n, chunk),
+                0,
+            ),
         )
 
-    def _put(self, meta: TensorMeta, write: Callable[[list[str], int], bytes]) -> str:
-        n = meta.nbytes
-        chunk, count = self._alloc.layout(n)
-        with self._lock:
-            self._check_open()
-            key = format(self._next_key, "x")
-            self._next_key += 1
-            try:
-                run = (chunk, self._alloc.alloc(chunk, count) if count else 0, count)
-            except SegmentFullError as e:
-                raise StoreUnavailableError(f"ZarrStore({self._url}): {e}") from None
-        paths = self._run_paths(run)
+    def _put(self, meta: TensorMeta, write: Callable[[list[str], int], tuple[bytes, int]]) -> str:
+        key, run = self._ns.reserve(meta.nbytes)
+        chunk, _, count = run
+        paths = self._ns.run_paths(run)
         try:
-            if count and chunk not in self._segments_made:  # the first put of a class
-                with self._lock:
-                    self._ensure_segment(chunk)
-            crcs = write(paths, chunk) if count else b""
+            if count:
+                self._ns.ensure_segment(chunk, self._codec.zarr_compressors())
+            crcs, rot = write(paths, chunk) if count else (b"", 0)
         except Exception as e:
             self._undo_put(run, paths)
             raise self._put_error(key, e) from e
-        entry = _Entry(chunk, run[1], count, crcs, meta)
-        with self._lock:
-            try:
-                self._check_open()
-                # Journaled before it is acknowledged: a put whose record could not be
-                # written is not stored (NOTE [ Journal records ] in _index.py).
-                self._log.record_put(key, entry.to_record())
-            except TensorStoreError as e:
-                failure: TensorStoreError | None = e
-            else:
-                failure = None
-                self._index[key] = entry
-                self._nbytes += n
-        if failure is not None:
+        try:
+            self._ns.commit(key, Entry(chunk, run[1], count, crcs, meta, rot))
+        except TensorStoreError as e:
             self._undo_put(run, paths)
-            if isinstance(failure, StoreUnavailableError) and self._closed:
-                raise failure
-            raise self._put_error(key, failure) from failure
+            if isinstance(e, StoreClosedError):
+                raise
+            raise self._put_error(key, e) from e
         return key
 
     def _undo_put(self, run: Run, paths: list[str]) -> None:
         """A put that failed: delete what it wrote (give the space back), free its run."""
         with contextlib.suppress(Exception):
             self._io.delete(paths)
-        with self._lock:
-            self._alloc.cancel(run)
+        self._ns.cancel(run)
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
         err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
         if isinstance(err, QuotaExceededError):
-            self._drop_spares()  # the disk is full: spare chunk files are free space
+            self._unlink(self._ns.drain_spares())  # the disk is full: spares are free space
         return type(err)(f"{err}; the tensor was not stored")
-
-    def _drop_spares(self) -> None:
-        with self._lock:
-            runs = self._alloc.drain_spares()
-        self._unlink(runs)
 
     def _unlink(self, runs: list[Run]) -> None:
         """Delete the chunk files of freed runs (outside the lock), then free them."""
         if not runs:
             return
         with contextlib.suppress(Exception):
-            self._io.delete([p for run in runs for p in self._run_paths(run)])
-        with self._lock:
-            self._alloc.release(runs)
+            self._io.delete([p for run in runs for p in self._ns.run_paths(run)])
+        self._ns.release(runs)
 
     # ------------------------------------------------------------------- gets
-    def _entry(self, key: str) -> _Entry:
-        self._check_open()
-        entry = self._index.get(key) if isinstance(key, str) else None
-        if entry is None:
-            raise KeyNotFoundError(
-                f"ZarrStore({self._url}): no key {key!r} in namespace {self.namespace!r} "
-                "(never written, already deleted, or written by another store object)"
-            )
-        return entry
-
     def meta(self, key: str) -> TensorMeta:
-        return self._entry(key).meta
+        return self._ns.entry(key).meta
 
     def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
-        """The metadata and the payload in a writable, page-aligned uint8 array: from
-        :data:`~tensorstore_hooks._aligned.POOL_MIN_BYTES` up, a pooled buffer that
-        goes back to the pool when the array and everything made from it (a tensor's
-        storage) are gone (NOTE [ Aligned buffers ])."""
-        entry = self._entry(key)
+        """The metadata and the payload in a writable uint8 array whose address is
+        that of the tensor it was stored from, modulo 4 KiB (page-aligned for one
+        stored from aligned memory): from :data:`~tensorstore_hooks._aligned.POOL_MIN_BYTES`
+        up, a pooled buffer that goes back to the pool when the array and everything
+        made from it (a tensor's storage) are gone (NOTE [ Aligned buffers ])."""
+        entry = self._ns.entry(key)
         n = entry.meta.nbytes
         if not entry.count:
             return entry.meta, np.empty(n, dtype=np.uint8)
-        out, region = self._pool.lend(n)
+        out, region = self._pool.lend(n, entry.rot)
         self._read_into(key, entry, region)
+        if entry.rot:  # the payload's first bytes were stored last (NOTE [ Chunk objects ])
+            out[: entry.rot] = region[n - entry.rot : n]
         return entry.meta, out
 
     def get_into(self, key: str, buffer: Any) -> TensorMeta:
@@ -514,42 +392,37 @@ class ZarrStore(BlobStore):
         ``buffer``: writable, starting on a ``BLOCK_BYTES`` (4 KiB) boundary, at least
         ``round_up(nbytes, 4096)`` bytes (a direct read fills whole blocks: the bytes
         after ``nbytes`` up to there are overwritten). With direct I/O the chunks land
-        in it straight from the disk. Raises :class:`ConfigError` for a buffer that is
-        misaligned, short or read-only (nothing is read), and what :meth:`get_blob`
-        raises.
+        in it straight from the disk (a key written from memory that was not
+        page-aligned, stored rotated, is read into a pooled buffer and copied).
+        Raises :class:`ConfigError` for a buffer that is misaligned, short or read-only
+        (nothing is read), and what :meth:`get_blob` raises.
         """
-        entry = self._entry(key)
+        entry = self._ns.entry(key)
         n = entry.meta.nbytes
         region = _aligned_region(buffer, n, "get_into")
-        if entry.count:
+        if entry.rot:
+            _, out = self.get_blob(key)
+            region[:n] = out.data
+        elif entry.count:
             self._read_into(key, entry, region)
         return entry.meta
 
-    def _read_into(self, key: str, entry: _Entry, region: memoryview) -> None:
-        paths = self._run_paths(entry.run)
+    def _read_into(self, key: str, entry: Entry, region: memoryview) -> None:
+        """The stored stream of ``entry`` into ``region`` (aligned), verified."""
+        paths = self._ns.run_paths(entry.run)
         what = f"ZarrStore({self._url}): key {key!r}"
         try:
             self._codec.read(
                 self._io, paths, region, entry.meta.nbytes, entry.chunk, entry.crc, what
             )
-        except FileNotFoundError as e:
-            if key not in self._index:
-                raise self._missing(key) from e
-            raise IntegrityError(f"{what}: chunk {e.filename or e} is missing") from e
-        except TensorStoreError:
-            if key not in self._index:
-                raise self._missing(key) from None
-            raise
-        except (IsADirectoryError, NotADirectoryError) as e:
-            # Not a passing fault: a chunk path that is not a file will not heal.
-            raise IntegrityError(f"{what}: chunk {e.filename or e} is not a file") from e
-        except OSError as e:
-            raise os_error(e, f"reading {what}") from e
         except Exception as e:
-            raise StoreUnavailableError(f"reading {what} failed: {e}") from e
+            err = self._missing(key) if key not in self._ns else _read_failure(what, e)
+            if err is e:
+                raise
+            raise err from e
         # A key deleted while being read may have had its chunks rewritten as spares;
         # the bound checksums catch that, and so does this.
-        if key not in self._index:
+        if key not in self._ns:
             raise self._missing(key)
 
     def _missing(self, key: str) -> KeyNotFoundError:
@@ -557,54 +430,24 @@ class ZarrStore(BlobStore):
 
     # ---------------------------------------------------------------- deletes
     def delete(self, key: str) -> None:
-        with self._lock:
-            entry = self._entry(key)
-            unlink = self._forget([key], [entry])
-        self._unlink(unlink)
+        self._unlink(self._ns.forget([key], missing_ok=False))
 
     def delete_many(self, keys: Any) -> None:
-        with self._lock:
-            self._check_open()
-            found = [(k, self._index.get(k)) for k in keys if isinstance(k, str)]
-            pairs = [(k, e) for k, e in found if e is not None]
-            unlink = self._forget([k for k, _ in pairs], [e for _, e in pairs])
-        self._unlink(unlink)
-
-    def _forget(self, keys: list[str], entries: list[_Entry]) -> list[Run]:
-        """Under the lock: drop keys from the index and journal; returns runs to unlink."""
-        for key, entry in zip(keys, entries, strict=True):
-            del self._index[key]
-            self._nbytes -= entry.meta.nbytes
-            self._log.record_delete(key)  # never raises: deferred if the disk is full
-        self._maybe_compact()
-        return self._alloc.retire(e.run for e in entries)
-
-    def _maybe_compact(self) -> None:
-        if not self._log.needs_compaction(len(self._index)):
-            return
-        try:
-            self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
-            last = format(self._next_key - 1, "x")
-            if self._next_key and last not in self._index:
-                self._log.record_delete(last)  # keeps the key high-water mark in the journal
-        except TensorStoreError as e:
-            # The journal is untouched and still the truth; try again at the next delete.
-            log.warning("ZarrStore(%s): compacting the index failed: %s", self._url, e)
+        self._unlink(self._ns.forget(keys, missing_ok=True))
 
     # ------------------------------------------------------------- inventory
     def keys(self) -> Iterator[str]:
-        with self._lock:
-            return iter(list(self._index))
+        return iter(self._ns.keys())
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._index
+        return key in self._ns
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._ns)
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self._ns.nbytes
 
     @property
     def url(self) -> str:
@@ -624,7 +467,7 @@ class ZarrStore(BlobStore):
     @property
     def buffers(self) -> PoolStats:
         """The aligned buffers this store holds: idle in its pool, lent as tensor
-        storage, staging writes (NOTE [ Aligned buffers ] in ``_aligned.py``)."""
+        storage, copy buffers of writes (NOTE [ Aligned buffers ] in ``_aligned.py``)."""
         return self._pool.stats
 
     @property
@@ -640,30 +483,17 @@ class ZarrStore(BlobStore):
 
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
-        with self._lock:
-            self._check_open()
-            if not self._io.supports_append:
-                self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError(
-                f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
-            )
+        self._ns.flush()
 
     def close(self) -> None:
         """Close the store. A temporary store deletes its directory; a namespace that
         holds no keys is removed so shared roots do not fill with empty writers."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            empty = not self._index
-            spares = [p for run in self._alloc.drain_spares() for p in self._run_paths(run)]
-            with contextlib.suppress(Exception):
-                if not empty and not self._io.supports_append:
-                    self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
-            self._log.close()
+        ns = getattr(self, "_ns", None)  # None: the constructor failed before making it
+        closed = None if ns is None else ns.close()
+        if closed is None:
+            return
+        empty, spare_runs = closed
+        spares = [p for run in spare_runs for p in self._ns.run_paths(run)]
         if spares and not self._temporary and not empty:
             with contextlib.suppress(Exception):
                 self._io.delete(spares)
@@ -727,6 +557,25 @@ def _check_options(
     return chunk, spare, pool_bytes, direct_mode
 
 
+def _lock_namespace(io: ChunkIO, namespace: str) -> Callable[[], None] | None:
+    """Take the namespace's lock (NOTE: one writer per namespace, docs/layout.md)."""
+    try:
+        return io.lock(f"{namespace}/lock")
+    except BlockingIOError as e:
+        raise StoreUnavailableError(
+            f"ZarrStore({io.url}): namespace {namespace!r} is open in another "
+            f"store object ({e.strerror}); two writers would overwrite each other's "
+            "keys. Close the other store first, or use another namespace."
+        ) from None
+
+
+def _configure_direct_io(io: ChunkIO, mode: str, namespace: str) -> DirectIOStatus:
+    try:
+        return io.configure_direct_io(mode, f"{namespace}/direct-probe")
+    except ConfigError as e:
+        raise ConfigError(f"ZarrStore({io.url}): {e}") from None
+
+
 def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec: str) -> None:
     """The root's and the namespace's ``zarr.json`` (group documents), where missing; a
     namespace of another layout format is refused (``ConfigError`` naming it)."""
@@ -747,39 +596,18 @@ def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec
         )
 
 
-def _replay(
-    index_log: IndexLog, alloc: ChunkAllocator, url: str, namespace: str
-) -> tuple[dict[str, _Entry], int]:
-    """A namespace's live entries from its index (their runs taken in ``alloc``), and
-    the next key to hand out."""
-    records = index_log.load()
-    # Keys are never reused, not even deleted ones: a stale key must miss, not
-    # return another tensor. Deleted keys count, and so does every key the damage
-    # could have hidden (NOTE [ Journal records ] in _index.py).
-    next_key = 0
-    order: dict[str, int] = {}
-    for key in [*index_log.retired_keys, *records]:
-        with contextlib.suppress(ValueError):
-            order[key] = int(key, 16)
-            next_key = max(next_key, order[key] + 1)
-    if index_log.damage:
-        next_key += index_log.damaged_bytes // HEADER_BYTES + 1
-    entries = {key: _Entry.from_record(rec) for key, rec in records.items()}
-    dropped = alloc.resume(
-        {k: e.run for k, e in entries.items()}, {k: order.get(k, -1) for k in entries}
-    )
-    if dropped:
-        # Their delete records were lost (damage, or a crash while the disk was full).
-        log.warning(
-            "ZarrStore(%s): namespace %r: %d deleted key(s) whose delete record was lost "
-            "reappeared on replay and were dropped (their chunks belong to newer keys)",
-            url,
-            namespace,
-            len(dropped),
-        )
-    for key in dropped:
-        del entries[key]
-    return entries, next_key
+def _read_failure(what: str, e: Exception) -> TensorStoreError:
+    """The store's error for a read of a key still in the index that failed with ``e``."""
+    if isinstance(e, TensorStoreError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return IntegrityError(f"{what}: chunk {e.filename or e} is missing")
+    if isinstance(e, IsADirectoryError | NotADirectoryError):
+        # Not a passing fault: a chunk path that is not a file will not heal.
+        return IntegrityError(f"{what}: chunk {e.filename or e} is not a file")
+    if isinstance(e, OSError):
+        return os_error(e, f"reading {what}")
+    return StoreUnavailableError(f"reading {what} failed: {e}")
 
 
 def _write_failure(where: str, e: BaseException) -> TensorStoreError:

@@ -8,6 +8,7 @@ NOTE [ Aligned buffers ] (``_aligned.py``). The store conformance suite runs wit
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -25,7 +26,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zarr
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, IntegrityError, KeyNotFoundError, ZarrStore
@@ -35,7 +35,7 @@ from tensorstore_hooks._codec import encode
 from tensorstore_hooks._zarr_docs import namespace_doc, root_doc
 
 from .store_conformance import assert_same_tensor
-from .test_zarr_layout import _journal_entries
+from .test_zarr_layout import _journal_entries, _plain_zarr_payload
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -57,6 +57,12 @@ def every_class_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     from tensorstore_hooks import _chunkcodec
 
     monkeypatch.setattr(_chunkcodec, "DIRECT_MIN_CHUNK_BYTES", 4096)
+
+
+def entries_rot_addr(root: Path, key: str) -> int:
+    """Where a key's storage starts modulo 4 KiB when read back: ``-rot`` (NOTE
+    [ Chunk objects ] rule 4)."""
+    return -_journal_entries(root / "ns")[key]["rot"] % BLOCK_BYTES
 
 
 def _bytes_tensor(n: int, seed: int) -> torch.Tensor:
@@ -85,7 +91,8 @@ def test_odd_sizes_in_every_size_class(direct_root: Path, direct_io: str) -> Non
         for n, t in tensors.items():
             got = store.get(keys[n])
             assert torch.equal(got, t), n
-            assert got.data_ptr() % BLOCK_BYTES == 0  # page-aligned storage, read in place
+            # Read in place: the storage keeps the source's address modulo 4 KiB.
+            assert got.data_ptr() % BLOCK_BYTES == entries_rot_addr(direct_root, keys[n])
         assert_same_tensor(store.get(empty), torch.empty(0, 7))
         entries = _journal_entries(direct_root / "ns")
         classes = {e["seg"] for e in entries.values() if e["count"]}
@@ -96,27 +103,30 @@ def test_odd_sizes_in_every_size_class(direct_root: Path, direct_io: str) -> Non
                 assert f.stat().st_size == e["seg"]
         # Plain zarr reads the same bytes.
         for n, t in tensors.items():
-            e = entries[keys[n]]
-            seg = zarr.open_array(str(direct_root / "ns" / f"seg-{e['seg']}"), mode="r")
-            lo = e["start"] * e["seg"]
-            np.testing.assert_array_equal(seg[lo : lo + n], t.numpy())
+            raw = _plain_zarr_payload(direct_root / "ns", entries[keys[n]], n)
+            np.testing.assert_array_equal(raw, t.numpy())
 
 
 @pytest.mark.parametrize("direct_io", ["on", "off"])
 def test_read_lands_in_the_returned_tensors_storage(direct_root: Path, direct_io: str) -> None:
     """No copy on the way back: the tensor's storage is the pooled read buffer (it is
-    counted as in use while the tensor lives), its strides are the original's, and
-    the buffer returns to the pool when the tensor dies."""
+    counted as in use while the tensor lives), at the source's address modulo 4 KiB
+    when it was written from the source's memory (its alignment kept), its strides
+    are the original's, and the buffer returns to the pool when the tensor dies."""
     with ZarrStore(direct_root, namespace="ns", direct_io=direct_io) as store:
         t = torch.randn(512, 1024).t()  # 2 MiB, transposed: a dense view, offset 0
         key = store.put(t)
+        rot = _journal_entries(direct_root / "ns")[key]["rot"]
+        assert rot == (-t.data_ptr() % BLOCK_BYTES if direct_io == "on" else 0)
         before = store.buffers
         got = store.get(key)
         assert_same_tensor(got, t)
         assert got.stride() == t.stride() and not got.is_contiguous()
         held = store.buffers
-        assert held.in_use_bytes == before.in_use_bytes + 2 * MiB
-        assert got.untyped_storage().data_ptr() % BLOCK_BYTES == 0
+        # A rotated stream lands one block in: the buffer has a block in front.
+        assert held.in_use_bytes == before.in_use_bytes + 2 * MiB + (BLOCK_BYTES if rot else 0)
+        want = t.data_ptr() % BLOCK_BYTES if rot else 0  # unrotated: page-aligned
+        assert got.untyped_storage().data_ptr() % BLOCK_BYTES == want
         del got
         gc.collect()
         assert store.buffers.in_use_bytes == before.in_use_bytes
@@ -139,7 +149,7 @@ def test_views_with_offsets_and_gaps_come_back_exactly(direct_root: Path, direct
 
 
 def test_no_allocation_per_tensor_after_the_first_step(direct_root: Path) -> None:
-    """A training-like loop: after the first step, staging and read buffers all come
+    """A training-like loop: after the first step, read buffers all come
     from the pool (rule 4 of NOTE [ Aligned buffers ])."""
     sizes = [3 * MiB, 8 * MiB, 8 * MiB, 1 * MiB + 4096, 300 * KiB]
     with ZarrStore(direct_root, namespace="ns", buffer_pool_bytes="64MiB") as store:
@@ -186,11 +196,128 @@ def test_buffer_pool_bytes_bounds_idle_buffers(direct_root: Path) -> None:
     with ZarrStore(direct_root, namespace="ns", buffer_pool_bytes=0) as store:
         key = store.put(torch.ones(MiB))
         got = store.get(key)
-        assert store.buffers.in_use_bytes == 4 * MiB
+        assert store.buffers.in_use_bytes == 4 * MiB + BLOCK_BYTES  # a rotated stream
         del got
         assert store.buffers.held_bytes == 0 and store.buffers.idle_limit_bytes == 0
     with pytest.raises(ConfigError, match="buffer_pool_bytes"):
         ZarrStore(direct_root, buffer_pool_bytes="lots")
+
+
+# ------------------------------------------------------ writes from the tensor
+def _at_offset(n: int, lead: int, seed: int) -> torch.Tensor:
+    """``n`` random bytes in a storage of their own (storage offset 0) that starts
+    ``lead`` bytes past a page boundary."""
+    base = np.empty(n + 2 * BLOCK_BYTES, dtype=np.uint8)
+    k = (lead - address_of(base)) % BLOCK_BYTES
+    t = torch.from_numpy(base[k : k + n])
+    t.copy_(_bytes_tensor(n, seed))
+    assert t.data_ptr() % BLOCK_BYTES == lead
+    return t
+
+
+@pytest.mark.parametrize(
+    ("n", "lead", "chunks"),
+    [
+        (8 * MiB, 64, 1),  # a torch allocation's usual place; n a multiple of 4 KiB
+        (20 * MiB + 100, 64, 11),  # several 2 MiB chunks, the last one partial
+        (8 * MiB + 100, 64, 9),  # 1 MiB chunks: the bounced bytes straddle two chunks
+        (3 * MiB + 5, 4032, 13),  # rot 64, 256 KiB chunks
+        (5 * MiB, 0, 5),  # page-aligned already: no rotation, nothing but a tail
+    ],
+)
+def test_a_direct_put_writes_from_the_tensors_own_memory(
+    direct_root: Path, n: int, lead: int, chunks: int
+) -> None:
+    """NOTE [ Chunk objects ] rule 4: one pwritev per chunk file, every block but the
+    last few straight from the tensor's memory, the rest (< 8 KiB) through a bounce
+    buffer; no copy buffer; the run is exactly what n bytes need (an 8 MiB tensor
+    64 bytes past a page boundary is one 8 MiB chunk); each chunk file holds the
+    stored stream and then zeros (nothing from memory around the tensor)."""
+    t = _at_offset(n, lead, seed=n)
+    lo, hi = t.data_ptr(), t.data_ptr() + n
+    with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
+        calls: list[tuple[str, list[tuple[int, int]]]] = []
+        real = store._io.write_aligned
+
+        def spy(path: str, views: Any, size: int) -> None:
+            calls.append((path, [(address_of(v), len(v)) for v in views]))
+            real(path, views, size)
+
+        store._io.write_aligned = spy  # type: ignore[method-assign]
+        before = store.buffers.allocations + store.buffers.reuses
+        key = store.put(t)
+        assert store.buffers.allocations + store.buffers.reuses == before  # nothing copied
+        e = _journal_entries(direct_root / "ns")[key]
+        rot = -lead % BLOCK_BYTES
+        assert (e["rot"], e["count"]) == (rot, chunks)
+        assert [c[0].rsplit("/", 1)[1] for c in calls] == [
+            str(e["start"] + i) for i in range(chunks)
+        ]  # one request per chunk file, in order
+        inside = sum(ln for _, views in calls for a, ln in views if lo <= a and a + ln <= hi)
+        bounced = sum(ln for _, views in calls for a, ln in views if not lo <= a < hi)
+        assert inside == (n - rot) // BLOCK_BYTES * BLOCK_BYTES and bounced <= 2 * BLOCK_BYTES
+        assert inside + bounced == sum(
+            -(-min(e["seg"], n - i * e["seg"]) // BLOCK_BYTES) * BLOCK_BYTES for i in range(chunks)
+        )
+        stream = np.roll(t.numpy(), -rot)
+        for i in range(chunks):
+            f = direct_root / "ns" / f"seg-{e['seg']}" / "c" / str(e["start"] + i)
+            data = np.fromfile(f, dtype=np.uint8)
+            assert data.size == e["seg"]
+            piece = stream[i * e["seg"] : (i + 1) * e["seg"]]
+            np.testing.assert_array_equal(data[: piece.size], piece)
+            assert not data[piece.size :].any()  # zeros after the stream: never foreign bytes
+        got = store.get(key)
+        assert torch.equal(got, t) and got.data_ptr() % BLOCK_BYTES == lead
+
+
+def test_copied_writes_store_the_same_tensors(direct_root: Path) -> None:
+    """The alternative write (``zero_copy`` off: one copy into a pooled buffer) stores
+    unrotated streams that read back the same, from the same namespace."""
+    ts = [_at_offset(n, 64, seed=n) for n in (3 * MiB + 5, 8 * MiB)]
+    with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
+        zero = [store.put(t) for t in ts]
+        store._codec.zero_copy = False
+        copied = [store.put(t) for t in ts]
+        assert store.buffers.allocations >= 1  # a copy buffer was used
+        entries = _journal_entries(direct_root / "ns")
+        assert [entries[k]["rot"] for k in zero] == [4032, 4032]
+        assert [entries[k]["rot"] for k in copied] == [0, 0]
+        for t, a, b in zip(ts, zero, copied, strict=True):
+            assert torch.equal(store.get(a), t) and torch.equal(store.get(b), t)
+
+
+def test_memory_the_kernel_cannot_pin_is_written_through_a_copy(direct_root: Path) -> None:
+    """A direct write from memory the kernel refuses to take part in I/O (EFAULT: a
+    device mapping, say) is not an error: the put is written again through a copy
+    buffer, unrotated, and reads back exactly."""
+    t = _at_offset(3 * MiB + 5, 64, seed=1)
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel()
+    with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
+        real = store._io.write_aligned
+
+        def refuse_the_tensors_memory(path: str, views: Any, size: int) -> None:
+            if any(lo <= address_of(v) < hi for v in views):
+                raise OSError(errno.EFAULT, "Bad address")
+            real(path, views, size)
+
+        store._io.write_aligned = refuse_the_tensors_memory  # type: ignore[method-assign]
+        key = store.put(t)
+        assert _journal_entries(direct_root / "ns")[key]["rot"] == 0
+        assert torch.equal(store.get(key), t)
+
+
+def test_rotated_keys_read_back_without_direct_io(direct_root: Path) -> None:
+    """A namespace written with direct I/O (rotated streams) reopened with it off (or
+    where it is unavailable) reads back every key exactly: the rotation is the
+    layout's, not the read path's."""
+    ts = [_at_offset(n, lead, seed=n) for n, lead in ((3 * MiB + 5, 64), (2 * MiB + 3, 128))]
+    with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
+        keys = [store.put(t) for t in ts]
+    with ZarrStore(direct_root, namespace="ns", direct_io="off") as store:
+        for key, t in zip(keys, ts, strict=True):
+            got = store.get(key)
+            assert torch.equal(got, t) and got.data_ptr() % BLOCK_BYTES == t.data_ptr() % 4096
 
 
 # ----------------------------------------------------------- put_aligned (phase B)
@@ -198,7 +325,7 @@ def test_buffer_pool_bytes_bounds_idle_buffers(direct_root: Path) -> None:
 def test_put_aligned_writes_from_the_callers_buffer(direct_root: Path, n: int) -> None:
     """The CUDA path's entry point, on CPU: a page-aligned buffer that already holds a
     tensor's bytes (where a device-to-host copy lands) is what the direct writes are
-    issued from, block for block: no staging buffer, no host copy."""
+    issued from, block for block: no copy buffer, no host copy."""
     t = torch.randint(0, 255, (n,), dtype=torch.uint8)
     meta, payload = encode(t)
     with ZarrStore(direct_root, namespace="ns", direct_io="on") as store:
@@ -215,7 +342,7 @@ def test_put_aligned_writes_from_the_callers_buffer(direct_root: Path, n: int) -
         store._io.write_aligned = spy  # type: ignore[method-assign]
         before = store.buffers.allocations + store.buffers.reuses
         key = store.put_aligned(meta, buf.view)
-        assert store.buffers.allocations + store.buffers.reuses == before  # nothing staged
+        assert store.buffers.allocations + store.buffers.reuses == before  # nothing copied
         start = address_of(buf.view)
         assert issued and all(start <= a and a + ln <= start + len(buf.view) for a, ln in issued)
         assert issued[0][0] == start and sum(ln for _, ln in issued) == -(-n // 4096) * 4096
@@ -223,14 +350,14 @@ def test_put_aligned_writes_from_the_callers_buffer(direct_root: Path, n: int) -
 
 
 def test_put_aligned_from_a_read_buffer_and_without_direct_io(tmp_path: Path) -> None:
-    """Any aligned writable buffer works, e.g. an array from get_blob; with direct I/O
+    """Any aligned writable buffer works, e.g. one get_into filled; with direct I/O
     off it is an ordinary put."""
-    t = torch.randn(3 * MiB // 4)  # a whole number of blocks: the array is long enough
+    t = torch.randn(3 * MiB // 4)  # a whole number of blocks
     for mode in ("auto", "off"):
         with ZarrStore(tmp_path / mode, namespace="ns", direct_io=mode) as store:
-            meta, arr = store.get_blob(store.put(t))
-            assert address_of(arr) % BLOCK_BYTES == 0
-            again = store.put_aligned(meta, arr)
+            buf = AlignedBuffer(3 * MiB)
+            meta = store.get_into(store.put(t), buf.view)
+            again = store.put_aligned(meta, buf.view)
             assert torch.equal(store.get(again), t)
 
 
@@ -251,11 +378,17 @@ def test_put_aligned_refuses_buffers_it_cannot_write_from(direct_root: Path) -> 
 
 @pytest.mark.parametrize("direct_io", ["on", "off"])
 def test_get_into_reads_into_the_callers_buffer(direct_root: Path, direct_io: str) -> None:
-    """The read side of the CUDA path: the chunks land in a page-aligned buffer the
-    caller owns (a pinned staging buffer), with direct I/O straight from the disk."""
+    """The read side of the CUDA path: a key written from aligned memory (put_aligned,
+    as the staging path writes) lands in a page-aligned buffer the caller owns (a
+    pinned staging buffer), with direct I/O straight from the disk. A key written
+    from a tensor's own memory (stored rotated) reads back exactly too, through a
+    pooled buffer and a copy."""
     t = torch.randint(0, 255, (9 * MiB + 5,), dtype=torch.uint8)
+    meta_in, payload = encode(t)
     with ZarrStore(direct_root, namespace="ns", direct_io=direct_io) as store:
-        key = store.put(t)
+        src = AlignedBuffer(10 * MiB)
+        src.view[: t.numel()] = payload.data
+        key = store.put_aligned(meta_in, src.view)
         buf = AlignedBuffer(10 * MiB)
         landed: list[int] = []
         real = store._io.read_aligned
@@ -275,6 +408,10 @@ def test_get_into_reads_into_the_callers_buffer(direct_root: Path, direct_io: st
             assert landed[0] == start and all(start <= a < start + 10 * MiB for a in landed)
         else:
             assert not landed
+        rotated = store.put(t)
+        out = AlignedBuffer(10 * MiB)
+        store.get_into(rotated, out.view)
+        assert np.array_equal(np.frombuffer(out.view, np.uint8, count=t.numel()), t.numpy())
         with pytest.raises(ConfigError, match="get_into: the buffer must be writable"):
             store.get_into(key, buf.view[4096 : 4096 + 9 * MiB])  # one block short
         store.set_buffer_pool_bytes(0)
@@ -352,15 +489,15 @@ def _old_format_namespace(root: Path, ns: str) -> None:
 def test_a_namespace_of_an_older_format_is_refused_naming_its_version(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _old_format_namespace(root, "old")
-    with pytest.raises(ConfigError, match=r"namespace 'old' is in layout format 2.*format 3"):
+    with pytest.raises(ConfigError, match=r"namespace 'old' is in layout format 2.*format 4"):
         ZarrStore(root, namespace="old")
     assert (root / "old" / "zarr.json").exists()  # refused, not touched
-    # The rest of an older root is usable: a new namespace is format 3.
+    # The rest of an older root is usable: a new namespace is format 4.
     with ZarrStore(root, namespace="new") as store:
         key = store.put(torch.arange(10))
         assert torch.equal(store.get(key), torch.arange(10))
     doc = json.loads((root / "new" / "zarr.json").read_text())
-    assert doc["attributes"]["tensorstore_hooks"]["format"] == 3
+    assert doc["attributes"]["tensorstore_hooks"]["format"] == 4
 
 
 def test_inspect_lists_namespaces_of_both_formats(tmp_path: Path) -> None:
@@ -373,7 +510,7 @@ def test_inspect_lists_namespaces_of_both_formats(tmp_path: Path) -> None:
         listing = inspect_root(str(root))
     names = {n["name"]: n for n in listing["namespaces"]}
     assert names["new"]["tensors"] == 1 and names["old"]["tensors"] == 0
-    assert (names["new"]["format"], names["old"]["format"]) == (3, 2)
+    assert (names["new"]["format"], names["old"]["format"]) == (4, 2)
     done = subprocess.run(
         [sys.executable, "-m", "tensorstore_hooks", "inspect", str(root)],
         capture_output=True,
@@ -383,7 +520,7 @@ def test_inspect_lists_namespaces_of_both_formats(tmp_path: Path) -> None:
     assert "namespace old  (format 2, not readable by this version" in done.stdout
     want = "available" if probe_direct_io(str(root))[0] else "off ("
     assert f"direct I/O: {want}" in done.stdout and listing["direct_io"].startswith(want)
-    assert "namespace new  (format 3, chunk" in done.stdout
+    assert "namespace new  (format 4, chunk" in done.stdout
 
 
 def test_offloaded_bytes_leave_the_page_cache(direct_root: Path, tmp_path: Path) -> None:

@@ -513,7 +513,7 @@ def test_chunk_moved_to_another_array_is_an_integrity_error(tmp_path: Path) -> N
 
 def test_outside_readers_verify_chunks_against_the_index(tmp_path: Path) -> None:
     """What docs/layout.md says an outside reader can check: chunk objects carry no
-    checksum of their own (format 3), so plain zarr reads a corrupted or swapped chunk
+    checksum of their own (since format 3), so plain zarr reads a corrupted or swapped chunk
     without complaint; comparing the crc32c of the bytes it read with the index
     entry's ``crc`` for that position catches both."""
     import crc32c

@@ -130,7 +130,7 @@ def _root_format(io: Any) -> Any:
 def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     """One namespace's listing (problems recorded in it), or None if ``name`` is not one."""
     from .._index import IndexLog
-    from .._zarr_store import _Entry
+    from .._namespace import Entry
     from ..errors import TensorStoreError
 
     attrs = _namespace_attrs(io, name)
@@ -154,7 +154,7 @@ def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     try:
         records = index.load()
         for key, rec in records.items():
-            entry = _Entry.from_record(rec)
+            entry = Entry.from_record(rec)
             m = entry.meta
             keys.append(
                 {
