@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,3 +155,42 @@ def test_pool_is_thread_safe() -> None:
     stats = pool.stats
     assert stats.in_use_bytes == 0 and stats.idle_bytes <= 16 * MiB
     assert stats.allocations + stats.reuses == 800
+
+
+def _huge_kib_of(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        text = f.read()
+    total = 0
+    current = False
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            current = lo <= address < hi
+        elif current and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_large_buffers_put_their_origin_on_a_huge_page_boundary() -> None:
+    """Rule 1: a buffer whose direct reads land one block in (a rotated stream) still
+    gets whole huge pages from there, and only there: its 8 MiB after the origin are
+    four huge pages, the block before it a small page (no 2 MiB charged for it)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    buf = AlignedBuffer(8 * MiB + BLOCK_BYTES, BLOCK_BYTES)
+    origin = address_of(buf.view) + BLOCK_BYTES
+    assert origin % (2 * MiB) == 0 and len(buf.view) == 8 * MiB + BLOCK_BYTES
+    buf.view[:] = b"\x01" * len(buf.view)  # touch every page
+    assert _huge_kib_of(origin) == 8 * 1024  # the 8 MiB after the origin
+    assert _huge_kib_of(origin - 1) == 0  # the block before it: small pages
+    assert bytes(buf.exporter()[:2]) == b"\x01\x01"  # the exporter starts at the view
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    a = pool.acquire(3 * MiB, front=BLOCK_BYTES)
+    pool.release(a)
+    assert pool.acquire(3 * MiB) is not a  # another origin: another bucket
+    assert pool.acquire(3 * MiB, front=BLOCK_BYTES) is a
+    with pytest.raises(ValueError, match="front"):
+        AlignedBuffer(BLOCK_BYTES, BLOCK_BYTES)
