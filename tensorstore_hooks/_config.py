@@ -275,12 +275,12 @@ class _StoreModel(_Model):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
-    tiers: list[_TierModel] | None = None
+    tiers: list[_TierModel] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _chain(self) -> _StoreModel:
         # NOTE [ Tier chain ] in _chain_core.py: a budget for every tier but the last.
-        if self.tiers is None:
+        if "tiers" not in self.model_fields_set:
             return self
         if self.url is not None:
             raise ValueError(
@@ -387,7 +387,7 @@ class _ConfigModel(_Model):
                         t.budget,
                         None if t.storage_options is None else dict(t.storage_options),
                     )
-                    for t in s.tiers or ()
+                    for t in s.tiers
                 ),
             ),
             pipeline=PipelineSettings(
