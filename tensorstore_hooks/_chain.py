@@ -217,8 +217,8 @@ def open_chain(
     urls = list(urls)
     if len(urls) < 2:
         raise ConfigError(
-            f"open_store: a tier chain needs two or more URLs (fastest first), got {urls!r}; "
-            "for one store pass its URL alone"
+            "open_store: a list is a tier chain and needs two or more URLs (fastest first), "
+            f"got a list of {len(urls)}: {urls!r}; for one store pass its URL alone"
         )
     if budgets is None:
         raise ConfigError(
