@@ -311,7 +311,12 @@ def chain_from_settings(store: Any) -> TierChain:
     """The chain a config's ``store: {tiers: [...]}`` section describes (``StoreSettings``):
     each tier's ``storage_options`` or else the section's; ``codec`` and ``chunk_bytes``
     for every Zarr tier."""
+    from ._registry import kind_of
+
     tiers = store.tiers
+    # As for one store (options_from_config): only the settings some tier's kind takes.
+    wanted = {k for t in tiers for k in kind_of(t.url).config_options}
+    given = {"codec": store.codec, "chunk_bytes": store.chunk_bytes}
     return open_chain(
         [t.url for t in tiers],
         budgets=[t.budget for t in tiers[:-1]],
@@ -319,6 +324,5 @@ def chain_from_settings(store: Any) -> TierChain:
             dict(t.storage_options if t.storage_options is not None else store.storage_options)
             for t in tiers
         ],
-        codec=store.codec,
-        chunk_bytes=store.chunk_bytes,
+        **{k: v for k, v in given.items() if k in wanted},
     )

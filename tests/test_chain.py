@@ -143,6 +143,32 @@ def test_put_wait_zero_writes_down_when_the_tier_is_full(tmp_path: Path) -> None
     chain.close()
 
 
+def test_a_put_that_finds_no_room_in_time_goes_down() -> None:
+    """put_wait_s: a move that takes too long does not hold the put back for longer."""
+    release = threading.Event()
+
+    class SlowForMovers(WrappedStore):
+        def put(self, tensor: torch.Tensor) -> str:
+            if threading.current_thread().name.startswith("tsh-chain-mover"):
+                assert release.wait(30)
+            return super().put(tensor)
+
+    lower = SlowForMovers()
+    chain = TierChain([tsh.open_store("memory://"), lower], [2 * T], put_wait_s=0.3)
+    keys = [chain.put(tensor(i)) for i in range(2)]
+    t0 = time.monotonic()
+    keys.append(chain.put(tensor(2)))  # no room: waits 0.3 s, then writes to tier 1
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert chain.tier_of(keys[2]) == 1
+    s = chain.stats
+    assert s.put_waits == 1 and s.spills == 1 and 0.25 < s.put_wait_s < 5
+    release.set()
+    settle(chain)
+    for i, k in enumerate(keys):
+        assert torch.equal(chain.get(k), tensor(i))
+    chain.close()
+
+
 def test_a_tier_that_refuses_passes_the_put_on(tmp_path: Path) -> None:
     class Full(WrappedStore):
         def put(self, tensor: torch.Tensor) -> str:
@@ -489,6 +515,29 @@ def test_options_go_to_the_tiers_that_take_them(tmp_path: Path) -> None:
     # One namespace name for the chain's Zarr tiers (inspect pairs them by it).
     assert upper.namespace == lower.namespace  # type: ignore[attr-defined]
     chain.close()
+
+
+def test_yaml_tier_options_fall_back_to_the_sections(tmp_path: Path) -> None:
+    """A tier without storage_options gets the section's; one with its own keeps them."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def factory(url: str, **options: Any) -> TensorStore:
+        seen.append((url, options))
+        return tsh.open_store("memory://")
+
+    tsh.register_store("tshtestcapture", factory, clobber=True)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "store:\n  storage_options: {token: section}\n  tiers:\n"
+        "    - {url: 'tshtestcapture://a', budget: 1MiB, storage_options: {token: own}}\n"
+        "    - {url: 'tshtestcapture://b'}\n"
+    )
+    hooks = tsh.offload(config=cfg)
+    assert seen == [
+        ("tshtestcapture://a", {"token": "own"}),
+        ("tshtestcapture://b", {"token": "section"}),
+    ]
+    hooks.close()
 
 
 def test_a_store_object_tier_is_not_closed_by_the_chain(tmp_path: Path) -> None:

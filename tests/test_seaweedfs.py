@@ -13,6 +13,7 @@ injected throttling and errors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import re
@@ -36,6 +37,7 @@ from .s3_fixtures import *  # noqa: F403 - the fixtures
 from .s3_fixtures import SEAWEED_BUCKET
 from .seaweedfs import SeaweedFS
 from .store_conformance import StoreConformance
+from .test_configs_train import CONFIGS, _train
 from .test_equivalence import MODELS, check_equivalent
 from .test_s3 import _Net, _step
 
@@ -145,6 +147,26 @@ def test_training_is_identical_through_a_chain_to_seaweedfs(
     assert len(chain) == 0 and cs.tiers[0].bytes == 0
     hooks.close()
     chain.close()
+
+
+def test_the_example_chain_config_trains_on_seaweedfs(
+    tmp_path: Path, seaweedfs: SeaweedFS, seaweed_url: str
+) -> None:
+    """configs/chain.yaml with its URLs pointed here (local tier 256 KiB, SeaweedFS
+    below): three training steps with bit-identical gradients and parameters."""
+    cfg = tsh.load_config(CONFIGS / "chain.yaml")
+    local, remote = cfg.store.tiers
+    tiers = (
+        dataclasses.replace(local, url=str(tmp_path / "nvme"), budget=256 << 10),
+        dataclasses.replace(remote, url=seaweed_url, storage_options=seaweedfs.storage_options),
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        store=dataclasses.replace(cfg.store, tiers=tiers),
+        policy=dataclasses.replace(cfg.policy, min_bytes=0),  # TinyLM's tensors are small
+    )
+    for stats in _train(cfg):
+        assert stats.tensors_offloaded > 0 and stats.fallbacks == 0
 
 
 def test_inspect_lists_both_tiers_of_a_chain(
