@@ -72,6 +72,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -371,6 +372,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     if chain is not None:
         chain_stats = dataclasses.asdict(chain.stats)
         chain.close()
+    shutil.rmtree(scratch, ignore_errors=True)  # the tutorial mode's files (empty by now)
     return {
         "mode": args.mode,
         "round": args.round,
