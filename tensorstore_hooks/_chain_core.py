@@ -278,18 +278,20 @@ class Core:
                     inner = tier.store.put_blob(meta, payload)
                 else:
                     inner = tier.store.put(tensor)
-            except UnsupportedTensorError:
-                self._release(i, n)
-                raise
             except TensorStoreError as e:
                 self._release(i, n)
-                if i == len(self.tiers) - 1 or self.closed:
+                if isinstance(e, UnsupportedTensorError) or i == len(self.tiers) - 1:
+                    raise
+                if self.closed:
                     raise
                 log.debug("TierChain(%s): tier %d refused a put (%s); next tier", self.url, i, e)
                 with self.cond:
                     self.spills += 1
                 i = self._reserve_for_put(i + 1, n)  # Rule 2
                 continue
+            except BaseException:  # a user store's bug, or an interrupt: give the room back
+                self._release(i, n)
+                raise
             break
         key = format(seq, "x")
         with self.cond:

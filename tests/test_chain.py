@@ -194,6 +194,18 @@ def test_the_last_tiers_failure_reaches_the_caller_and_nothing_is_held(tmp_path:
     chain.close()
 
 
+def test_a_store_bug_in_a_put_gives_the_room_back() -> None:
+    class Buggy(WrappedStore):
+        def put(self, tensor: torch.Tensor) -> str:
+            raise RuntimeError("Buggy: a bug")
+
+    chain = TierChain([Buggy(), WrappedStore()], [4 * T])
+    with pytest.raises(RuntimeError, match="Buggy"):
+        chain.put(tensor(0))
+    assert [t.bytes for t in chain.stats.tiers] == [0, 0] and len(chain) == 0
+    chain.close()
+
+
 # ------------------------------------------------------------ failed moves
 class Flaky(WrappedStore):
     """Refuses its first ``failures`` puts with ``StoreUnavailableError``."""
