@@ -678,14 +678,23 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
     return out
 
 
-def chain_position(summary: dict[str, Any]) -> float | None:
-    """Where tsh-chain's step time falls between tsh-disk (0) and tsh-remote (1)."""
-    try:
-        disk, remote = summary["tsh-disk"]["step_s"], summary["tsh-remote"]["step_s"]
-        chain = summary["tsh-chain"]["step_s"]
-    except KeyError:
-        return None
-    return (chain - disk) / (remote - disk) if remote != disk else None
+def chain_position(runs: list[dict[str, Any]]) -> tuple[float, list[float]] | None:
+    """Where tsh-chain's step time falls between tsh-disk (0) and tsh-remote (1): per
+    round (the three runs side by side), and the median of those."""
+    step: dict[tuple[str, int], float] = {}
+    for run in runs:
+        measured = [s["step_s"] for s in run["steps"] if not s["warmup"]]
+        step[(run["mode"], run["round"])] = statistics.median(measured)
+    rounds = sorted({r for _, r in step})
+    positions = []
+    for r in rounds:
+        try:
+            disk, remote, chain = (step[(m, r)] for m in ("tsh-disk", "tsh-remote", "tsh-chain"))
+        except KeyError:
+            continue
+        if remote != disk:
+            positions.append((chain - disk) / (remote - disk))
+    return (statistics.median(positions), positions) if positions else None
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -902,11 +911,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workers ran with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
     print()
     print(format_table(result))
-    position = chain_position(result["summary"])
+    position = chain_position(result["runs"])
     if position is not None:
+        median, each = position
         print(
-            f"\ntsh-chain (local tier {result['chain_budget']} bytes) sits at {position:.2f} "
-            "of the way from tsh-disk (0) to tsh-remote (1) in step time"
+            f"\ntsh-chain (local tier {result['chain_budget']} bytes) sits at {median:.2f} of "
+            "the way from tsh-disk (0) to tsh-remote (1) in step time (median of rounds: "
+            + ", ".join(f"{p:.2f}" for p in each)
+            + ")"
         )
     bad = [m for m, e in result["summary"].items() if e["grads_identical"] is False]
     missed = {m: e["sampler_missed_bytes"] for m, e in result["summary"].items()}
