@@ -526,6 +526,8 @@ def test_options_go_to_the_tiers_that_take_them(tmp_path: Path) -> None:
     assert upper.codec == lower.codec == "lz4"  # type: ignore[attr-defined]
     # One namespace name for the chain's Zarr tiers (inspect pairs them by it).
     assert upper.namespace == lower.namespace  # type: ignore[attr-defined]
+    # The documented defaults (docs/config.md): two movers, puts wait up to 60 s.
+    assert chain._core.move_threads == 2 and chain._core.put_wait_s == 60.0
     chain.close()
 
 

@@ -184,7 +184,7 @@ def test_inspect_lists_both_tiers_of_a_chain(
         assert chain.wait_idle(30)
         assert [chain.tier_of(k) for k in keys] == [1, 1, 1, 0, 0]
         chain.flush()  # an object store's index is written on flush/close
-        options = json.dumps(seaweedfs.storage_options)
+        options = json.dumps([None, seaweedfs.storage_options])  # one entry per tier
         code = cli_main(["inspect", "--json", "--storage-options", options, local, seaweed_url])
         listing = json.loads(capsys.readouterr().out)
     finally:
