@@ -529,6 +529,12 @@ def test_options_go_to_the_tiers_that_take_them(tmp_path: Path) -> None:
     # The documented defaults (docs/config.md): two movers, puts wait up to 60 s.
     assert chain._core.move_threads == 2 and chain._core.put_wait_s == 60.0
     chain.close()
+    chain = tsh.open_store(
+        ["memory://", str(tmp_path / "disk")], budgets=["1MiB"], move_threads=4, put_wait_s=5
+    )
+    assert isinstance(chain, TierChain)
+    assert chain._core.move_threads == 4 and chain._core.put_wait_s == 5.0
+    chain.close()
 
 
 def test_yaml_tier_options_fall_back_to_the_sections(tmp_path: Path) -> None:
