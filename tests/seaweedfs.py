@@ -195,6 +195,7 @@ class SeaweedFS:
                     if attempt == 2 or "address already in use" not in str(e):
                         raise
                     self._stop_processes(5.0)
+                    self._remove_sockets()
         except BaseException:
             self.stop()
             raise
