@@ -39,7 +39,9 @@ class TierChain(TensorStore):
     what it opened). ``move_threads``: how many tensors move at once (each move reads
     one tensor from a tier and writes it to the next). ``put_wait_s``: how long a put
     waits for room in a full tier before it goes to the next one (0: at once).
-    ``close_timeout_s``: how long ``close()`` waits for moves in flight.
+    ``close_timeout_s``: how long ``close()`` waits for moves in flight. ``plan``:
+    from the second cycle (empty to empty: a training step) on, write the tensors the
+    last cycle says will be the oldest straight to the tier they would be moved to.
 
     Keys are the chain's own. Gets read from the tier that holds the key; stats per
     tier and of the moves: :attr:`stats`. The rules: NOTE [ Tier chain ] in
@@ -55,6 +57,7 @@ class TierChain(TensorStore):
         move_threads: int = 2,
         put_wait_s: float = 60.0,
         close_timeout_s: float = 60.0,
+        plan: bool = True,
     ) -> None:
         tiers = list(tiers)
         if len(tiers) < 2 or not all(isinstance(t, TensorStore) for t in tiers):
@@ -79,6 +82,7 @@ class TierChain(TensorStore):
             move_threads=move_threads,
             put_wait_s=float(put_wait_s),
             close_timeout_s=float(close_timeout_s),
+            plan=bool(plan),
         )
         # Dropped without close(): the movers stop and the owned tiers close.
         self._finalizer = weakref.finalize(self, self._core.close)
@@ -189,7 +193,9 @@ def check_budgets(budgets: Any, tiers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- opening
-_CHAIN_KEYWORDS = ("budgets", "storage_options", "move_threads", "put_wait_s", "close_timeout_s")
+_CHAIN_KEYWORDS = (
+    "budgets", "storage_options", "move_threads", "put_wait_s", "close_timeout_s", "plan"
+)
 
 
 def open_chain(
@@ -200,6 +206,7 @@ def open_chain(
     move_threads: int = 2,
     put_wait_s: float = 60.0,
     close_timeout_s: float = 60.0,
+    plan: bool = True,
     **options: Any,
 ) -> TierChain:
     """``open_store([url, url, ...], budgets=[...], ...)``: open each tier, then chain them.
@@ -281,6 +288,7 @@ def open_chain(
             move_threads=move_threads,
             put_wait_s=put_wait_s,
             close_timeout_s=close_timeout_s,
+            plan=plan,
         )
     except BaseException:
         for store, own in zip(stores, owned, strict=False):

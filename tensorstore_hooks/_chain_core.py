@@ -9,10 +9,10 @@ The rules, each kept by the code that names it:
 1. Budgets count bytes actually held: a tensor counts in a tier from the moment room is
    reserved for it there until its copy there is deleted. During a move it counts in
    both tiers; the last tier has no budget.
-2. A put lands in the first tier. When that tier has no room, the put waits (at most
-   ``put_wait_s``) while the movers make room; it goes to the next tier at once if the
-   tensor is larger than the budget, when a move out of the tier fails while it waits,
-   or when the wait runs out. A tier that refuses or fails the write
+2. A put lands in the first tier (or where Rule 8 plans it). When that tier has no
+   room, the put waits (at most ``put_wait_s``) while the movers make room; it goes to
+   the next tier at once if the tensor is larger than the budget, when a move out of
+   the tier fails while it waits, or when the wait runs out. A tier that refuses or fails the write
    (``QuotaExceededError``, an unreachable service) passes it on to the next tier too;
    only the last tier's failure reaches the caller, so a tensor is always somewhere or
    still with the caller.
@@ -35,6 +35,16 @@ The rules, each kept by the code that names it:
 7. ``close()`` lets no new move start, waits for the moves in flight (at most
    ``close_timeout_s``), then closes the tiers the chain opened. In a forked child it
    only marks the chain closed: the tiers are the parent's.
+8. Planned puts (``plan``, on by default): a training loop fills the chain in forward
+   and empties it in backward, step after step. A *cycle* runs from the chain being
+   empty to it being empty again; the most bytes it held at once is that cycle's
+   size. From the second cycle on, a put whose tensor would end up below a tier by
+   the last cycle's size — more bytes are still to come after it than the tiers
+   above can hold — is written straight to the tier the moves would have taken it
+   to. The placement is what Rules 2-3 produce, without writing those tensors to the
+   fast tier and reading them back: with the first tier at half a step, half of a
+   step goes to each tier and no tensor moves. A cycle larger than the last still
+   fills the first tier and moves its oldest, as above.
 
 The chain's map (chain key -> tier, key there) lives in this process; each tier keeps
 its own index, so ``tensorstore-hooks inspect URL URL ...`` lists what each tier holds
@@ -118,6 +128,11 @@ class ChainStats:
     spills: int
     """Puts that went past a tier: too large for its budget, no room in time, or the
     tier refused or failed the write."""
+    planned_puts: int
+    """Puts written straight to a lower tier by the last cycle's size (Rule 8)."""
+    cycle_bytes: int
+    """The last finished cycle's size (Rule 8): the most bytes held at once between two
+    moments the chain was empty; 0 before the first cycle ends."""
 
     def summary(self) -> str:
         """One line for logs."""
@@ -130,7 +145,8 @@ class ChainStats:
         return (
             f"{tiers}; moves {self.moves} ({format_bytes(self.bytes_moved)} in "
             f"{self.move_s:.3f}s, {self.move_failures} failed); puts waited {self.put_waits} "
-            f"({self.put_wait_s:.3f}s), spilled past a tier {self.spills}"
+            f"({self.put_wait_s:.3f}s), spilled past a tier {self.spills}, planned below "
+            f"{self.planned_puts} (last cycle {format_bytes(self.cycle_bytes)})"
         )
 
 
@@ -214,7 +230,13 @@ class Core:
     """
 
     def __init__(
-        self, tiers: list[Tier], *, move_threads: int, put_wait_s: float, close_timeout_s: float
+        self,
+        tiers: list[Tier],
+        *,
+        move_threads: int,
+        put_wait_s: float,
+        close_timeout_s: float,
+        plan: bool,
     ) -> None:
         self.tiers = tiers
         self.url = " -> ".join(t.url for t in tiers)
@@ -238,6 +260,10 @@ class Core:
         self.put_waits = 0
         self.put_wait_s_total = 0.0
         self.spills = 0
+        self.plan = plan
+        self.planned_puts = 0
+        self.cycle_bytes = 0  # Rule 8: the last finished cycle's size
+        self.cycle_peak = 0  # the current cycle's size so far
 
     # ----------------------------------------------------------------- helpers
     def check_open(self) -> None:
@@ -270,7 +296,8 @@ class Core:
             self.check_open()
             seq = self.next_seq
             self.next_seq += 1
-        i = self._reserve_for_put(0, n)
+            first = self._planned_tier(n)
+        i = self._reserve_for_put(first, n)
         while True:
             tier = self.tiers[i]
             try:
@@ -302,6 +329,7 @@ class Core:
                 discard = False
                 self.map[key] = _Placement(seq, i, inner, n)
                 self.nbytes += n
+                self.cycle_peak = max(self.cycle_peak, self.nbytes)
                 tier.tensors += 1
                 tier.puts += 1
                 tier.bytes_put += n
@@ -313,6 +341,23 @@ class Core:
                 tier.store.delete(inner)
             self.check_open()
         return key
+
+    def _planned_tier(self, n: int) -> int:
+        """Under the lock: Rule 8's tier for a put of ``n`` bytes (0 without a plan)."""
+        if not self.plan or not self.cycle_bytes:
+            return 0
+        after = self.cycle_bytes - self.nbytes - n  # bytes the last cycle saved after it
+        above = 0
+        where = len(self.tiers) - 1
+        for i, tier in enumerate(self.tiers[:-1]):
+            assert tier.budget is not None
+            above += tier.budget
+            if after + n <= above:  # it and all that follows fit in the tiers so far
+                where = i
+                break
+        if where:
+            self.planned_puts += 1
+        return where
 
     def _reserve_for_put(self, start: int, n: int) -> int:
         """Rule 2: reserve ``n`` bytes in the first tier from ``start`` that takes them."""
@@ -401,6 +446,8 @@ class Core:
                 self.nbytes -= p.nbytes
                 self.tiers[p.tier].tensors -= 1
                 by_tier.setdefault(p.tier, []).append((p.key, p.nbytes))
+            if not self.map and self.cycle_peak:  # Rule 8: a cycle ends
+                self.cycle_bytes, self.cycle_peak = self.cycle_peak, 0
         for i, items in by_tier.items():
             store = self.tiers[i].store
             try:
@@ -600,6 +647,8 @@ class Core:
                 put_waits=self.put_waits,
                 put_wait_s=self.put_wait_s_total,
                 spills=self.spills,
+                planned_puts=self.planned_puts,
+                cycle_bytes=self.cycle_bytes,
             )
 
 

@@ -122,6 +122,73 @@ def test_three_tiers_keep_age_order(tmp_path: Path) -> None:
     chain.close()
 
 
+def _cycle(chain: TierChain, n: int, first: int = 0) -> list[str]:
+    """One cycle (a training step): ``n`` puts, settled; returns the keys."""
+    keys = [chain.put(tensor(first + i)) for i in range(n)]
+    settle(chain)
+    return keys
+
+
+def _empty(chain: TierChain, keys: list[str]) -> None:
+    for i, k in enumerate(keys):
+        assert torch.equal(chain.get(k), tensor(i))
+    chain.delete_many(keys)
+    assert len(chain) == 0
+
+
+def test_the_next_cycle_writes_the_oldest_straight_down(tmp_path: Path) -> None:
+    """Rule 8: the first cycle fills the fast tier and moves its oldest; the next one,
+    of the same size, writes those straight to the tier below: same placement, no
+    moves, no waiting."""
+    chain = tsh.open_store(["memory://", str(tmp_path / "disk")], budgets=[4 * T])
+    assert isinstance(chain, TierChain)
+    keys = _cycle(chain, 10)
+    assert [chain.tier_of(k) for k in keys] == [1] * 6 + [0] * 4
+    s = chain.stats
+    assert s.moves == 6 and s.planned_puts == 0 and s.cycle_bytes == 0
+    _empty(chain, keys)
+    assert chain.stats.cycle_bytes == 10 * T
+    before = chain.stats
+    keys = _cycle(chain, 10)
+    assert [chain.tier_of(k) for k in keys] == [1] * 6 + [0] * 4  # what the moves made
+    s = chain.stats
+    assert s.moves == before.moves and s.put_waits == before.put_waits  # none of either
+    assert s.planned_puts == 6 and s.tiers[1].puts == 6
+    assert s.tiers[0].peak_bytes <= 4 * T
+    _empty(chain, keys)
+    # A larger cycle than the last: the plan covers what it knows, moves do the rest.
+    keys = _cycle(chain, 12)
+    assert [chain.tier_of(k) for k in keys] == [1] * 8 + [0] * 4
+    assert chain.stats.moves == before.moves + 2
+    _empty(chain, keys)
+    assert chain.stats.cycle_bytes == 12 * T
+    chain.close()
+
+
+def test_three_tiers_plan_each_tier(tmp_path: Path) -> None:
+    chain = tsh.open_store(
+        ["memory://", "memory://", str(tmp_path / "disk")], budgets=[2 * T, 4 * T]
+    )
+    assert isinstance(chain, TierChain)
+    _empty(chain, _cycle(chain, 10))
+    moves = chain.stats.moves
+    keys = _cycle(chain, 10)
+    assert [chain.tier_of(k) for k in keys] == [2] * 4 + [1] * 4 + [0] * 2
+    assert chain.stats.moves == moves and chain.stats.planned_puts == 8
+    chain.close()
+
+
+def test_plan_off_moves_every_cycle(tmp_path: Path) -> None:
+    chain = TierChain(
+        [tsh.open_store("memory://"), tsh.open_store(tmp_path / "disk")], [4 * T], plan=False
+    )
+    _empty(chain, _cycle(chain, 10))
+    keys = _cycle(chain, 10)
+    assert [chain.tier_of(k) for k in keys] == [1] * 6 + [0] * 4
+    assert chain.stats.moves == 12 and chain.stats.planned_puts == 0
+    chain.close()
+
+
 def test_a_tensor_larger_than_a_budget_goes_down_at_once(tmp_path: Path) -> None:
     chain = tsh.open_store(["memory://", str(tmp_path / "disk")], budgets=[T])
     assert isinstance(chain, TierChain)
@@ -628,6 +695,18 @@ def test_prefetch_reads_the_fast_tier_first() -> None:
     assert [name for name, _ in reads] == ["upper"] * 4 + ["lower"] * 6
     assert hooks.stats.prefetch_hits == n
     assert len(chain) == 0
+    # The next step: the oldest six go straight to tier 1 (Rule 8), the same reads.
+    moves = chain.stats.moves
+    x.grad = None
+    with hooks:
+        loss = sin_chain(x, n)
+    hooks.flush()
+    settle(chain)
+    assert [t.tensors for t in chain.stats.tiers] == [4, 6] and chain.stats.moves == moves
+    reads.clear()
+    loss.backward()
+    assert torch.equal(x.grad, chain_grad(x, n))
+    assert [name for name, _ in reads] == ["upper"] * 4 + ["lower"] * 6
     hooks.close()
     shutdown_pool(chain)
     chain.close()
