@@ -597,10 +597,12 @@ def test_options_go_to_the_tiers_that_take_them(tmp_path: Path) -> None:
     assert chain._core.move_threads == 2 and chain._core.put_wait_s == 60.0
     chain.close()
     chain = tsh.open_store(
-        ["memory://", str(tmp_path / "disk")], budgets=["1MiB"], move_threads=4, put_wait_s=5
-    )
+        ["memory://", str(tmp_path / "disk2")],
+        budgets=["1MiB"], move_threads=4, put_wait_s=5, plan=False,
+    )  # fmt: skip
     assert isinstance(chain, TierChain)
     assert chain._core.move_threads == 4 and chain._core.put_wait_s == 5.0
+    assert chain._core.plan is False
     chain.close()
 
 
