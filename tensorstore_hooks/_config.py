@@ -59,6 +59,7 @@ __all__ = [
     "PipelineSettings",
     "Size",
     "StoreSettings",
+    "TierSettings",
     "config_from_dict",
     "dump_config",
     "format_validation_error",
@@ -92,6 +93,20 @@ class StoreSettings:
     direct_io: str = "auto"
     """Local directories: ``auto`` (``O_DIRECT`` where the filesystem allows it), ``on``
     (required) or ``off`` (page cache). See NOTE [ Direct I/O ] in ``_chunkio.py``."""
+    tiers: tuple[TierSettings, ...] = ()
+    """A tier chain instead of ``url`` (fastest first); empty: one store at ``url``."""
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """One entry of ``store.tiers``: a tier of a chain (NOTE [ Tier chain ], ``_chain_core``)."""
+
+    url: str
+    """The tier's store URL."""
+    budget: int | None = None
+    """Bytes the tier may hold; every tier but the last has one, the last none."""
+    storage_options: dict[str, Any] | None = None
+    """This tier's fsspec options (``None``: the section's ``storage_options``)."""
 
 
 @dataclass(frozen=True)
@@ -135,17 +150,23 @@ class EffectiveConfig:
         Sizes are written with the largest exact binary unit (``"8MiB"``). With
         ``redact``, ``storage_options`` values whose key looks secret are masked.
         """
-        options = dict(self.store.storage_options)
-        if redact:
-            options = {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+        def shown(options: Mapping[str, Any]) -> dict[str, Any]:
+            if not redact:
+                return dict(options)
+            return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+
+        store: dict[str, Any] = {
+            "url": self.store.url,
+            "storage_options": shown(self.store.storage_options),
+            "codec": self.store.codec,
+            "chunk_bytes": exact_size(self.store.chunk_bytes),
+            "direct_io": self.store.direct_io,
+        }
+        if self.store.tiers:
+            del store["url"]
+            store["tiers"] = [_tier_to_dict(t, shown) for t in self.store.tiers]
         return {
-            "store": {
-                "url": self.store.url,
-                "storage_options": options,
-                "codec": self.store.codec,
-                "chunk_bytes": exact_size(self.store.chunk_bytes),
-                "direct_io": self.store.direct_io,
-            },
+            "store": store,
             "pipeline": {
                 "max_inflight": _opt_exact(self.pipeline.max_inflight),
                 "prefetch": _opt_exact(self.pipeline.prefetch),
@@ -166,6 +187,15 @@ class EffectiveConfig:
 
 
 _SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _tier_to_dict(tier: TierSettings, shown: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"url": tier.url}
+    if tier.budget is not None:
+        out["budget"] = exact_size(tier.budget)
+    if tier.storage_options is not None:
+        out["storage_options"] = shown(tier.storage_options)
+    return out
 
 
 def _opt_exact(n: int | None) -> int | str | None:
@@ -242,12 +272,45 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class _TierModel(_Model):
+    url: Annotated[str, AfterValidator(_url)]
+    budget: OptSize = None
+    storage_options: dict[str, Any] | None = None
+
+
 class _StoreModel(_Model):
     url: Annotated[str | None, AfterValidator(_url)] = None
     storage_options: dict[str, Any] = Field(default_factory=dict)
     codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
     direct_io: Annotated[str, BeforeValidator(_direct_io)] = "auto"
+    tiers: list[_TierModel] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _chain(self) -> _StoreModel:
+        # NOTE [ Tier chain ] in _chain_core.py: a budget for every tier but the last.
+        if "tiers" not in self.model_fields_set:
+            return self
+        if self.url is not None:
+            raise ValueError(
+                "url and tiers are exclusive: a chain names its URLs in tiers"
+            )
+        if len(self.tiers) < 2:
+            raise ValueError(
+                "tiers needs two or more tiers (fastest first); for one store use url"
+            )
+        for i, tier in enumerate(self.tiers[:-1]):
+            if tier.budget is None:
+                raise ValueError(
+                    f"tiers[{i}].budget is missing: every tier but the last needs one "
+                    "(the bytes it may hold, e.g. budget: 64GiB)"
+                )
+        if self.tiers[-1].budget is not None:
+            raise ValueError(
+                f"tiers[{len(self.tiers) - 1}] is the last tier and takes no budget: it "
+                "holds what the tiers above cannot"
+            )
+        return self
 
 
 class _PipelineModel(_Model):
@@ -328,6 +391,14 @@ class _ConfigModel(_Model):
                 codec=s.codec,
                 chunk_bytes=s.chunk_bytes,
                 direct_io=s.direct_io,
+                tiers=tuple(
+                    TierSettings(
+                        t.url,
+                        t.budget,
+                        None if t.storage_options is None else dict(t.storage_options),
+                    )
+                    for t in s.tiers
+                ),
             ),
             pipeline=PipelineSettings(
                 max_inflight=p.max_inflight,

@@ -247,6 +247,10 @@ def make_pipeline(
     cfg = resolve_config(config, overrides)
     if isinstance(store, TensorStore):
         st, owned = store, False
+    elif store is None and cfg.store.tiers:
+        from ._chain import chain_from_settings
+
+        st, owned = chain_from_settings(cfg.store), True
     else:
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).

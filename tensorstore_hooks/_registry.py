@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -326,7 +326,7 @@ def _check_fsspec_importable(url: str) -> None:
 
 
 def open_store(
-    url: str | os.PathLike[str] | TensorStore | None = None, **options: Any
+    url: str | os.PathLike[str] | TensorStore | Sequence[Any] | None = None, **options: Any
 ) -> TensorStore:
     """Open the store for ``url``.
 
@@ -338,6 +338,9 @@ def open_store(
       passed to it. ``""``, ``file://`` and one-slash URLs (``tsh:/host:7077``) are
       refused (NOTE [ Store URL rules ]).
     * a :class:`TensorStore`: returned as is (``options`` must then be empty).
+    * a list of the above, fastest first, with ``budgets=[...]`` (one size per tier but
+      the last): a :class:`~tensorstore_hooks.TierChain`; ``storage_options`` is then one
+      dict for every tier or a list, one per tier (``_chain.open_chain``).
 
     ``options`` go to the store's constructor (``chunk_bytes``, ``codec``,
     ``storage_options``, ``token``, ...). Raises :class:`ConfigError` for unknown
@@ -351,10 +354,14 @@ def open_store(
         return url
     if url is None:
         return _open(_LOCAL_KIND, None, options)
+    if isinstance(url, list | tuple):
+        from ._chain import open_chain
+
+        return open_chain(url, **options)
     if not isinstance(url, str | os.PathLike):
         raise ConfigError(
-            "open_store: expected a URL string, a path, a TensorStore or None, "
-            f"got {type(url).__name__} {url!r}"
+            "open_store: expected a URL string, a path, a TensorStore, None, or a list of "
+            f"those (a tier chain), got {type(url).__name__} {url!r}"
         )
     s = os.fspath(url)
     if not isinstance(s, str):

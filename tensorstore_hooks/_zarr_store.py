@@ -63,6 +63,18 @@ it just freed: keeping old spares of sizes no longer used would turn every later
 put into a create), and ``close()`` unlinks them all. Spare chunks are in
 no index entry, so no reader (ours or plain zarr through the index) takes their stale
 bytes for a key's; a read racing its key's delete raises ``KeyNotFoundError``.
+
+NOTE [ Requests that land late ]
+An object store may apply a request after the client gave up on it: measured with
+SeaweedFS, a PUT that timed out while its volume server was down was written by the
+S3 gateway once the volume server came back, over the chunk object of a key written
+since. So a chunk run with a write or delete whose outcome is unknown (an attempt
+that failed with a timeout, a dropped connection, an error: ``ChunkIO.take_uncertain``)
+is never handed out again by this store object: a failed put abandons its run, a
+delete that failed keeps its run out of the free list. The objects are orphans, at
+most a few per outage, and go with the namespace. (The checksums bound to each
+chunk's key and position would catch such an overwrite as an ``IntegrityError``;
+this keeps it from happening.)
 """
 
 from __future__ import annotations
@@ -454,11 +466,16 @@ class ZarrStore(BlobStore):
         return key
 
     def _undo_put(self, run: Run, paths: list[str]) -> None:
-        """A put that failed: delete what it wrote (give the space back), free its run."""
+        """A put that failed: delete what it wrote (give the space back), free its run
+        unless a request on it may still land (NOTE [ Requests that land late ])."""
         with contextlib.suppress(Exception):
             self._io.delete(paths)
+        uncertain = self._io.take_uncertain(paths)
         with self._lock:
-            self._alloc.cancel(run)
+            if uncertain:
+                self._alloc.abandon(run)
+            else:
+                self._alloc.cancel(run)
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
         err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
@@ -477,8 +494,10 @@ class ZarrStore(BlobStore):
             return
         with contextlib.suppress(Exception):
             self._io.delete([p for run in runs for p in self._run_paths(run)])
+        # NOTE [ Requests that land late ]: a run with an uncertain request stays out.
+        settled = [run for run in runs if not self._io.take_uncertain(self._run_paths(run))]
         with self._lock:
-            self._alloc.release(runs)
+            self._alloc.release(settled)
 
     # ------------------------------------------------------------------- gets
     def _entry(self, key: str) -> _Entry:
