@@ -64,10 +64,20 @@ class CpuAsAccelerator(CudaOps):
         self.fake.produced(t)  # pack: the tensor was just made on the current stream
         return super().to_host(t, buf)
 
-    def to_device(self, host: torch.Tensor, device: torch.device, offset: int) -> Loaded:
+    def to_device(
+        self, host: torch.Tensor, device: torch.device, after: CopyEvent | None = None
+    ) -> Loaded:
         self.to_device_calls += 1
         self.fake.mark_host(host)  # read from the store: ordinary host memory
-        return super().to_device(host, device, offset)
+        return super().to_device(host, device, after)
+
+    def producer_event(self, t: torch.Tensor) -> CopyEvent:
+        self.fake.produced(t)  # pack: written from the device later
+        return super().producer_event(t)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        self.fake.produced(t)  # pack: a ``host`` rule's copy
+        return super().pin(t)
 
     def finish(self, t: torch.Tensor, done: CopyEvent) -> torch.Tensor:
         out = super().finish(t, done)

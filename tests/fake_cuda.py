@@ -125,8 +125,21 @@ class _Copy(_Op):
     host_range: tuple[int, int, bool] | None = None  # (lo, hi, written) of host memory
     leave_poison: str | None = None  # a broken rule: the copy lands garbage (NaN)
     device_fixup: tuple[bool, bool] = (False, False)  # (conj, neg) after landing
+    # Copies into host memory this one reads that must land first (stream order or a
+    # wait): its source's expected bytes are known only once they have.
+    writers: set[int] = field(default_factory=set)
+    readers: list[_Copy] = field(default_factory=list)
 
     def run(self, fake: FakeCuda) -> None:
+        try:
+            self._land(fake)
+        finally:
+            for reader in self.readers:
+                reader.writers.discard(id(self))
+                if not reader.writers and reader.src is not None and reader.snapshot is None:
+                    reader.snapshot = reader.src.clone()
+
+    def _land(self, fake: FakeCuda) -> None:
         dst = self.dst if self.dst is not None else _materialize(self.dst_weak)
         if dst is None:
             mem = self.dst_memory
@@ -278,6 +291,9 @@ class FakeCuda:
         """``t`` was just made by work on the current stream (a kernel's output)."""
         with self._lock:
             stream = self.current_stream(t.device)
+            known = self._known(t)
+            if known is not None and known.kind == DEVICE and known.stream is stream:
+                return  # another view of memory made earlier: made then, not now
             stream.stamp += 1
             self._memory[_ptr(t)] = _Memory(
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp
@@ -551,10 +567,16 @@ class FakeCuda:
                 pdst.conj_physical_()
             if neg:
                 pdst.neg_()
-        if src_kind == DEVICE:
+        src_memory = self._known(src)
+        if src_kind == DEVICE and src_memory is not None and src_memory.stream is not stream:
+            # Read on another stream than the one that made it: freed, its memory is
+            # reusable at once. (On its own stream, reuse is ordered after the copy.)
             op.src_weak = _weak(psrc)
+        elif src_kind == DEVICE:
+            op.src = psrc
         elif src_kind == PINNED:
-            op.src, op.snapshot = psrc, psrc.clone()
+            op.src = psrc
+            op.snapshot = None if op.writers else psrc.clone()
         else:
             op.snapshot = psrc.clone()  # pageable: copied out when queued
         stream.queue.append(op)
@@ -592,14 +614,17 @@ class FakeCuda:
         assert op.host_range is not None
         lo, hi, written = op.host_range
         for other in self._all_streams:
-            if other is stream or not other.queue:
-                continue
             for pending in other.queue:
                 if not isinstance(pending, _Copy) or pending.host_range is None:
                     continue
                 plo, phi, pwritten = pending.host_range
-                overlap = plo < hi and lo < phi and (written or pwritten)
-                if overlap and _behind(stream, other, pending.stamp):
+                if not (plo < hi and lo < phi and (written or pwritten)):
+                    continue
+                if not _behind(stream, other, pending.stamp):  # ordered after it
+                    if pwritten and not written:
+                        op.writers.add(id(pending))
+                        pending.readers.append(op)
+                else:
                     self._violate(
                         f"rule 3: {op.name} on {stream} uses a host buffer that "
                         f"{pending.name} on {other} still uses (reused before that copy "
