@@ -132,9 +132,7 @@ class WriteBehind:
         if job is not None:
             self._heap.note(rec.nbytes)
 
-    def _put(
-        self, rec: Record, job: WriteJob, ready: CopyEvent | None
-    ) -> tuple[str | None, bool]:
+    def _put(self, rec: Record, job: WriteJob, ready: CopyEvent | None) -> tuple[str | None, bool]:
         """Check the version, copy the bytes into the store, check again (NOTE [ In-place
         checks ]): the one place a saved tensor's bytes are copied out.
 
