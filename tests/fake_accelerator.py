@@ -27,7 +27,17 @@ from tensorstore_hooks._staging import CopyEvent, CudaOps, Loaded
 
 from .fake_cuda import FakeCuda, FakeEvent
 
-__all__ = ["CpuAsAccelerator", "FakeCuda", "on_fake_accelerator"]
+__all__ = ["CpuAsAccelerator", "FakeCuda", "broken_rules", "on_fake_accelerator"]
+
+_made: list[FakeCuda] = []  # every fake made since the last broken_rules() call
+
+
+def broken_rules() -> list[str]:
+    """The rules broken in every fake made since the last call (then forgotten): a
+    fixture asserts it is empty after each test."""
+    out = [v for fake in _made for v in fake.violations]
+    _made.clear()
+    return out
 
 
 class CpuAsAccelerator(CudaOps):
@@ -35,6 +45,7 @@ class CpuAsAccelerator(CudaOps):
 
     def __init__(self, *, lazy: bool = False, polls: int = 2, fake: FakeCuda | None = None) -> None:
         self.fake = fake if fake is not None else FakeCuda(polls=polls if lazy else 0)
+        _made.append(self.fake)
         super().__init__(self.fake)
         self.allocations = 0
         self.allocated_bytes = 0
