@@ -6,7 +6,8 @@ keeps the device tensor only until that copy's event has completed: then the dev
 memory is free, long before the store write ends. Unpack copies back on a dedicated
 stream, and the consuming stream waits on the copy's event. A buffer a copy still
 uses goes back to its pool or tier when that copy's event is seen complete (polled at
-every call here), never by blocking the caller (rule 9). CPU tensors never come here.
+every call here), never by blocking the caller (rule 9 of NOTE [ Stream ordering ]).
+CPU tensors never come here.
 Every device-specific step goes through ``ops``
 (:class:`~tensorstore_hooks._staging.DeviceOps`), the seam CPU tests drive. What a
 record's host copy is and when it changes hands is the record table's
@@ -25,10 +26,12 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    held records spill (``spill(rec)``: HELD -> QUEUED, written from their host copy
    by the write-behind, whose completion gives the buffer back), and pack waits for
    that room (``stats.pack_stall_s``).
-2. A tensor larger than the whole cap is never held: it is written from the device,
-   copied out on the copy stream into pageable memory by the writing I/O thread
-   (:meth:`to_pageable`, after an event recorded on its producer at pack: rule 8 of
-   NOTE [ Stream ordering ]); ``max_inflight`` bounds those.
+2. A tensor larger than the whole cap is never held, nor one no buffer can take now
+   (rule 4 of NOTE [ Host tier ]) or that found no room within ``hold_timeout_s``: it
+   is written from the device, copied out on the copy stream into pageable memory by
+   the writing I/O thread (:meth:`to_pageable`, after an event recorded on its
+   producer at pack: rule 8 of NOTE [ Stream ordering ]); ``max_inflight`` bounds
+   those.
 3. Backward reads a held record from its host buffer (:meth:`from_host`, through the
    prefetcher's read-ahead, newest first), a spilled one from the store through a
    buffer borrowed from the tier (``try_take``, rule 5 of NOTE [ Host tier ]); with no

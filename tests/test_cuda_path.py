@@ -410,6 +410,17 @@ def test_10_pack_while_capturing_keeps_tensors_in_place() -> None:
     assert torch.equal(x.grad, chain_grad(x, 4))
 
 
+def test_10_a_backward_captured_with_its_forward_works() -> None:
+    hooks, ops = fake_hooks(host_budget="1MiB", prefetch="1MiB")
+    x = torch.randn(T // 4, requires_grad=True)
+    with ops.fake.capture():
+        with hooks:
+            loss = sin_chain(x, 4)
+        loss.backward()  # nothing starts reading ahead: that would wait on events
+    assert torch.equal(x.grad, chain_grad(x, 4))
+    assert hooks.stats.per_rule["cuda graph capture"].tensors == 4
+
+
 def test_10_unpack_of_an_offloaded_tensor_while_capturing_refuses_clearly() -> None:
     hooks, ops = fake_hooks(host_budget="1MiB")
     x = torch.randn(T // 4, requires_grad=True)
