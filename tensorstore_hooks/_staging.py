@@ -33,9 +33,10 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
    on the host before the bytes land (pytorch#146286).
 7. A tensor comes back with a storage of its own span (storage offset 0), not the
    offset and span of the storage it was cut from.
-8. Every copy off the device goes through the device stager on a copy stream; a tensor
-   written without a host copy is copied out there, after an event recorded on its
-   producer at pack, never read from the device by an I/O thread.
+8. Every copy off the device goes through the device stager: on a copy stream (a
+   ``host`` rule's copy: in order on the producing stream itself). A tensor written
+   without a host copy is copied out on the copy stream, after an event recorded on
+   its producer at pack, never read from the device by an I/O thread.
 9. No thread blocks on a copy while holding the record table's lock, and the unpacking
    thread never blocks on one: buffers go back when their copy's event is seen
    complete (polled), and events are made with ``blocking=True`` so a thread that
