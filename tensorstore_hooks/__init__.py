@@ -37,6 +37,9 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 
 from __future__ import annotations
 
+from ._capture import Capture, capture
+from ._capture_dataset import CaptureDataset
+from ._capture_writer import CaptureStats
 from ._codec import TensorMeta
 from ._config import EffectiveConfig, load_config
 from ._hooks import OffloadHooks, offload
@@ -62,6 +65,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlobStore",
+    "Capture",
+    "CaptureDataset",
+    "CaptureStats",
     "ConfigError",
     "Decision",
     "EffectiveConfig",
@@ -82,6 +88,7 @@ __all__ = [
     "UnsupportedTensorError",
     "ZarrStore",
     "__version__",
+    "capture",
     "load_config",
     "offload",
     "open_store",
