@@ -423,20 +423,23 @@ def capture(
     ``store``: a store root URL (``file:///data/acts``, a path, ``s3://bucket/prefix``,
     any fsspec URL) or a :class:`ZarrStore` (its root is used; it may offload at the
     same time). ``modules``: fnmatch globs over ``model.named_modules()`` names, as in
-    :func:`~tensorstore_hooks.wrap` (``None``: the model itself); every match is
-    captured, nested ones too. ``what``: ``"input"``, ``"output"``, ``"grad_input"``,
-    ``"grad_output"`` or several. ``dtype``: store floating-point tensors in this
-    dtype (``"bfloat16"``); ``None`` keeps each tensor's own; other tensors always
-    keep theirs. ``pipeline`` keywords: ``max_inflight`` (host bytes in use before a
-    hook waits; default 256 MiB), ``writer_threads``, ``chunk_bytes`` (chunk object
-    size, default 8 MiB), ``storage_options`` (fsspec), ``read_deadline_s`` (how long
+    :func:`~tensorstore_hooks.wrap` (``None``: the model itself): each glob takes the
+    outermost modules it matches (``blocks.*``: the blocks, not their layers); give a
+    nested module a glob of its own to capture it too. ``what``: ``"input"``,
+    ``"output"``, ``"grad_input"``, ``"grad_output"`` or several. ``dtype``: store
+    floating-point tensors in this dtype (``"bfloat16"``), exactly as ``.to(dtype)``
+    rounds; ``None`` keeps each tensor's own; other tensors always keep theirs.
+    ``pipeline`` keywords: ``max_inflight`` (host-buffer bytes in use before a hook
+    waits; default 256 MiB), ``writer_threads``, ``chunk_bytes`` (chunk object size,
+    default 8 MiB), ``storage_options`` (fsspec), ``read_deadline_s`` (how long
     object-store requests retry); ``config`` as for :func:`~tensorstore_hooks.offload`.
 
-    Use it as a context manager, or call ``remove()``. Array names, containers and
-    dynamic shapes: NOTE [ Capture names ]; the layout: NOTE [ Capture layout ]; writes
-    and failures: NOTE [ Capture writes ]. Raises :class:`ConfigError` for a glob that
-    matches nothing, an unknown kind or keyword, a daemon URL (``tsh://``: it cannot
-    hold arrays) or a store that is not a Zarr root; nothing is hooked then.
+    Use it as a context manager, or call ``remove()``. Hooks: NOTE [ Capture hooks ];
+    array names, containers and dynamic shapes: NOTE [ Capture names ]; the layout:
+    NOTE [ Capture layout ]; writes and failures: NOTE [ Capture writes ]. Raises
+    :class:`ConfigError` for a glob that matches nothing, an unknown kind or keyword,
+    a daemon URL (``tsh://``: it cannot hold arrays) or a store that is not a Zarr
+    root; nothing is hooked then.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"capture: expected a torch.nn.Module, got {type(model).__name__}")
@@ -513,7 +516,10 @@ def _check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _select(names: dict[str, torch.nn.Module], modules: str | Sequence[str] | None) -> set[str]:
-    """Every module name a glob matches (each glob must match one)."""
+    """The outermost modules each glob matches, as in ``wrap`` (a glob's matches
+    nested in its other matches are left out: ``blocks.*`` takes the blocks, not their
+    layers); the globs' choices add up, so a glob of its own takes a nested module.
+    Every glob must match."""
     if modules is None:
         return {""}
     globs = [modules] if isinstance(modules, str) else list(modules)
@@ -534,7 +540,7 @@ def _select(names: dict[str, torch.nn.Module], modules: str | Sequence[str] | No
                 f"capture: modules glob {glob!r} matches no module of the model. Some names "
                 f"that exist: {sample_names(n for n in names if n)}"
             )
-        chosen |= hits
+        chosen |= {n for n in hits if not _inside(n, hits)}
     bad = sorted(n for n in chosen if "/" in n or n == ROOT_NAME)
     if bad:
         raise ConfigError(
@@ -542,6 +548,11 @@ def _select(names: dict[str, torch.nn.Module], modules: str | Sequence[str] | No
             f"folder; {ROOT_NAME!r} is the model's own); rename the submodule"
         )
     return chosen
+
+
+def _inside(name: str, names: set[str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts)))
 
 
 def _settings(config: Any, pipeline: Mapping[str, Any]) -> Any:

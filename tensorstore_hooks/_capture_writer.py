@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._capture_layout import (
@@ -406,7 +407,7 @@ class CaptureWriter:
         if crc(blob[:-4]).to_bytes(4, "little") != bytes(blob[-4:]):
             raise IntegrityError(f"checksum mismatch in chunk {path} (crc32c)")
         n = rows * spec.row_bytes
-        tail.buf[:n].copy_(torch.frombuffer(blob[:n], dtype=torch.uint8))
+        tail.buf[:n].numpy()[:] = np.frombuffer(blob[:n], dtype=np.uint8)
 
     # ------------------------------------------------------------------ room
     def _take(self, nbytes: int, busy: _Array, pinned: bool) -> torch.Tensor:
