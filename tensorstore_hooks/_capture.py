@@ -140,7 +140,7 @@ class _GradHook:
 
     def __call__(self, grad: torch.Tensor) -> None:
         cap = self._cap()
-        if cap is not None:
+        if cap is not None and os.getpid() == cap._pid:
             cap._put(self.module, self.leaf, grad, self.step)
             cap._emit_warning()
 
@@ -174,7 +174,6 @@ class Capture:
         self.url = url
         """The store root the arrays are under."""
         self._storage_options = storage_options
-        self._owns_io = owns_io
         self._handles: list[Any] = []
         self._names: dict[tuple[str, str, tuple[int, ...], torch.dtype], str | None] = {}
         self._owners: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -182,7 +181,12 @@ class Capture:
         self._step = 0
         self._forwards = 0
         self._step_set = False
-        self._removed = False
+        self._pid = os.getpid()
+        # Collected or at exit without remove(): still write what was captured, once,
+        # and only in this process (a forked child never writes its parent's arrays).
+        self._finalizer = weakref.finalize(
+            self, _finish, self._pid, writer, self._handles, owns_io
+        )
 
     # ------------------------------------------------------------------ public
     @property
@@ -232,18 +236,9 @@ class Capture:
 
     def remove(self) -> None:
         """Take the hooks off, write everything captured (waits) and stop the I/O
-        threads. Safe to call twice."""
-        if self._removed:
-            return
-        self._removed = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        try:
-            self._writer.close()
-        finally:
-            if self._owns_io and not self._writer.io.is_private_memory:
-                self._writer.io.close()
+        threads. Safe to call twice. A capture dropped without it does the same when
+        it is collected (or at exit)."""
+        self._finalizer()
         self._emit_warning()
 
     close = remove
@@ -264,6 +259,8 @@ class Capture:
 
     # ------------------------------------------------------------------ hooks
     def _on_hook(self, module: str, role: str, args: tuple[Any, ...]) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child (a DataLoader worker) running a copy of the model
         # Rule 4 of NOTE [ Capture hooks ]: a forward inside backward is a recomputation.
         in_backward = torch._C._current_graph_task_id() != -1
         step = self._step
@@ -363,6 +360,21 @@ class Capture:
         msg = self._writer.take_warning()
         if msg is not None:
             warn_user(msg)
+
+
+def _finish(pid: int, writer: CaptureWriter, handles: list[Any], owns_io: bool) -> None:
+    """Take the hooks off and write what was captured (``Capture.remove``, or its
+    finalizer); nothing in a process other than the one that captured."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    if os.getpid() != pid:
+        return
+    try:
+        writer.close()
+    finally:
+        if owns_io and not writer.io.is_private_memory:
+            writer.io.close()
 
 
 # ---------------------------------------------------------------------- leaves

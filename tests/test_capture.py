@@ -562,3 +562,84 @@ def test_hooks_on_several_threads(tmp_path: Path) -> None:
     for cap, ref in zip(caps, refs, strict=True):
         cap.remove()
         assert torch.equal(read(cap.arrays["head/output"]), torch.cat(ref["head/output"]))
+
+
+def test_gradient_accumulation_keeps_each_forwards_step(tmp_path: Path) -> None:
+    model = net()
+    a, b = batches(2)
+    with tsh.capture(
+        model, str(tmp_path), modules="head", what=("grad_output", "grad_input")
+    ) as cap:
+        loss = model(a).sum() + model(b).sum()  # two forwards, one backward
+        loss.backward()
+    # Each output's gradient carries the step of the forward that made it...
+    assert _steps(cap.arrays["head/grad_output"]) == [0, 1]
+    # ... and grad_input (a module backward hook) the step of the latest forward.
+    assert _steps(cap.arrays["head/grad_input"]) == [1, 1]
+
+
+def _steps(arr: Any) -> list[int]:
+    """The step of every block of ``arr``, in step order."""
+    return sorted(s + i for s, _, _, n in arr.attrs["blocks"] for i in range(n))
+
+
+def test_config_sets_the_pipeline_and_torch_warns_for_grad_input_without_inputs(
+    tmp_path: Path,
+) -> None:
+    model = net()
+    cap = tsh.capture(
+        model,
+        str(tmp_path),
+        modules="inp",
+        what="grad_input",
+        config={"pipeline": {"max_inflight": "1MiB", "writer_threads": 3}},
+    )
+    assert cap._writer.max_inflight == 1 << 20 and cap._writer._pool.threads == 3
+    with cap, pytest.warns(UserWarning, match="no inputs require gradients"):
+        model(batches(1)[0]).sum().backward()  # the input of `inp` needs no gradient
+    assert cap.arrays == {}
+
+
+def test_a_dropped_capture_still_writes_what_it_took(tmp_path: Path) -> None:
+    model = net()
+    with torch.no_grad():
+        cap = tsh.capture(model, str(tmp_path), modules="head", what="output")
+        model(batches(1)[0])
+        del cap  # never removed: collected
+    assert not model.head._forward_hooks
+    arr = zarr.open_array(str(tmp_path / "capture/head/output"), mode="r")
+    assert arr.shape == (6, 5, 4)
+
+
+FORK_SCRIPT = """
+import os, sys, torch, zarr
+import tensorstore_hooks as tsh
+root = sys.argv[1]
+model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+cap = tsh.capture(model, root, modules="0", what="output")
+with torch.no_grad():
+    model(torch.ones(3, 4))
+    pid = os.fork()
+    if pid == 0:              # a child running a copy of the model, then exiting normally
+        model(torch.ones(5, 4))
+        sys.exit(0)           # atexit runs: the child must write nothing
+    os.waitpid(pid, 0)
+    print(os.path.exists(root + "/capture"))   # nothing written yet, by anyone
+    model(torch.ones(2, 4))
+cap.remove()
+print(zarr.open_array(root + "/capture/0/output", mode="r").shape[0])
+"""
+
+
+def test_a_forked_child_writes_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert proc.stdout.split() == ["False", "5"]  # 3 + 2 rows of the parent; none of the child
