@@ -49,18 +49,17 @@ Each tensor a hook sees is one *leaf*, named after the kind:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
 
-from ._capture_layout import CAPTURE_DIR, stored_dtype_name
+from ._capture_layout import CAPTURE_DIR, row_bytes, stored_dtype_name
 from ._capture_source import open_zarr_array
 from ._capture_writer import (
     ArraySpec,
@@ -145,7 +144,7 @@ class _GradHook:
             cap._emit_warning()
 
 
-class Capture:
+class Capture(contextlib.AbstractContextManager["Capture"]):
     """What :func:`capture` returns: the hooks, the arrays they fill, and their stats.
 
     A context manager; leaving it (or :meth:`remove`) takes the hooks off and writes
@@ -184,9 +183,7 @@ class Capture:
         self._pid = os.getpid()
         # Collected or at exit without remove(): still write what was captured, once,
         # and only in this process (a forked child never writes its parent's arrays).
-        self._finalizer = weakref.finalize(
-            self, _finish, self._pid, writer, self._handles, owns_io
-        )
+        self._finalizer = weakref.finalize(self, _finish, self._pid, writer, self._handles, owns_io)
 
     # ------------------------------------------------------------------ public
     @property
@@ -243,15 +240,7 @@ class Capture:
 
     close = remove
 
-    def __enter__(self) -> Capture:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:
@@ -349,7 +338,7 @@ class Capture:
             chunk_rows=(
                 found.chunk_rows
                 if found is not None
-                else chunk_rows_for(_row_bytes(row_shape, stored), self._chunk_bytes)
+                else chunk_rows_for(row_bytes(row_shape, stored), self._chunk_bytes)
             ),
         )
         writer.open_array(spec, found)
@@ -413,10 +402,6 @@ def _part(key: object) -> str:
 def _variant(base: str, row_shape: tuple[int, ...], dtype: str) -> str:
     dims = "x".join(str(d) for d in row_shape) or "scalar"
     return f"{base}@{dims}_{dtype}"
-
-
-def _row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(row_shape) * dtype.itemsize
 
 
 # ---------------------------------------------------------------------- capture()

@@ -56,6 +56,7 @@ __all__ = [
     "group_doc",
     "list_arrays",
     "read_array",
+    "row_bytes",
     "stored_dtype_name",
 ]
 
@@ -104,7 +105,7 @@ class ArrayInfo:
 
     @property
     def row_bytes(self) -> int:
-        return math.prod(self.row_shape) * self.torch_dtype.itemsize
+        return row_bytes(self.row_shape, self.torch_dtype)
 
     @property
     def chunk_bytes(self) -> int:
@@ -119,6 +120,11 @@ class ArrayInfo:
     @property
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
+
+
+def row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one row of ``row_shape`` in ``dtype``."""
+    return math.prod(row_shape) * dtype.itemsize
 
 
 def chunk_path(array_path: str, index: int, ndim: int) -> str:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import secrets
 import threading
 import time
@@ -67,6 +66,7 @@ from ._capture_layout import (
     encode_doc,
     group_doc,
     read_array,
+    row_bytes,
 )
 from ._checksum import crc
 from ._chunkcodec import ChunkCodec
@@ -130,7 +130,7 @@ class ArraySpec:
 
     @property
     def row_bytes(self) -> int:
-        return math.prod(self.row_shape) * self.dtype.itemsize
+        return row_bytes(self.row_shape, self.dtype)
 
     @property
     def chunk_bytes(self) -> int:

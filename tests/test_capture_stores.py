@@ -39,23 +39,22 @@ def _reference(model: nn.Module, name: str, data: list[torch.Tensor]) -> torch.T
     return torch.cat(got)
 
 
-def test_capture_to_s3_and_read_back(s3_url: str, s3_options: dict[str, Any]) -> None:
+def _capture_to_s3(url: str, options: dict[str, Any]) -> tuple[tsh.Capture, torch.Tensor]:
+    """Four batches of layer 0's output into ``url``; the capture and the reference."""
     data = [torch.randn(50, 8) for _ in range(4)]
     ref = _reference(_mlp(), "0", data)
     model = _mlp()
-    with (
-        torch.no_grad(),
-        tsh.capture(
-            model,
-            s3_url,
-            modules="0",
-            what="output",
-            storage_options=s3_options,
-            chunk_bytes="4KiB",
-        ) as cap,
-    ):
+    cap = tsh.capture(
+        model, url, modules="0", what="output", storage_options=options, chunk_bytes="4KiB"
+    )
+    with torch.no_grad(), cap:
         for x in data:
             model(x)
+    return cap, ref
+
+
+def test_capture_to_s3_and_read_back(s3_url: str, s3_options: dict[str, Any]) -> None:
+    cap, ref = _capture_to_s3(s3_url, s3_options)
     assert cap.stats.chunks_written == 7 and cap.stats.failed_writes == 0
     arr = cap.arrays["0/output"]  # plain zarr over fsspec
     assert torch.equal(torch.from_numpy(arr[:]), ref)
@@ -67,23 +66,8 @@ def test_capture_to_s3_and_read_back(s3_url: str, s3_options: dict[str, Any]) ->
 def test_s3_throttling_is_retried(
     s3_url: str, s3_options: dict[str, Any], s3_faults: FaultPlan
 ) -> None:
-    data = [torch.randn(50, 8) for _ in range(4)]
-    ref = _reference(_mlp(), "0", data)
     s3_faults.configure(slow_down=0.3, max_faults=6)
-    model = _mlp()
-    with (
-        torch.no_grad(),
-        tsh.capture(
-            model,
-            s3_url,
-            modules="0",
-            what="output",
-            storage_options=s3_options,
-            chunk_bytes="4KiB",
-        ) as cap,
-    ):
-        for x in data:
-            model(x)
+    cap, ref = _capture_to_s3(s3_url, s3_options)
     assert s3_faults.total > 0 and cap.stats.failed_writes == 0
     assert torch.equal(torch.from_numpy(cap.arrays["0/output"][:]), ref)
 
