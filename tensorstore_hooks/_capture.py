@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from ._capture_layout import CAPTURE_DIR, row_bytes, stored_dtype_name
-from ._capture_source import open_zarr_array
+from ._capture_source import CaptureSource, open_zarr_array
 from ._capture_writer import (
     ArraySpec,
     CaptureStats,
@@ -195,6 +195,10 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
     def io(self) -> ChunkIO:
         """The I/O layer of the store root (what :class:`CaptureDataset` can read from)."""
         return self._writer.io
+
+    def capture_source(self, storage_options: dict[str, Any] | None = None) -> CaptureSource:
+        """Where :class:`~tensorstore_hooks.CaptureDataset` reads this capture's arrays."""
+        return CaptureSource.of_io(self.io, storage_options or self._storage_options, self.url)
 
     @property
     def step(self) -> int:

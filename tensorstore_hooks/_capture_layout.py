@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,13 +45,15 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 
 from ._chunkio import ChunkIO
 from ._codec import DTYPES
-from ._zarr_docs import _zarr_json
+from ._zarr_docs import _zarr_json, root_doc
+from ._zarr_store import FORMAT_VERSION
 from .errors import IntegrityError
 
 __all__ = [
     "CAPTURE_DIR",
     "CAPTURE_FORMAT",
     "ArrayInfo",
+    "GroupDocs",
     "array_doc",
     "chunk_path",
     "group_doc",
@@ -136,6 +139,30 @@ def group_doc() -> bytes:
     """A capture group's ``zarr.json``."""
     attrs = {_MARK: CAPTURE_FORMAT}
     return _zarr_json(lambda s: zarr.create_group(store=s, zarr_format=3, attributes=attrs))
+
+
+class GroupDocs:
+    """The group documents above capture arrays, each written once (where missing).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._made: set[str] = set()
+        self._lock = threading.Lock()
+
+    def ensure(self, io: ChunkIO, path: str) -> None:
+        """The store root's ``zarr.json`` and a group's for each folder above ``path``."""
+        parts = path.split("/")[:-1]
+        with self._lock:
+            if "" not in self._made:
+                if not io.exists("zarr.json"):
+                    io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+                self._made.add("")
+            for i in range(1, len(parts) + 1):
+                group = "/".join(parts[:i])
+                if group not in self._made:
+                    if not io.exists(f"{group}/zarr.json"):
+                        io.write(f"{group}/zarr.json", [group_doc()])
+                    self._made.add(group)
 
 
 def array_doc(row_shape: tuple[int, ...], chunk_rows: int, dtype: torch.dtype) -> dict[str, Any]:

@@ -37,15 +37,17 @@ class CaptureSource:
     @classmethod
     def of(cls, source: Any, storage_options: dict[str, Any] | None = None) -> CaptureSource:
         """``source``: a store root URL or path, a ``Capture`` or a ``ZarrStore``."""
-        from ._capture import Capture
         from ._zarr_store import ZarrStore
 
-        if isinstance(source, Capture):
-            io = source.io
-            options = storage_options or source._storage_options
-            return cls._of_io(io, options, source.url)
+        if isinstance(source, CaptureSource):
+            return source
+        of_capture = getattr(source, "capture_source", None)  # a tsh.capture object
+        if callable(of_capture):
+            found = of_capture(storage_options)
+            if isinstance(found, CaptureSource):
+                return found
         if isinstance(source, ZarrStore):
-            return cls._of_io(source._io, storage_options, source.url)
+            return cls.of_io(source._io, storage_options, source.url)
         if isinstance(source, TensorStore):
             raise ConfigError(
                 f"CaptureDataset: a {type(source).__name__} ({source.url}) holds no captured "
@@ -70,7 +72,9 @@ class CaptureSource:
         return cls(url, dict(storage_options) if storage_options else None)
 
     @classmethod
-    def _of_io(cls, io: ChunkIO, options: dict[str, Any] | None, url: str) -> CaptureSource:
+    def of_io(cls, io: ChunkIO, options: dict[str, Any] | None, url: str) -> CaptureSource:
+        """The source of the root ``url`` that ``io`` reaches (``options``: its fsspec
+        ``storage_options``, when known)."""
         if isinstance(io, LocalIO):
             return cls(io.url)
         if isinstance(io, FsspecIO) and options is not None:

@@ -50,31 +50,28 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._capture_inflight import Inflight
 from ._capture_layout import (
     _MARK,
     CAPTURE_FORMAT,
     ArrayInfo,
+    GroupDocs,
     array_doc,
     chunk_path,
     encode_doc,
-    group_doc,
     read_array,
     row_bytes,
 )
 from ._checksum import crc
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, LocalIO
-from ._iopool import WRITE, IOPool
-from ._staging import CopyEvent, CudaOps, DeviceOps, PinnedPool
-from ._zarr_docs import root_doc
-from ._zarr_store import FORMAT_VERSION
+from ._staging import CopyEvent, CudaOps, DeviceOps
 from .errors import IntegrityError
 
 __all__ = ["ArraySpec", "CaptureStats", "CaptureWriter", "as_rows", "chunk_rows_for"]
@@ -248,9 +245,9 @@ class _Array:
 class CaptureWriter:
     """Appends rows to capture arrays under ``io``'s root (NOTE [ Capture writes ]).
 
-    ``max_inflight``: bytes of host buffers in use before hooks wait; ``chunk_bytes``:
-    the target size of a chunk object; ``threads``: I/O threads. Thread-safe: hooks on
-    several threads may append at once.
+    ``max_inflight``: bytes of host buffers in use before hooks wait; ``threads``: I/O
+    threads; ``ops``: the device seam (default CUDA's). Thread-safe: hooks on several
+    threads may append at once.
     """
 
     def __init__(
@@ -263,20 +260,14 @@ class CaptureWriter:
         ops: DeviceOps | None = None,
     ) -> None:
         self.io = io
-        self.max_inflight = max_inflight
         self.stats = stats
         self.ops: DeviceOps = CudaOps() if ops is None else ops
         """The device seam (``tests/fake_accelerator.py`` drives it on CPU)."""
-        self._pool = IOPool(threads, name="tsh-capture")
+        self.inflight = Inflight(max_inflight, threads, lambda n: self.ops.allocate(n))
+        """The I/O threads' tasks and the host buffers (rule 2)."""
         self._codec = ChunkCodec("none")
-        self._pinned = PinnedPool(max_inflight, allocate=lambda n: self.ops.allocate(n))
-        self._pageable = PinnedPool(max_inflight, allocate=_pageable)
         self._arrays: dict[str, _Array] = {}
-        self._groups: set[str] = set()
-        self._groups_lock = threading.Lock()
-        self._room = threading.Condition()
-        self._held = 0  # bytes of buffers in use; guarded by _room
-        self._pending = 0  # tasks submitted and not finished; guarded by _room
+        self._groups = GroupDocs()
         self._stats_lock = threading.Lock()
         self._warned = False
         self._pending_warning: str | None = None
@@ -354,7 +345,7 @@ class CaptureWriter:
                 elif accelerated:
                     settle = tail
         if settle is not None:
-            self._submit(settle.settle)
+            self.inflight.submit(settle.settle)
         self._count(blocks=1, rows=rows, bytes_captured=rows * spec.row_bytes)
 
     def _copy_rows(
@@ -376,7 +367,12 @@ class CaptureWriter:
         lock), holding that chunk's rows already in the store; ``None``: the array stopped."""
         spec = arr.spec
         index, have = divmod(arr.appended, spec.chunk_rows)
-        tail = _Chunk(index, self._take(spec.chunk_bytes, arr, pinned), pinned)
+        buf, waited_s = self.inflight.take(spec.chunk_bytes, pinned, lambda: self._spill_one(arr))
+        with self._stats_lock:
+            self.stats.stall_s += waited_s
+            peak = max(self.stats.peak_inflight_bytes, self.inflight.peak_bytes)
+            self.stats.peak_inflight_bytes = peak
+        tail = _Chunk(index, buf, pinned)
         if have:  # written early (rule 2) or by an earlier capture
             try:
                 self._read_back(arr, tail, have)
@@ -410,37 +406,8 @@ class CaptureWriter:
         tail.buf[:n].numpy()[:] = np.frombuffer(blob[:n], dtype=np.uint8)
 
     # ------------------------------------------------------------------ room
-    def _take(self, nbytes: int, busy: _Array, pinned: bool) -> torch.Tensor:
-        """A buffer of ``nbytes`` once there is room for it (rule 2)."""
-        size = PinnedPool._class(nbytes)
-        t0: float | None = None
-        with self._room:
-            while self._held and self._held + size > self.max_inflight:
-                if t0 is None:
-                    t0 = time.perf_counter()
-                if self._pending:
-                    self._room.wait(0.05)
-                    continue
-                self._room.release()
-                try:
-                    spilled = self._spill_one(busy)
-                finally:
-                    self._room.acquire()
-                if not spilled and not self._pending:
-                    break  # nothing can free room: this buffer goes over, alone
-            self._held += size
-            peak = self._held
-        with self._stats_lock:
-            if t0 is not None:
-                self.stats.stall_s += time.perf_counter() - t0
-            self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, peak)
-        return (self._pinned if pinned else self._pageable).take(nbytes)
-
     def _give(self, tail: _Chunk) -> None:
-        (self._pinned if tail.pinned else self._pageable).give(tail.buf)
-        with self._room:
-            self._held -= tail.buf.numel()
-            self._room.notify_all()
+        self.inflight.give(tail.buf, tail.pinned)
 
     def _spill_one(self, busy: _Array) -> bool:
         """Write the least recently used open tail (not ``busy``'s) as a partial chunk
@@ -461,21 +428,6 @@ class CaptureWriter:
         return False
 
     # ------------------------------------------------------------------ writes
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._room:
-            self._pending += 1
-        try:
-            fut = self._pool.submit(WRITE, fn, *args)
-        except BaseException:
-            self._task_done()
-            raise
-        fut.add_done_callback(self._task_done)
-
-    def _task_done(self, _fut: object = None) -> None:
-        with self._room:
-            self._pending -= 1
-            self._room.notify_all()
-
     def _submit_write(self, arr: _Array, tail: _Chunk, *, release: bool) -> None:
         """Queue a write of ``tail``'s rows so far (under ``arr.append_lock``)."""
         write = _Write()
@@ -483,7 +435,7 @@ class CaptureWriter:
             prev = arr.writes.get(tail.index)
             atomic = prev is not None or arr.durable.get(tail.index, 0) > 0
             arr.writes[tail.index] = write
-        self._submit(self._write_chunk, arr, tail, tail.rows, release, atomic, prev, write)
+        self.inflight.submit(self._write_chunk, arr, tail, tail.rows, release, atomic, prev, write)
 
     def _write_chunk(
         self,
@@ -553,49 +505,9 @@ class CaptureWriter:
 
     def _commit(self, arr: _Array) -> None:
         """Write ``zarr.json`` showing the rows now safely written (rule 4)."""
-        spec = arr.spec
-        with arr.meta_lock:
-            with arr.state_lock:
-                rows = arr.block_end_at_most(arr.written_prefix())
-                if arr.exists and rows <= arr.visible:
-                    return
-                doc = arr.doc
-                doc["shape"] = [rows, *spec.row_shape]
-                doc["attributes"] = {
-                    **doc.get("attributes", {}),
-                    _MARK: CAPTURE_FORMAT,
-                    "module": spec.module,
-                    "kind": spec.kind,
-                    "dtype": _dtype_name(spec.dtype),
-                    "source_dtype": _dtype_name(spec.source_dtype),
-                    "rank": spec.rank,
-                    "blocks": arr.runs_upto(rows),
-                }
-                raw = encode_doc(doc)
-            try:
-                if not arr.exists:
-                    self._ensure_groups(spec.path)
-                self.io.write(f"{spec.path}/zarr.json", [raw])
-            except Exception as e:
-                self._failed(e, f"writing {spec.path}/zarr.json", stopped=False)
-                return
-            arr.exists = True
-            arr.visible = rows
-
-    def _ensure_groups(self, path: str) -> None:
-        """The root's document and a group document for each folder above ``path``."""
-        parts = path.split("/")[:-1]
-        with self._groups_lock:
-            if "" not in self._groups:
-                if not self.io.exists("zarr.json"):
-                    self.io.write("zarr.json", [root_doc(FORMAT_VERSION)])
-                self._groups.add("")
-            for i in range(1, len(parts) + 1):
-                group = "/".join(parts[:i])
-                if group not in self._groups:
-                    if not self.io.exists(f"{group}/zarr.json"):
-                        self.io.write(f"{group}/zarr.json", [group_doc()])
-                    self._groups.add(group)
+        error = _commit(self.io, arr, self._groups)
+        if error is not None:
+            self._failed(error, f"writing {arr.spec.path}/zarr.json", stopped=False)
 
     # ------------------------------------------------------------------ failures
     def _failed(self, error: BaseException, what: str, *, stopped: bool) -> None:
@@ -638,9 +550,7 @@ class CaptureWriter:
                         stopped = arr.failed_at is not None
                     if written < tail.rows and not stopped:
                         self._submit_write(arr, tail, release=False)
-        with self._room:
-            while self._pending:
-                self._room.wait()
+        self.inflight.wait_idle()
         for arr in list(self._arrays.values()):
             self._commit(arr)  # retries a zarr.json whose write failed
 
@@ -657,13 +567,40 @@ class CaptureWriter:
                     tail, arr.tail = arr.tail, None
                 if tail is not None:
                     self._give(tail)
-            self._pool.shutdown()
-            self._pinned.clear()
-            self._pageable.clear()
+            self.inflight.close()
 
 
-def _pageable(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
+def _commit(io: ChunkIO, arr: _Array, groups: GroupDocs) -> Exception | None:
+    """Write ``arr``'s ``zarr.json`` if more rows are safely written than it shows
+    (rule 4; the groups above it first); returns the error of a failed write."""
+    spec = arr.spec
+    with arr.meta_lock:
+        with arr.state_lock:
+            rows = arr.block_end_at_most(arr.written_prefix())
+            if arr.exists and rows <= arr.visible:
+                return None
+            doc = arr.doc
+            doc["shape"] = [rows, *spec.row_shape]
+            doc["attributes"] = {
+                **doc.get("attributes", {}),
+                _MARK: CAPTURE_FORMAT,
+                "module": spec.module,
+                "kind": spec.kind,
+                "dtype": _dtype_name(spec.dtype),
+                "source_dtype": _dtype_name(spec.source_dtype),
+                "rank": spec.rank,
+                "blocks": arr.runs_upto(rows),
+            }
+            raw = encode_doc(doc)
+        try:
+            if not arr.exists:
+                groups.ensure(io, spec.path)
+            io.write(f"{spec.path}/zarr.json", [raw])
+        except Exception as e:
+            return e
+        arr.exists = True
+        arr.visible = rows
+        return None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -408,10 +408,7 @@ def test_host_memory_stays_within_max_inflight_and_tails_spill(tmp_path: Path) -
 
 # ------------------------------------------------------------------ device path
 def _idle(cap: tsh.Capture) -> None:
-    w = cap._writer
-    with w._room:
-        while w._pending:
-            w._room.wait()
+    cap._writer.inflight.wait_idle()
 
 
 def test_accelerator_tensors_go_through_the_stager_and_leave_nothing_behind(
@@ -594,7 +591,8 @@ def test_config_sets_the_pipeline_and_torch_warns_for_grad_input_without_inputs(
         what="grad_input",
         config={"pipeline": {"max_inflight": "1MiB", "writer_threads": 3}},
     )
-    assert cap._writer.max_inflight == 1 << 20 and cap._writer._pool.threads == 3
+    inflight = cap._writer.inflight
+    assert inflight.max_inflight == 1 << 20 and inflight.pool.threads == 3
     with cap, pytest.warns(UserWarning, match="no inputs require gradients"):
         model(batches(1)[0]).sum().backward()  # the input of `inp` needs no gradient
     assert cap.arrays == {}
