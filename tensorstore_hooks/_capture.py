@@ -287,7 +287,7 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
 
     def _put(self, module: str, leaf: str, t: torch.Tensor, step: int) -> None:
         if unsupported_reason(t) is not None or stored_dtype_name(t.dtype) is None:
-            self._writer._count(skipped=1)
+            self._writer.count(skipped=1)
             return
         stored = self._dtype if self._dtype is not None and t.is_floating_point() else t.dtype
         rows = as_rows(t.detach())
@@ -297,7 +297,7 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
             with self._lock:
                 name = self._open(key, t.dtype)
         if name is None:  # its array could not be opened (counted, warned)
-            self._writer._count(rows_dropped=rows.shape[0])
+            self._writer.count(rows_dropped=rows.shape[0])
             return
         self._writer.append(name, rows, step)
 
@@ -327,7 +327,7 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
             if found is not None and (found.row_shape, found.dtype) != (row_shape, dtype_name):
                 raise ConfigError(f"{path} holds rows of {found.row_shape} {found.dtype}")
         except TensorStoreError as e:
-            writer._failed(e, f"opening {group}/{base}", stopped=True)
+            writer.failed(e, f"opening {group}/{base}", stopped=True)
             self._names[key] = None
             return None
         spec = ArraySpec(

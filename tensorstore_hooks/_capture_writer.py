@@ -220,6 +220,7 @@ class _Array:
         rows = self.spec.chunk_rows
         while self.durable.get(self.full_chunks, 0) >= rows:
             del self.durable[self.full_chunks]
+            self.writes.pop(self.full_chunks, None)  # a full chunk is never written again
             self.full_chunks += 1
         return self.full_chunks * rows + self.durable.get(self.full_chunks, 0)
 
@@ -326,7 +327,7 @@ class CaptureWriter:
                 if not stopped:
                     arr.add_block(step, arr.appended, rows)
             if stopped:
-                self._count(rows_dropped=rows)
+                self.count(rows_dropped=rows)
                 return
             done = 0
             while done < rows:
@@ -346,7 +347,7 @@ class CaptureWriter:
                     settle = tail
         if settle is not None:
             self.inflight.submit(settle.settle)
-        self._count(blocks=1, rows=rows, bytes_captured=rows * spec.row_bytes)
+        self.count(blocks=1, rows=rows, bytes_captured=rows * spec.row_bytes)
 
     def _copy_rows(
         self, tail: _Chunk, rows: torch.Tensor, spec: ArraySpec, accelerated: bool
@@ -423,7 +424,7 @@ class CaptureWriter:
                 self._submit_write(arr, tail, release=True)
             finally:
                 arr.append_lock.release()
-            self._count(spills=1)
+            self.count(spills=1)
             return True
         return False
 
@@ -470,7 +471,7 @@ class CaptureWriter:
         elif write.ok:
             with arr.state_lock:
                 arr.durable[tail.index] = max(arr.durable.get(tail.index, 0), rows)
-            self._count(chunks_written=1, bytes_written=rows * spec.row_bytes)
+            self.count(chunks_written=1, bytes_written=rows * spec.row_bytes)
         self._commit(arr)
 
     def _put_chunk(self, spec: ArraySpec, tail: _Chunk, rows: int, atomic: bool) -> None:
@@ -500,18 +501,20 @@ class CaptureWriter:
             last = arr.runs[-1] if arr.runs else [0, 0, 0, 0]
             end = last[1] + last[2] * last[3]
         if first:
-            self._count(rows_dropped=max(0, end - keep))
-        self._failed(error, what, stopped=True)
+            self.count(rows_dropped=max(0, end - keep))
+        self.failed(error, what, stopped=True)
 
     def _commit(self, arr: _Array) -> None:
         """Write ``zarr.json`` showing the rows now safely written (rule 4)."""
         error = _commit(self.io, arr, self._groups)
         if error is not None:
-            self._failed(error, f"writing {arr.spec.path}/zarr.json", stopped=False)
+            self.failed(error, f"writing {arr.spec.path}/zarr.json", stopped=False)
 
     # ------------------------------------------------------------------ failures
-    def _failed(self, error: BaseException, what: str, *, stopped: bool) -> None:
-        self._count(failed_writes=1)
+    def failed(self, error: BaseException, what: str, *, stopped: bool) -> None:
+        """Count a failed write (``stopped``: its array takes no more rows) and keep the
+        one-time warning for :meth:`take_warning`."""
+        self.count(failed_writes=1)
         log.debug("capture: %s failed: %r", what, error)
         with self._stats_lock:
             if self._warned:
@@ -533,7 +536,8 @@ class CaptureWriter:
         msg, self._pending_warning = self._pending_warning, None
         return msg
 
-    def _count(self, **deltas: float) -> None:
+    def count(self, **deltas: float) -> None:
+        """Add ``deltas`` to the stats fields they name (from any thread)."""
         with self._stats_lock:
             for name, value in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
