@@ -2,12 +2,12 @@
 
 Capture appends; it does not put tensors by key, so it has a writer of its own built
 from the library's pieces: the store's :class:`~tensorstore_hooks._chunkio.ChunkIO`
-(local files, memory, or fsspec with its retries), the chunk encoding plain zarr reads
-(:class:`~tensorstore_hooks._chunkcodec.ChunkCodec`: payload, zero padding, crc32c),
-an :class:`~tensorstore_hooks._iopool.IOPool` of background threads, pooled host
-buffers (:class:`~tensorstore_hooks._staging.PinnedPool`) and the device seam
+(local files, memory, or fsspec with its retries), the store's crc32c
+(:func:`~tensorstore_hooks._checksum.crc`), an I/O pool and pooled host buffers
+(:class:`~tensorstore_hooks._capture_inflight.Inflight`), and the device seam
 (:class:`~tensorstore_hooks._staging.DeviceOps`: accelerator tensors leave the device
-on its copy stream, into pinned buffers).
+on its copy stream, into pinned buffers). Its chunk objects are its own (``bytes`` +
+``crc32c``, what zarr writes), whatever layout the store's segments use.
 
 NOTE [ Capture writes ]
 1. A hook copies its tensor's rows, in the stored dtype, into the open chunk buffer of
@@ -69,7 +69,6 @@ from ._capture_layout import (
     row_bytes,
 )
 from ._checksum import crc
-from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, LocalIO
 from ._staging import CopyEvent, CudaOps, DeviceOps
 from .errors import IntegrityError
@@ -266,7 +265,7 @@ class CaptureWriter:
         """The device seam (``tests/fake_accelerator.py`` drives it on CPU)."""
         self.inflight = Inflight(max_inflight, threads, lambda n: self.ops.allocate(n))
         """The I/O threads' tasks and the host buffers (rule 2)."""
-        self._codec = ChunkCodec("none")
+        self._zeros = b""  # zero padding of partial chunks, grown as needed
         self._arrays: dict[str, _Array] = {}
         self._groups = GroupDocs()
         self._stats_lock = threading.Lock()
@@ -475,19 +474,35 @@ class CaptureWriter:
         self._commit(arr)
 
     def _put_chunk(self, spec: ArraySpec, tail: _Chunk, rows: int, atomic: bool) -> None:
+        """Write ``rows`` rows of ``tail`` as its chunk object: exactly what zarr writes
+        with codecs ``bytes`` + ``crc32c`` (NOTE [ Capture layout ] rule 2)."""
         path = chunk_path(spec.path, tail.index, len(spec.row_shape) + 1)
         data = tail.buf.numpy().data[: rows * spec.row_bytes]
+        parts: list[Any] = [data, *self._padding(spec.chunk_bytes - len(data))]
+        value = 0
+        for part in parts:
+            value = crc(part, value)
+        parts.append(value.to_bytes(4, "little"))
         if not (atomic and isinstance(self.io, LocalIO)):
-            self._codec.write(self.io, [path], data, spec.chunk_bytes)
+            self.io.write(path, parts)
             return
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
         try:
-            self._codec.write(self.io, [tmp], data, spec.chunk_bytes)
+            self.io.write(tmp, parts)
             self.io.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.io.delete([tmp])
             raise
+
+    def _padding(self, n: int) -> list[memoryview]:
+        """``n`` zero bytes (the rows of a partial chunk that hold no data yet)."""
+        if n <= 0:
+            return []
+        zeros = self._zeros
+        if len(zeros) < n:
+            zeros = self._zeros = bytes(n)  # read-only: threads share it as they find it
+        return [memoryview(zeros)[:n]]
 
     def _stop(self, arr: _Array, index: int, error: BaseException, what: str) -> None:
         """Rule 5: ``arr`` takes no more rows; those from chunk ``index`` on are dropped."""
