@@ -6,12 +6,13 @@ Quotas count what a tensor really costs the daemon, not only its payload:
 * in RAM: payload + ``RAM_OVERHEAD_BYTES`` (2 KiB: its key, metadata, buffer object
   and bookkeeping; measured at about 1.7 KiB of RSS per tensor). So zero-byte
   tensors count: a RAM quota of 1 MiB holds at most 512 of them.
-* on disk: the chunk files it occupies (whole chunks of its size class plus a crc32c
-  each: NOTE [ Segment layout ] in ``_zarr_store.py``) + ``DISK_RECORD_BYTES`` (512
-  bytes: its index and session-journal records). Everything else the directory
-  holds (zarr.json documents, journal records of deleted tensors not yet compacted,
-  snapshots) is measured from the files (:meth:`Tiers.refresh_metadata`) and
-  counted as ``metadata``, so ``used`` is what the directory holds.
+* on disk: the chunk files it occupies (whole chunks of its size class: NOTE [ Segment
+  layout ] in ``_zarr_store.py``, NOTE [ Chunk objects ] in ``_chunkcodec.py``) +
+  ``DISK_RECORD_BYTES`` (512 bytes: its index and session-journal records).
+  Everything else the directory holds (zarr.json documents, journal records of
+  deleted tensors not yet compacted, snapshots) is measured from the files
+  (:meth:`Tiers.refresh_metadata`) and counted as ``metadata``, so ``used`` is what
+  the directory holds.
 * ``--session-quota`` counts payload + ``RAM_OVERHEAD_BYTES`` per tensor, whichever
   tier holds it (``_sessions``).
 
@@ -42,7 +43,6 @@ RAM_OVERHEAD_BYTES = 2048
 DISK_RECORD_BYTES = 512
 """Charged per tensor on disk beyond its chunk files (its journal records)."""
 _MIN_CHUNK_BYTES = 4 << 10
-_CHUNK_CRC_BYTES = 4
 _METADATA_REFRESH_S = 0.5
 
 
@@ -54,7 +54,8 @@ def ram_charge(n: int) -> int:
 def chunk_footprint(n: int, chunk_bytes: int) -> int:
     """Bytes of the chunk files an ``n``-byte payload occupies in a ZarrStore with
     ``chunk_bytes`` chunks (NOTE [ Segment layout ] in ``_zarr_store.py``): whole
-    chunks of the largest size class whose padding is at most 1/8, each + crc32c."""
+    chunks of the largest size class whose padding is at most 1/8 (layout format 3: a
+    chunk file is exactly its class's size, its checksum lives in the index)."""
     if n == 0:
         return 0
     classes = [c for c in (chunk_bytes >> i for i in range(chunk_bytes.bit_length()))]
@@ -64,7 +65,7 @@ def chunk_footprint(n: int, chunk_bytes: int) -> int:
             continue
         count = -(-n // c)
         if (count * c - n) * 8 <= n or c == classes[-1]:
-            return count * (c + _CHUNK_CRC_BYTES)
+            return count * c
     raise AssertionError("unreachable: the smallest class always fits")  # pragma: no cover
 
 

@@ -28,7 +28,8 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
   ``_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
 * ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
   ``_registry.py`` - the stores and ``open_store`` (one registry entry per URL
-  scheme); ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
+  scheme); ``_chain.py`` - ``TierChain``, several stores as one, fastest first;
+  ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
   and codec checks.
 * ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
@@ -44,6 +45,8 @@ from __future__ import annotations
 from ._capture import Capture, capture
 from ._capture_dataset import CaptureDataset
 from ._capture_writer import CaptureStats
+from ._chain import TierChain
+from ._chain_core import ChainStats, TierStats
 from ._codec import TensorMeta
 from ._config import EffectiveConfig, load_config
 from ._hooks import OffloadHooks, offload
@@ -72,6 +75,7 @@ __all__ = [
     "Capture",
     "CaptureDataset",
     "CaptureStats",
+    "ChainStats",
     "ConfigError",
     "Decision",
     "EffectiveConfig",
@@ -89,6 +93,8 @@ __all__ = [
     "TensorMeta",
     "TensorStore",
     "TensorStoreError",
+    "TierChain",
+    "TierStats",
     "UnsupportedTensorError",
     "ZarrStore",
     "__version__",

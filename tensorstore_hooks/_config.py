@@ -47,7 +47,7 @@ from ._policy import (
 )
 from ._units import Duration, OptSize, Size, check_size
 from ._urls import BadURLError
-from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec
+from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec, parse_direct_io
 from .errors import ConfigError
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "PipelineSettings",
     "Size",
     "StoreSettings",
+    "TierSettings",
     "config_from_dict",
     "dump_config",
     "format_validation_error",
@@ -89,6 +90,23 @@ class StoreSettings:
     (``_zarr_options.CODEC_HELP``; ``zstd:0`` is refused)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Zarr chunk size in bytes: a power of two >= 4 KiB."""
+    direct_io: str = "auto"
+    """Local directories: ``auto`` (``O_DIRECT`` where the filesystem allows it), ``on``
+    (required) or ``off`` (page cache). See NOTE [ Direct I/O ] in ``_chunkio.py``."""
+    tiers: tuple[TierSettings, ...] = ()
+    """A tier chain instead of ``url`` (fastest first); empty: one store at ``url``."""
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """One entry of ``store.tiers``: a tier of a chain (NOTE [ Tier chain ], ``_chain_core``)."""
+
+    url: str
+    """The tier's store URL."""
+    budget: int | None = None
+    """Bytes the tier may hold; every tier but the last has one, the last none."""
+    storage_options: dict[str, Any] | None = None
+    """This tier's fsspec options (``None``: the section's ``storage_options``)."""
 
 
 @dataclass(frozen=True)
@@ -132,16 +150,23 @@ class EffectiveConfig:
         Sizes are written with the largest exact binary unit (``"8MiB"``). With
         ``redact``, ``storage_options`` values whose key looks secret are masked.
         """
-        options = dict(self.store.storage_options)
-        if redact:
-            options = {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+        def shown(options: Mapping[str, Any]) -> dict[str, Any]:
+            if not redact:
+                return dict(options)
+            return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+
+        store: dict[str, Any] = {
+            "url": self.store.url,
+            "storage_options": shown(self.store.storage_options),
+            "codec": self.store.codec,
+            "chunk_bytes": exact_size(self.store.chunk_bytes),
+            "direct_io": self.store.direct_io,
+        }
+        if self.store.tiers:
+            del store["url"]
+            store["tiers"] = [_tier_to_dict(t, shown) for t in self.store.tiers]
         return {
-            "store": {
-                "url": self.store.url,
-                "storage_options": options,
-                "codec": self.store.codec,
-                "chunk_bytes": exact_size(self.store.chunk_bytes),
-            },
+            "store": store,
             "pipeline": {
                 "max_inflight": _opt_exact(self.pipeline.max_inflight),
                 "prefetch": _opt_exact(self.pipeline.prefetch),
@@ -162,6 +187,15 @@ class EffectiveConfig:
 
 
 _SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _tier_to_dict(tier: TierSettings, shown: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"url": tier.url}
+    if tier.budget is not None:
+        out["budget"] = exact_size(tier.budget)
+    if tier.storage_options is not None:
+        out["storage_options"] = shown(tier.storage_options)
+    return out
 
 
 def _opt_exact(n: int | None) -> int | str | None:
@@ -208,6 +242,10 @@ def _chunk_size(value: Any) -> int:
     return check_chunk_bytes(value)
 
 
+def _direct_io(value: Any) -> str:
+    return parse_direct_io(value)
+
+
 def _codec(value: Any) -> Any:
     parse_codec(value)  # also refuses None and other non-strings, with the allowed forms
     return value
@@ -234,11 +272,45 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class _TierModel(_Model):
+    url: Annotated[str, AfterValidator(_url)]
+    budget: OptSize = None
+    storage_options: dict[str, Any] | None = None
+
+
 class _StoreModel(_Model):
     url: Annotated[str | None, AfterValidator(_url)] = None
     storage_options: dict[str, Any] = Field(default_factory=dict)
     codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
+    direct_io: Annotated[str, BeforeValidator(_direct_io)] = "auto"
+    tiers: list[_TierModel] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _chain(self) -> _StoreModel:
+        # NOTE [ Tier chain ] in _chain_core.py: a budget for every tier but the last.
+        if "tiers" not in self.model_fields_set:
+            return self
+        if self.url is not None:
+            raise ValueError(
+                "url and tiers are exclusive: a chain names its URLs in tiers"
+            )
+        if len(self.tiers) < 2:
+            raise ValueError(
+                "tiers needs two or more tiers (fastest first); for one store use url"
+            )
+        for i, tier in enumerate(self.tiers[:-1]):
+            if tier.budget is None:
+                raise ValueError(
+                    f"tiers[{i}].budget is missing: every tier but the last needs one "
+                    "(the bytes it may hold, e.g. budget: 64GiB)"
+                )
+        if self.tiers[-1].budget is not None:
+            raise ValueError(
+                f"tiers[{len(self.tiers) - 1}] is the last tier and takes no budget: it "
+                "holds what the tiers above cannot"
+            )
+        return self
 
 
 class _PipelineModel(_Model):
@@ -318,6 +390,15 @@ class _ConfigModel(_Model):
                 storage_options=dict(s.storage_options),
                 codec=s.codec,
                 chunk_bytes=s.chunk_bytes,
+                direct_io=s.direct_io,
+                tiers=tuple(
+                    TierSettings(
+                        t.url,
+                        t.budget,
+                        None if t.storage_options is None else dict(t.storage_options),
+                    )
+                    for t in s.tiers
+                ),
             ),
             pipeline=PipelineSettings(
                 max_inflight=p.max_inflight,
@@ -587,6 +668,7 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "storage_options": ("store", _StoreModel),
     "codec": ("store", _StoreModel),
     "chunk_bytes": ("store", _StoreModel),
+    "direct_io": ("store", _StoreModel),
 }
 OVERRIDE_KEYS: tuple[str, ...] = tuple(_OVERRIDES)
 """The keyword arguments of ``offload()`` that override config fields."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -65,7 +65,7 @@ class StoreKind:
     these. ``None``: not declared, everything is passed on."""
     config_options: tuple[str, ...] = ()
     """The ``store:`` config fields passed to the factory as keywords by ``offload()``
-    (``codec``, ``chunk_bytes``, ``storage_options``)."""
+    (``codec``, ``chunk_bytes``, ``storage_options``, ``direct_io``)."""
     chainable: bool = False
     """Whether the scheme may be a link of an fsspec chain (``simplecache::file://``):
     only Zarr kinds, which fsspec opens; a daemon URL is never chained."""
@@ -79,8 +79,18 @@ class StoreKind:
 _ZARR = "tensorstore_hooks._zarr_store:ZarrStore"
 _DAEMON = "tensorstore_hooks._daemon_client:DaemonStore"
 _ZARR_OPTIONS = frozenset(
-    {"storage_options", "chunk_bytes", "codec", "namespace", "retry_deadline_s", "spare_bytes"}
+    {
+        "storage_options",
+        "chunk_bytes",
+        "codec",
+        "namespace",
+        "retry_deadline_s",
+        "spare_bytes",
+        "direct_io",
+        "buffer_pool_bytes",
+    }
 )
+_ZARR_CONFIG_OPTIONS = ("codec", "chunk_bytes", "storage_options", "direct_io")
 
 
 def _check_zarr_url(url: str) -> None:
@@ -93,7 +103,7 @@ def _zarr_kind(scheme: str) -> StoreKind:
         factory=_ZARR,
         parse_url=_check_zarr_url,
         option_keys=_ZARR_OPTIONS,
-        config_options=("codec", "chunk_bytes", "storage_options"),
+        config_options=_ZARR_CONFIG_OPTIONS,
         chainable=True,
     )
 
@@ -118,7 +128,7 @@ _FSSPEC_KIND = StoreKind(
     factory=_ZARR,
     parse_url=_check_zarr_url,
     option_keys=_ZARR_OPTIONS,
-    config_options=("codec", "chunk_bytes", "storage_options"),
+    config_options=_ZARR_CONFIG_OPTIONS,
     chainable=True,
 )
 _LOCAL_KIND = _BUILTIN["file"]
@@ -246,7 +256,11 @@ def _unknown_scheme(proto: str) -> str:
 
 
 def options_from_config(
-    url: object, codec: str, chunk_bytes: int, storage_options: Mapping[str, Any]
+    url: object,
+    codec: str,
+    chunk_bytes: int,
+    storage_options: Mapping[str, Any],
+    direct_io: str = "auto",
 ) -> dict[str, Any]:
     """The ``open_store`` options that the config's ``store:`` section gives ``url``'s kind.
 
@@ -260,7 +274,12 @@ def options_from_config(
     kind = _LOCAL_KIND if url is None else kind_of(url)
     if kind.spread_storage_options:
         return dict(storage_options)
-    given = {"codec": codec, "chunk_bytes": chunk_bytes, "storage_options": storage_options}
+    given = {
+        "codec": codec,
+        "chunk_bytes": chunk_bytes,
+        "storage_options": storage_options,
+        "direct_io": direct_io,
+    }
     opts = {k: given[k] for k in kind.config_options}
     if not opts.get("storage_options"):
         opts.pop("storage_options", None)
@@ -307,7 +326,7 @@ def _check_fsspec_importable(url: str) -> None:
 
 
 def open_store(
-    url: str | os.PathLike[str] | TensorStore | None = None, **options: Any
+    url: str | os.PathLike[str] | TensorStore | Sequence[Any] | None = None, **options: Any
 ) -> TensorStore:
     """Open the store for ``url``.
 
@@ -319,6 +338,9 @@ def open_store(
       passed to it. ``""``, ``file://`` and one-slash URLs (``tsh:/host:7077``) are
       refused (NOTE [ Store URL rules ]).
     * a :class:`TensorStore`: returned as is (``options`` must then be empty).
+    * a list of the above, fastest first, with ``budgets=[...]`` (one size per tier but
+      the last): a :class:`~tensorstore_hooks.TierChain`; ``storage_options`` is then one
+      dict for every tier or a list, one per tier (``_chain.open_chain``).
 
     ``options`` go to the store's constructor (``chunk_bytes``, ``codec``,
     ``storage_options``, ``token``, ...). Raises :class:`ConfigError` for unknown
@@ -332,10 +354,14 @@ def open_store(
         return url
     if url is None:
         return _open(_LOCAL_KIND, None, options)
+    if isinstance(url, list | tuple):
+        from ._chain import open_chain
+
+        return open_chain(url, **options)
     if not isinstance(url, str | os.PathLike):
         raise ConfigError(
-            "open_store: expected a URL string, a path, a TensorStore or None, "
-            f"got {type(url).__name__} {url!r}"
+            "open_store: expected a URL string, a path, a TensorStore, None, or a list of "
+            f"those (a tier chain), got {type(url).__name__} {url!r}"
         )
     s = os.fspath(url)
     if not isinstance(s, str):

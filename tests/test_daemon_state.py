@@ -306,7 +306,7 @@ def test_disk_quota_counts_what_the_directory_holds(
     quota = 256 * KiB
     d = daemons.start("--memory-quota", "0", "--root", str(root), "--disk-quota", str(quota))
     with DaemonStore(d.url) as store:
-        # 4000-byte payloads occupy a 4 KiB chunk + crc32c each, plus journal records.
+        # 4000-byte payloads occupy a 4 KiB chunk each, plus journal records.
         keys = _fill_until_refused(store, lambda i: torch.full((1000,), float(i)), 1000)
         disk = store.stats()["tiers"]["disk"]
         held = _dir_bytes(root)
