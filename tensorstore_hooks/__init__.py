@@ -34,10 +34,17 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 * ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
 * ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.
+* ``_capture.py`` - ``capture()``: module hooks streaming intermediates and gradients
+  into plain Zarr arrays under ``ROOT/capture/`` (``_capture_writer.py`` appends them on
+  I/O threads, ``_capture_layout.py`` is their layout); ``_capture_dataset.py`` -
+  ``CaptureDataset`` reads them back (``_capture_source.py``: from a URL or an object).
 """
 
 from __future__ import annotations
 
+from ._capture import Capture, capture
+from ._capture_dataset import CaptureDataset
+from ._capture_writer import CaptureStats
 from ._chain import TierChain
 from ._chain_core import ChainStats, TierStats
 from ._codec import TensorMeta
@@ -65,6 +72,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlobStore",
+    "Capture",
+    "CaptureDataset",
+    "CaptureStats",
     "ChainStats",
     "ConfigError",
     "Decision",
@@ -88,6 +98,7 @@ __all__ = [
     "UnsupportedTensorError",
     "ZarrStore",
     "__version__",
+    "capture",
     "load_config",
     "offload",
     "open_store",

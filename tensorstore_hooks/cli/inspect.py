@@ -29,9 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "List every namespace of a ZarrStore root (a local path, file://, or an fsspec "
             "URL such as s3://bucket/prefix) and every key in it with dtype, shape and "
-            "bytes, with totals. Several URLs are the tiers of a chain, fastest first "
-            "(or --config FILE with store.tiers): each tier is listed, and what each holds "
-            "of the chain's namespaces. Read-only. For the storage daemon (tsh://) use "
+            "bytes, with totals, and the arrays tsh.capture wrote. Several URLs are the "
+            "tiers of a chain, fastest first (or --config FILE with store.tiers): each "
+            "tier is listed, and what each holds of the chain's namespaces. Read-only. "
+            "For the storage daemon (tsh://) use "
             "`tensorstore-hooks stats URL`."
         ),
     )
@@ -60,8 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Describe the ZarrStore root at ``url`` without writing to it.
 
-    Returns ``{"url", "format", "direct_io", "namespaces": [{"name", "format",
-    "chunk_bytes", "codec",
+    Returns ``{"url", "format", "direct_io", "capture": [{"name", "shape", "dtype",
+    "chunk_rows", "bytes"}], "namespaces": [{"name", "format", "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
     "device", "framework", "nbytes", "stored_bytes"}], "damage": [str], "error": str |
     None}], "totals": {...}, "problems": [str]}``. ``stored_bytes`` counts whole chunks
@@ -78,6 +79,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     try:
         fmt = _root_format(io)
         namespaces = [ns for name in io.listdir("") if (ns := _namespace(io, name)) is not None]
+        captured = _captured(io)
     finally:
         io.close()
     totals: dict[str, int] = {
@@ -93,9 +95,26 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
         "format": fmt,
         "direct_io": _direct_io_here(io),
         "namespaces": namespaces,
+        "capture": captured,
         "totals": totals,
         "problems": problems,
     }
+
+
+def _captured(io: Any) -> list[dict[str, Any]]:
+    """The arrays ``tsh.capture`` wrote under ``ROOT/capture`` (NOTE [ Capture layout ])."""
+    from .._capture_layout import list_arrays
+
+    return [
+        {
+            "name": a.name,
+            "shape": [a.rows, *a.row_shape],
+            "dtype": a.dtype,
+            "chunk_rows": a.chunk_rows,
+            "bytes": a.nbytes,
+        }
+        for a in list_arrays(io)
+    ]
 
 
 def _direct_io_here(io: Any) -> str | None:
@@ -289,6 +308,12 @@ def _format(listing: dict[str, Any]) -> str:
                 f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  "
                 f"{r[3]:>{widths[3]}}  {r[4]}"
             )
+    if listing["capture"]:
+        lines += ["", f"captured arrays (capture/): {len(listing['capture'])}"]
+        lines += [
+            f"  {a['name']}  {a['dtype']}  {tuple(a['shape'])}  {fb(a['bytes'])}"
+            for a in listing["capture"]
+        ]
     t = listing["totals"]
     lines.append("")
     lines.append(
