@@ -423,7 +423,7 @@ def test_check_config_and_serve_check_know_daemon_configs(tmp_path: Path) -> Non
         out = _cli(*args)
         assert out.returncode != 0
         assert f"{bad}:4" in out.stderr and "max_conections" in out.stderr
-        assert "allowed:" in out.stderr and "max_connections" in out.stderr
+        assert "allowed keys here:" in out.stderr and "max_connections" in out.stderr
     port = free_port()
     good = tmp_path / "good.yaml"
     good.write_text(f"listen: 127.0.0.1:{port}\nmemory_quota: 1GiB\n")
