@@ -63,8 +63,14 @@ class LimitsConfig(BaseModel):
     """Once a frame starts, all of it (at most 16 MiB) must arrive within this time."""
     max_tensor_bytes: Size = Field(4 << 30, alias="max_tensor")
     """Larger PUTs are refused with TOO_LARGE before their payload is read."""
-    staging_bytes: Size = Field(256 << 20, alias="staging")
-    """Transient buffers of PUTs that go straight to disk (at least one always fits)."""
+    put_buffer_bytes: Size = Field(256 << 20, alias="put_buffer")
+    """Memory for payloads of PUTs that go straight to disk, in total, counted as their
+    bytes arrive (one PUT always proceeds). NOTE [ Payload bytes as they arrive ]."""
+    get_buffer_bytes: Size = Field(256 << 20, alias="get_buffer")
+    """Memory for GET answers read from disk, in total (NOTE [ Answers read from disk ])."""
+    session_get_buffer_bytes: Size = Field(32 << 20, alias="session_get_buffer")
+    """Memory for GET answers read from disk, per session: a client that does not read
+    its answers holds at most this much (NOTE [ Answers read from disk ])."""
     drain_timeout_s: Seconds = Field(10.0, alias="drain_timeout", ge=0)
     """On SIGTERM, in-flight requests get this long to finish."""
 

@@ -439,12 +439,31 @@ class ZarrStore(BlobStore):
     def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
         entry = self._entry(key)
         out = np.empty(entry.meta.nbytes, dtype=np.uint8)
-        if not entry.count:
-            return entry.meta, out
-        paths = self._run_paths(entry.run)
+        self.read_into(key, 0, out)
+        return entry.meta, out
+
+    def chunk_class(self, key: str) -> int:
+        """The chunk size of ``key``'s run (0 for an empty payload): the unit of
+        :meth:`read_into`."""
+        return self._entry(key).chunk
+
+    def read_into(self, key: str, start: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8) with ``key``'s payload bytes from ``start``, verifying
+        each whole chunk read. ``start`` must be a multiple of :meth:`chunk_class`, and
+        the range must end at a chunk boundary or at the payload's end. Errors as
+        :meth:`get_blob`."""
+        entry = self._entry(key)
+        chunk, n = entry.chunk, len(out)
+        if n == 0:
+            return
+        end = start + n
+        if start % chunk or end > entry.meta.nbytes or (end != entry.meta.nbytes and n % chunk):
+            raise ValueError(f"read_into: [{start}, {start + n}) is not a run of whole chunks")
+        first, last = start // chunk, -(-end // chunk)
+        paths = self._run_paths(entry.run)[first:last]
         what = f"ZarrStore({self._url}): key {key!r}"
         try:
-            self._codec.read(self._io, paths, out, entry.chunk, entry.crc, what)
+            self._codec.read(self._io, paths, out, chunk, entry.crc[4 * first : 4 * last], what)
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
@@ -464,7 +483,6 @@ class ZarrStore(BlobStore):
         # the bound checksums catch that, and so does this.
         if key not in self._index:
             raise self._missing(key)
-        return entry.meta, out
 
     def _missing(self, key: str) -> KeyNotFoundError:
         return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
+from tensorstore_hooks.server import load_config as load_daemon_config
 
 from tensorstore_hooks import ConfigError
 from tensorstore_hooks import load_config as load_library_config
-from tensorstore_hooks.server import load_config as load_daemon_config
 
 DAEMON = "daemon config "
 
@@ -33,7 +33,7 @@ def _library_error(path: Path) -> str:
     ("text", "where", "what"),
     [
         ("memory_quota: 1GiB\nmemory_quota: 2GiB\n", ":2:1", "duplicate key 'memory_quota'"),
-        ("limits:\n  staging: 1MiB\n  read_timeout: 1s\n  read_timeout: 2s\n", ":4:3",
+        ("limits:\n  put_buffer: 1MiB\n  read_timeout: 1s\n  read_timeout: 2s\n", ":4:3",
          "duplicate key 'read_timeout'"),
         ("listen: [1\n", ":2:1", "YAML syntax error"),
     ],

@@ -1,0 +1,389 @@
+"""The disk tier: a ZarrStore namespace run on a thread pool, its exact byte count,
+and what happens when its filesystem fails.
+
+NOTE [ Disk failures ]
+1. A write to the disk tier that fails (its chunk files or its journal record: a
+   filesystem full below ``disk_quota``, an I/O error, a read-only or unwritable
+   directory) is undone: the files it wrote are deleted, a spilled tensor stays in
+   RAM, and a PUT placed on disk is answered QUOTA_EXCEEDED (the client keeps the
+   tensor), never INTERNAL. A tensor is never acknowledged, nor reported as on disk,
+   before its bytes *and* its journal record are written.
+2. After a failed write the disk tier takes no writes (no spills, no PUTs placed
+   there) for a back-off of 0.5 s doubling to 30 s; the first write after it probes.
+   A freed disk-tier tensor ends a back-off caused by a full filesystem (room may be
+   back).
+3. One WARNING when writes start failing, naming the error; one INFO when they work
+   again; repeats in between are DEBUG. No traceback for an OS error.
+4. A root deleted or replaced while the daemon serves (its device and inode changed)
+   turns the disk tier off until a restart: one ERROR; its tensors answer NOT_FOUND
+   ("lost with the root"), writes QUOTA_EXCEEDED.
+5. A failed read (a chunk missing or corrupt) fails that GET with INTERNAL naming
+   the key; every other request goes on.
+
+Byte counts: NOTE [ Exact disk quota ] in ``_costs``. Event-loop thread only, except
+the store calls, which run on ``pool``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._units import format_bytes
+from tensorstore_hooks._zarr_store import ZarrStore
+from tensorstore_hooks.errors import KeyNotFoundError, QuotaExceededError, TensorStoreError
+
+from ._costs import DiskCharge, DiskCosts
+from ._model import Entry
+
+__all__ = ["DiskFailure", "DiskReservation", "DiskTier"]
+
+log = logging.getLogger("tensorstore_hooks.server")
+
+_FIRST_BACKOFF_S = 0.5
+_MAX_BACKOFF_S = 30.0
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class DiskFailure(Exception):
+    """A disk-tier write failed and was undone (NOTE [ Disk failures ])."""
+
+
+@dataclass(eq=False, slots=True)
+class DiskReservation:
+    """Room promised to one disk-tier write (a PUT placed on disk, or a spill)."""
+
+    charge: DiskCharge
+    extra: int
+    """A session record and a segment document that may come with it."""
+    active: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.charge.write + self.extra
+
+
+class _Health:
+    """Whether the disk tier takes writes now (NOTE [ Disk failures ], rules 2-3)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.error: str | None = None
+        self.full = False
+        self.retry_at = 0.0
+        self.backoff_s = _FIRST_BACKOFF_S
+        self.failures = 0
+
+    def writable(self, now: float) -> bool:
+        return self.error is None or now >= self.retry_at
+
+    def failed(self, exc: BaseException, what: str) -> None:
+        self.failures += 1
+        message = f"{what}: {exc}"
+        first = self.error is None
+        self.error = message
+        self.full = isinstance(exc, QuotaExceededError) or (
+            isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+        )
+        now = time.monotonic()
+        self.retry_at = now + self.backoff_s
+        if first:
+            log.warning(
+                "the disk tier at %s cannot take writes (%s); tensors stay in RAM or with "
+                "their clients, next try in %gs",
+                self.where,
+                message,
+                self.backoff_s,
+            )
+        else:
+            log.debug("disk tier still failing (%s); next try in %gs", message, self.backoff_s)
+        self.backoff_s = min(self.backoff_s * 2, _MAX_BACKOFF_S)
+
+    def succeeded(self) -> None:
+        if self.error is not None:
+            log.info("the disk tier at %s takes writes again", self.where)
+        self.error = None
+        self.full = False
+        self.backoff_s = _FIRST_BACKOFF_S
+
+    def room_freed(self) -> None:
+        if self.full:
+            self.retry_at = 0.0
+
+
+class DiskTier:
+    """One ZarrStore namespace as the daemon's disk tier. Event-loop thread only."""
+
+    def __init__(self, store: ZarrStore, pool: Executor, quota: int) -> None:
+        self.store = store
+        self.quota = quota
+        self.costs = DiskCosts(store)
+        self._pool = pool
+        self._health = _Health(store.url)
+        root = self.costs.local_root
+        self._root = root
+        self._root_id = _identity(root) if root is not None else None
+        self.lost: str | None = None
+        """Why the tier is off for good (its root went away), or None."""
+        self.files = 0
+        """Chunk-file bytes of tensors on disk (until their delete ends)."""
+        self.standing = 0
+        """Standing reservations of stored tensors and journaled sessions."""
+        self.reserved = 0
+        """Reservations of writes in flight."""
+        self.docs = 0
+        self._classes: set[int] = set()
+        self.entries = 0
+        self._pending: list[tuple[str, int, int]] = []  # (disk key, files, standing)
+        self._delete_task: asyncio.Task[None] | None = None
+        self.write_failures = 0
+        self.measure_docs()
+
+    # ------------------------------------------------------------- accounting
+    def measure_docs(self) -> None:
+        """Re-walk the root's other files (start, and after a new segment)."""
+        self.docs, self._classes = self.costs.other_files()
+
+    @property
+    def used(self) -> int:
+        """Bytes the directory holds (NOTE [ Exact disk quota ]): measured now."""
+        return self.files + self.costs.journal_bytes() + self.docs
+
+    def held(self) -> int:
+        """``used + reserved``: what counts against the quota now."""
+        return self.used + self.reserved + self.standing + self.costs.snapshot_headers
+
+    def charge(self, meta: TensorMeta) -> DiskCharge:
+        return self.costs.charge(meta)
+
+    def _extra(self, charge: DiskCharge, new_session: bool) -> int:
+        extra = self.costs.session_record + self.costs.session_standing if new_session else 0
+        if charge.chunk_class and charge.chunk_class not in self._classes:
+            extra += self.costs.segment_doc_bound()
+        return extra
+
+    def reserve(self, charge: DiskCharge, *, new_session: bool) -> DiskReservation | None:
+        """Room for one write, or None (no room, or the tier takes no writes now)."""
+        if not self.writable():
+            return None
+        res = DiskReservation(charge, self._extra(charge, new_session))
+        if self.held() + res.nbytes > self.quota:
+            return None
+        self.reserved += res.nbytes
+        return res
+
+    def release(self, res: DiskReservation) -> None:
+        """Give back an unused reservation. Idempotent."""
+        if res.active:
+            res.active = False
+            self.reserved -= res.nbytes
+
+    def writable(self) -> bool:
+        """True if a write may be tried now (not failing, root still there)."""
+        return self._root_ok() and self._health.writable(time.monotonic())
+
+    def refusal(self) -> str | None:
+        """Why writes are refused now (for a QUOTA_EXCEEDED message), or None."""
+        if self.lost is not None:
+            return self.lost
+        if self._health.error is not None:
+            left = max(0.0, self._health.retry_at - time.monotonic())
+            return f"the disk tier failed ({self._health.error}); next try in {left:.1f}s"
+        return None
+
+    def _root_ok(self) -> bool:
+        if self.lost is not None:
+            return False
+        if self._root is None:
+            return True
+        if _identity(self._root) == self._root_id:
+            return True
+        self.lost = (
+            f"the disk tier's root {self._root} was deleted or replaced while the daemon "
+            "served; its tensors are lost and it takes no writes until a restart"
+        )
+        log.error("%s", self.lost)
+        return False
+
+    def check(self) -> None:
+        """Housekeeping: notice a vanished root (NOTE [ Disk failures ], rule 4)."""
+        self._root_ok()
+
+    # ------------------------------------------------------------------ writes
+    async def write(self, res: DiskReservation, meta: TensorMeta, buf: np.ndarray) -> str:
+        """Write one payload under ``res``; returns its disk key (not journaled yet:
+        :meth:`commit` or :meth:`abandon` follows). Raises DiskFailure (``res`` released)."""
+        loop = asyncio.get_running_loop()
+        try:
+            dk: str = await loop.run_in_executor(self._pool, self.store.put_blob, meta, buf)
+        except Exception as exc:
+            self.release(res)
+            self._failed(exc, f"writing {format_bytes(meta.nbytes)}")
+            raise DiskFailure(self.refusal() or str(exc)) from exc
+        self.files += res.charge.files  # counted until its delete ends
+        if res.charge.chunk_class and res.charge.chunk_class not in self._classes:
+            self.measure_docs()
+        if not self._root_ok():
+            self._discard(dk, res)
+            raise DiskFailure(self.lost or "the disk tier's root is gone")
+        return dk
+
+    def commit(self, res: DiskReservation) -> None:
+        """The write under ``res`` is journaled: its records are in the journal files
+        now (measured), its standing reservation stays while it is stored."""
+        assert res.active
+        res.active = False
+        self.reserved -= res.nbytes
+        self.standing += res.charge.standing
+        self.entries += 1
+        self._health.succeeded()
+
+    def abandon(self, res: DiskReservation, dk: str, exc: BaseException) -> None:
+        """The write under ``res`` could not be journaled: delete it, count a failure."""
+        self._failed(exc, "journaling a disk-tier tensor")
+        self._discard(dk, res)
+
+    def discard(self, res: DiskReservation, dk: str) -> None:
+        """The write under ``res`` is not wanted any more (its owner went away)."""
+        self._discard(dk, res)
+
+    def _discard(self, dk: str, res: DiskReservation) -> None:
+        standing = res.charge.standing
+        self.standing += standing  # its delete record is still to come
+        self.release(res)
+        self._queue_delete(dk, res.charge.files, standing)
+
+    def _failed(self, exc: BaseException, what: str) -> None:
+        self.write_failures += 1
+        if isinstance(exc, TensorStoreError | OSError):
+            self._health.failed(exc, what)
+        else:  # not the filesystem: a bug, worth its traceback
+            log.error("%s failed", what, exc_info=exc)
+            self._health.failed(exc, what)
+
+    def session_recorded(self) -> None:
+        """A session got its journal record (or was restored with one)."""
+        self.standing += self.costs.session_standing
+
+    def session_ended(self) -> None:
+        """A journaled session ended: its record's standing reservation is spent."""
+        self.standing -= self.costs.session_standing
+
+    def restore(self, meta: TensorMeta) -> None:
+        """Count a disk-tier tensor re-adopted after a restart."""
+        charge = self.costs.charge(meta)
+        self.files += charge.files
+        self.standing += charge.standing
+        self.entries += 1
+
+    # ------------------------------------------------------------------- reads
+    def pieces(self, e: Entry, piece_bytes: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of the pieces ``e`` is read in: whole chunks, about
+        ``piece_bytes`` each (one piece for an empty tensor)."""
+        assert e.disk_key is not None
+        n = e.nbytes
+        try:
+            chunk = self.store.chunk_class(e.disk_key)
+        except KeyNotFoundError:
+            chunk = 0
+        if n == 0 or chunk == 0:
+            return [(0, n)]
+        unit = chunk * max(1, piece_bytes // chunk)
+        return [(start, min(unit, n - start)) for start in range(0, n, unit)]
+
+    async def read(self, e: Entry, start: int, length: int) -> np.ndarray:
+        """Bytes ``[start, start + length)`` of ``e``'s payload, read and verified.
+
+        Raises KeyNotFoundError (deleted, or lost with the root) or TensorStoreError.
+        """
+        if self.lost is not None:
+            raise KeyNotFoundError(self.lost)
+        assert e.disk_key is not None
+        out = np.empty(length, dtype=np.uint8)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.store.read_into, e.disk_key, start, out)
+        return out
+
+    def start_reading(self, e: Entry) -> None:
+        e.readers += 1
+
+    def done_reading(self, e: Entry) -> None:
+        """One streamed answer of ``e`` ended; a delete waiting for it goes ahead."""
+        e.readers -= 1
+        if e.readers == 0 and e.freed and e.disk_key is not None:
+            self._free_now(e)
+
+    # ------------------------------------------------------------------ frees
+    def free(self, e: Entry) -> None:
+        """Delete ``e``'s disk-tier tensor (after its last streamed answer)."""
+        self.entries -= 1
+        if e.readers == 0 and e.disk_key is not None:
+            self._free_now(e)
+
+    def _free_now(self, e: Entry) -> None:
+        assert e.disk_key is not None
+        charge = self.costs.charge(e.meta)
+        dk, e.disk_key = e.disk_key, None
+        self._queue_delete(dk, charge.files, charge.standing)
+        self._health.room_freed()
+
+    def _queue_delete(self, dk: str, files: int, standing: int) -> None:
+        # Batched: one executor call per burst of frees (a session end frees thousands).
+        self._pending.append((dk, files, standing))
+        if self._delete_task is None or self._delete_task.done():
+            self._delete_task = asyncio.get_running_loop().create_task(self._flush_deletes())
+
+    async def _flush_deletes(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await loop.run_in_executor(
+                    self._pool, self.store.delete_many, [dk for dk, _, _ in batch]
+                )
+            except Exception as exc:
+                # Leftovers are unreferenced by the journal, so the next start collects them.
+                log.warning("deleting %d disk-tier tensors failed: %s", len(batch), exc)
+            self.files -= sum(f for _, f, _ in batch)
+            self.standing -= sum(s for _, _, s in batch)
+
+    def deletes_in_flight(self) -> bool:
+        return self._delete_task is not None and not self._delete_task.done()
+
+    async def wait_deletes(self) -> None:
+        while self._delete_task is not None and not self._delete_task.done():
+            # shield: a PUT cancelled while waiting must not cancel the deletes
+            await asyncio.shield(self._delete_task)
+
+    # ---------------------------------------------------------------- report
+    def snapshot(self) -> dict[str, Any]:
+        journals = self.costs.journal_bytes()
+        return {
+            "enabled": True,
+            "used": self.files + journals + self.docs,
+            "metadata": journals + self.docs,
+            "reserved": self.reserved + self.standing + self.costs.snapshot_headers,
+            "quota": self.quota,
+            "tensors": self.entries,
+            "writable": self.refusal() is None,
+        }
+
+    def counters(self) -> dict[str, int]:
+        return {"disk_write_failures": self.write_failures}
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
