@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +216,78 @@ def test_expired_session_is_replaced_and_reported(daemons: DaemonLauncher) -> No
         key = store.put(torch.arange(3))  # the new session works
         assert torch.equal(store.get(key), torch.arange(3))
     assert "lease of 0.5s expired" in d.log()
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def test_disk_quota_is_exact_under_churn(daemons: DaemonLauncher, tmp_path: Path) -> None:
+    # NOTE [ Exact disk quota ]: the directory never holds more than the quota, journal
+    # records of deleted tensors included, and stats says what it holds.
+    root = tmp_path / "root"
+    quota = 4 * MiB
+    d = daemons.start("--memory-quota", "0", "--root", str(root), "--disk-quota", str(quota))
+    filler = DaemonStore(d.url)
+    kept = []
+    with contextlib.suppress(QuotaExceededError):
+        for i in range(1000):  # fill the disk with live tensors
+            kept.append(filler.put(torch.full((64 * 1024 // 4,), float(i))))
+    filler.delete_many(kept[:4])  # room for a few small ones
+    stop = threading.Event()
+    over: list[str] = []
+    samples = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            held = _dir_bytes(root)
+            snap = fetch_stats(d.url)["tiers"]["disk"]
+            samples[0] += 1
+            if held > quota:
+                over.append(f"directory {held} > quota {quota}")
+            if snap["used"] + snap["reserved"] > quota:
+                over.append(f"stats {snap}")
+
+    churned = [0]
+    errors: list[BaseException] = []
+
+    def churn(w: int) -> None:
+        try:
+            with DaemonStore(d.url) as store:
+                deadline = time.monotonic() + 4.0
+                while time.monotonic() < deadline:
+                    try:
+                        key = store.put(torch.full((1024,), float(w)))  # 4 KiB
+                    except QuotaExceededError:
+                        continue
+                    store.delete(key)
+                    churned[0] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    workers = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join(timeout=60)
+    stop.set()
+    watcher.join(timeout=30)
+    assert not errors, errors
+    assert churned[0] > 200 and samples[0] > 10, (churned, samples)
+    assert not over, over[:3]
+
+    # Everything freed: stats says what the directory holds (journals and documents).
+    filler.close()
+
+    def agrees() -> bool:
+        snap = fetch_stats(d.url)["tiers"]["disk"]
+        return snap["tensors"] == 0 and snap["used"] == _dir_bytes(root)
+
+    wait_until(agrees, 10, "stats to say what the directory holds")
