@@ -432,6 +432,9 @@ def test_metrics_endpoint(daemons: DaemonLauncher) -> None:
     assert m['tsh_requests_total{op="put"}'] == 1
     assert m["tsh_sessions"] == 1
     assert m["tsh_received_bytes_total"] >= 1 << 20
+    assert m['tsh_buffer_bytes{kind="get"}'] == 0 and m['tsh_buffer_bytes{kind="put"}'] == 0
+    assert m["tsh_disk_writable"] == 0  # no disk tier
+    assert m["tsh_disk_write_failures_total"] == 0
     assert d.terminate() == 0
 
 
