@@ -175,6 +175,9 @@ def test_file_size_limit_answers_quota_exceeded(daemons: DaemonLauncher, tmp_pat
         # Backed off: a handful of write attempts for 60 refused PUTs, not 60.
         assert 1 <= snap["counters"]["disk_write_failures"] <= 6, snap["counters"]
         assert snap["tiers"]["disk"]["writable"] is False
+        from tensorstore_hooks.cli.stats import format_stats
+
+        assert "disk tier    takes no writes now" in format_stats(snap)
         # Small tensors fit under the limit: once the back-off ends they go to disk.
         t = _tensor(7, 16 * KiB)
 
