@@ -34,7 +34,9 @@ class not seen yet, a segment document; and every stored tensor (and journaled
 session) keeps a *standing* reservation for the records still to come: its delete
 records, and its records' copy in the snapshot a compaction writes next to the old
 journal before dropping it. So ``used + reserved <= disk_quota`` holds at every
-moment, and the directory is at most ``used + reserved``.
+moment, and the directory is at most ``used + reserved``. Dead records count until
+a compaction drops them; when they are what fills the quota, a refused write first
+compacts both journals (``DiskTier.compact``, at most once a second).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,9 @@ log = logging.getLogger("tensorstore_hooks.server")
 
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
+_COMPACT_DEAD_BYTES = 64 << 10
+"""Journal records of deleted tensors worth a compaction when the disk is full."""
+_COMPACT_EVERY_S = 1.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
@@ -146,6 +150,12 @@ class DiskTier:
         self._pending: list[tuple[str, int, int]] = []  # (disk key, files, standing)
         self._delete_task: asyncio.Task[None] | None = None
         self.write_failures = 0
+        self.compactions = 0
+        self.dead = 0
+        """Journal bytes (bound) of tensors deleted since the last compaction."""
+        self._compacted_at = float("-inf")
+        self.compact_sessions: Callable[[], None] = _nothing
+        """Compacts the session journal (the session table installs it)."""
         self.measure_docs()
 
     # ------------------------------------------------------------- accounting
@@ -354,7 +364,29 @@ class DiskTier:
                 # Leftovers are unreferenced by the journal, so the next start collects them.
                 log.warning("deleting %d disk-tier tensors failed: %s", len(batch), exc)
             self.files -= sum(f for _, f, _ in batch)
-            self.standing -= sum(s for _, _, s in batch)
+            freed = sum(s for _, _, s in batch)
+            self.standing -= freed
+            self.dead += freed
+
+    def worth_compacting(self) -> bool:
+        """True when the journals hold enough records of deleted tensors that a
+        compaction frees room (checked when the disk tier refuses a write)."""
+        now = time.monotonic()
+        return self.dead >= _COMPACT_DEAD_BYTES and now - self._compacted_at >= _COMPACT_EVERY_S
+
+    async def compact(self) -> None:
+        """Compact both journals now (the disk is full of dead records). Failures are
+        logged; the journals are then as they were."""
+        self._compacted_at = time.monotonic()
+        self.compactions += 1
+        self.compact_sessions()
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._pool, self.store.compact_index)
+        except TensorStoreError as exc:
+            log.warning("compacting the disk tier's index failed: %s", exc)
+            return
+        self.dead = 0
 
     def deletes_in_flight(self) -> bool:
         return self._delete_task is not None and not self._delete_task.done()
@@ -378,7 +410,11 @@ class DiskTier:
         }
 
     def counters(self) -> dict[str, int]:
-        return {"disk_write_failures": self.write_failures}
+        return {"disk_write_failures": self.write_failures, "disk_compactions": self.compactions}
+
+
+def _nothing() -> None:
+    pass
 
 
 def _identity(path: str) -> tuple[int, int] | None:

@@ -55,6 +55,8 @@ class SessionTable:
         self.expired_bytes = 0
         self._compaction_failed = False
         tiers.spilled = self._spilled
+        if tiers.disk is not None:
+            tiers.disk.compact_sessions = self.compact_journal
 
     # ------------------------------------------------------------- lifecycle
     def open(self) -> Session:

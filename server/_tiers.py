@@ -133,6 +133,11 @@ class Tiers:
                 # follows a DELETE must find the room that DELETE made.
                 await self.disk.wait_deletes()
                 res = await self._place(meta, new_session)
+            if res is None and self.disk is not None and self.disk.worth_compacting():
+                # The journals' records of deleted tensors count too (NOTE [ Exact disk
+                # quota ]): when they are what fills the disk, compacting makes room.
+                await self.disk.compact()
+                res = await self._place(meta, new_session)
             if res is None:
                 self.quota_rejected += 1
                 raise TierError(ErrorCode.QUOTA_EXCEEDED, self._full_message(meta.nbytes))
@@ -366,7 +371,11 @@ class Tiers:
             "spill_bytes": self.spill_bytes,
             "spill_failures": self.spill_failures,
             "quota_rejected": self.quota_rejected,
-            **(self.disk.counters() if self.disk is not None else {"disk_write_failures": 0}),
+            **(
+                self.disk.counters()
+                if self.disk is not None
+                else {"disk_write_failures": 0, "disk_compactions": 0}
+            ),
         }
         ram = {
             "used": self.ram_used,

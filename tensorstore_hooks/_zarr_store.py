@@ -515,13 +515,27 @@ class ZarrStore(BlobStore):
         if not self._log.needs_compaction(len(self._index)):
             return
         try:
-            self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
-            last = format(self._next_key - 1, "x")
-            if self._next_key and last not in self._index:
-                self._log.record_delete(last)  # keeps the key high-water mark in the journal
+            self._compact()
         except TensorStoreError as e:
             # The journal is untouched and still the truth; try again at the next delete.
             log.warning("ZarrStore(%s): compacting the index failed: %s", self._url, e)
+
+    def _compact(self) -> None:
+        self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
+        last = format(self._next_key - 1, "x")
+        if self._next_key and last not in self._index:
+            self._log.record_delete(last)  # keeps the key high-water mark in the journal
+
+    def compact_index(self) -> None:
+        """Rewrite the index as a snapshot of the live keys now, however short the
+        journal (for a caller that counts the journal's bytes against a quota).
+
+        Raises a TensorStoreError if the snapshot cannot be written; the journal is
+        then untouched and still the truth.
+        """
+        with self._lock:
+            self._check_open()
+            self._compact()
 
     # ------------------------------------------------------------- inventory
     def keys(self) -> Iterator[str]:

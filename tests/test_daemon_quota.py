@@ -280,8 +280,10 @@ def test_disk_quota_is_exact_under_churn(daemons: DaemonLauncher, tmp_path: Path
     stop.set()
     watcher.join(timeout=30)
     assert not errors, errors
-    assert churned[0] > 200 and samples[0] > 10, (churned, samples)
     assert not over, over[:3]
+    # Records of deleted tensors filled the disk, and were compacted away: churn went on.
+    assert churned[0] > 200 and samples[0] > 10, (churned, samples)
+    assert fetch_stats(d.url)["counters"]["disk_compactions"] >= 1
 
     # Everything freed: stats says what the directory holds (journals and documents).
     filler.close()
