@@ -69,6 +69,8 @@ class DiskReservation:
     charge: DiskCharge
     extra: int
     """A session record and a segment document that may come with it."""
+    probe: bool = False
+    """The first write after a failure's back-off (NOTE [ Disk failures ], rule 2)."""
     active: bool = True
 
     @property
@@ -86,12 +88,15 @@ class _Health:
         self.retry_at = 0.0
         self.backoff_s = _FIRST_BACKOFF_S
         self.failures = 0
+        self.probing = False
+        """A write is testing whether the failure is over: the others wait for it."""
 
     def writable(self, now: float) -> bool:
-        return self.error is None or now >= self.retry_at
+        return self.error is None or (now >= self.retry_at and not self.probing)
 
     def failed(self, exc: BaseException, what: str) -> None:
         self.failures += 1
+        self.probing = False
         message = f"{what}: {exc}"
         first = self.error is None
         self.error = message
@@ -115,6 +120,7 @@ class _Health:
     def succeeded(self) -> None:
         if self.error is not None:
             log.info("the disk tier at %s takes writes again", self.where)
+        self.probing = False
         self.error = None
         self.full = False
         self.backoff_s = _FIRST_BACKOFF_S
@@ -189,6 +195,8 @@ class DiskTier:
         if self.held() + res.nbytes > self.quota:
             return None
         self.reserved += res.nbytes
+        if self._health.error is not None:
+            res.probe = self._health.probing = True
         return res
 
     def release(self, res: DiskReservation) -> None:
@@ -196,6 +204,8 @@ class DiskTier:
         if res.active:
             res.active = False
             self.reserved -= res.nbytes
+            if res.probe:  # it never wrote: the next write probes instead
+                self._health.probing = False
 
     def writable(self) -> bool:
         """True if a write may be tried now (not failing, root still there)."""
