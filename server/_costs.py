@@ -50,6 +50,7 @@ from tensorstore_hooks._index import frame
 from tensorstore_hooks._zarr_store import ZarrStore, split_url
 
 __all__ = [
+    "DISK_NAMESPACE",
     "RAM_OVERHEAD_BYTES",
     "DiskCharge",
     "DiskCosts",
@@ -57,6 +58,9 @@ __all__ = [
     "ram_charge",
 ]
 
+DISK_NAMESPACE = "daemon"
+"""ZarrStore namespace of the disk tier under the root (fixed, so a restart resumes it);
+the session journal lives in it too (``daemon/sessions``)."""
 RAM_OVERHEAD_BYTES = 2048
 """Charged per tensor beyond its payload, in RAM and against a session's quota."""
 _MIN_CHUNK_BYTES = 4 << 10
@@ -70,7 +74,7 @@ _BIG = (1 << 64) - 1  # the widest msgpack integer: bounds never undercount
 _DISK_KEY = "f" * 16  # the disk index's keys are hex counters
 _DAEMON_KEY = "k:" + "x" * 64  # "k:" + protocol.MAX_KEY_LEN characters
 _SESSION = "x" * 64  # protocol._SESSION_RE: at most 64 characters
-_JOURNAL_DIRS = ("daemon/index", "daemon/sessions")
+_JOURNAL_DIRS = (f"{DISK_NAMESPACE}/index", f"{DISK_NAMESPACE}/sessions")
 _JOURNAL_FILES = ("journal", "snapshot", "snapshot.tmp")
 
 

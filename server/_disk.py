@@ -43,7 +43,7 @@ from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks._zarr_store import ZarrStore
 from tensorstore_hooks.errors import KeyNotFoundError, QuotaExceededError, TensorStoreError
 
-from ._costs import DiskCharge, DiskCosts
+from ._costs import DISK_NAMESPACE, DiskCharge, DiskCosts
 from ._model import Entry
 
 __all__ = ["DiskFailure", "DiskReservation", "DiskTier"]
@@ -141,7 +141,10 @@ class DiskTier:
         self._health = _Health(store.url)
         root = self.costs.local_root
         self._root = root
-        self._root_id = _identity(root) if root is not None else None
+        # The root and the disk tier's namespace directory in it (NOTE [ Disk failures ],
+        # rule 4): deleting either would make writes recreate a fresh, empty copy.
+        self._watched = [root, os.path.join(root, DISK_NAMESPACE)] if root is not None else []
+        self._ids = [_identity(p) for p in self._watched]
         self.lost: str | None = None
         """Why the tier is off for good (its root went away), or None."""
         self.files = 0
@@ -223,9 +226,7 @@ class DiskTier:
     def _root_ok(self) -> bool:
         if self.lost is not None:
             return False
-        if self._root is None:
-            return True
-        if _identity(self._root) == self._root_id:
+        if [_identity(p) for p in self._watched] == self._ids:
             return True
         self.lost = (
             f"the disk tier's root {self._root} was deleted or replaced while the daemon "

@@ -45,8 +45,9 @@ from tensorstore_hooks._index import IndexLog, scan
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks._zarr_store import ZarrStore, split_url
 
+from ._costs import DISK_NAMESPACE
 from ._disk import DiskTier
-from ._journal import DISK_NAMESPACE, StateJournal
+from ._journal import StateJournal
 from ._root import prepare_root
 from ._sessions import SessionTable
 from ._tensor_rules import meta_problem

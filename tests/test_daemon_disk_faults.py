@@ -273,7 +273,8 @@ def test_read_only_root_while_serving(daemons: DaemonLauncher, tmp_path: Path) -
     assert len(_warnings(d)) == 1 and "takes writes again" in log, log
 
 
-def test_root_deleted_while_serving(daemons: DaemonLauncher, tmp_path: Path) -> None:
+@pytest.mark.parametrize("gone", ["root", "root/daemon"])
+def test_root_deleted_while_serving(daemons: DaemonLauncher, tmp_path: Path, gone: str) -> None:
     root = tmp_path / "root"
     args = ("--listen", f"127.0.0.1:{free_port()}", "--memory-quota", "1MiB",
             "--root", str(root), "--lease", "120")  # fmt: skip
@@ -284,7 +285,7 @@ def test_root_deleted_while_serving(daemons: DaemonLauncher, tmp_path: Path) -> 
     assert sid is not None
     wait_until(lambda: "disk" in raw_heads(d.url, sid, old).values(), 10, "a spill")
     on_disk = [k for k, tier in raw_heads(d.url, sid, old).items() if tier == "disk"]
-    shutil.rmtree(root)
+    shutil.rmtree(tmp_path / gone)  # the root, or the disk tier's directory in it
 
     # Disk-bound writes are refused with a reason, RAM still takes what fits.
     acked: dict[str, torch.Tensor] = {}
