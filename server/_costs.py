@@ -22,9 +22,10 @@ and ``stats`` shows what it holds. Its files are:
    (NOTE [ Segment layout ] in ``_zarr_store.py``; :func:`chunk_footprint`), known
    from its size and counted from the moment its write starts until its delete ends;
 2. journals: the disk index (``daemon/index``) and the session journal
-   (``daemon/sessions``), each a journal + a snapshot; their sizes are *measured*
-   (a ``stat`` of each, whenever room is checked), so dead records of deleted
-   tensors count until a compaction drops them;
+   (``daemon/sessions``), each a journal + a snapshot. Their size is *measured* (a
+   ``stat`` of each) whenever room is checked and no store call is running on the
+   thread pool; while one is, it is the last measure plus the bound of each record
+   written since. Dead records of deleted tensors count until a compaction drops them;
 3. the other files (``zarr.json`` documents, the lock), measured by a walk at start
    and after a new size class's segment is created.
 
@@ -33,15 +34,19 @@ a write in flight reserves its chunk files, its journal records and, for a size
 class not seen yet, a segment document; and every stored tensor (and journaled
 session) keeps a *standing* reservation for the records still to come: its delete
 records, and its records' copy in the snapshot a compaction writes next to the old
-journal before dropping it. So ``used + reserved <= disk_quota`` holds at every
-moment, and the directory is at most ``used + reserved``. Dead records count until
-a compaction drops them; when they are what fills the quota, a refused write first
-compacts both journals (``DiskTier.compact``, at most once a second).
+journal before dropping it. A record is counted once: by the reservation that covers
+it until that ends (then the journals' size counts it). So ``used + reserved <=
+disk_quota`` holds at every moment, the directory is at most ``used + reserved``,
+and when no store call is running *used* is exactly what it holds.
+Dead records count until a compaction drops them; when they are what fills the
+quota, a refused write first compacts both journals (``DiskTier.compact``, at most
+once a second).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -67,13 +72,13 @@ _MIN_CHUNK_BYTES = 4 << 10
 _CHUNK_CRC_BYTES = 4
 _SEGMENT_DOC_BYTES = 2048
 """Bound on a new size class's ``seg-CHUNK/zarr.json`` (about 530 bytes measured)."""
-_RECORD_SLACK_BYTES = 64
-"""Added to each computed record bound (a field the disk index may add)."""
+_RECORD_SLACK_BYTES = 16
+"""Added to each computed record bound (a small field the disk index may add)."""
 _SNAPSHOT_HEADER_BYTES = 64
 _BIG = (1 << 64) - 1  # the widest msgpack integer: bounds never undercount
 _DISK_KEY = "f" * 16  # the disk index's keys are hex counters
-_DAEMON_KEY = "k:" + "x" * 64  # "k:" + protocol.MAX_KEY_LEN characters
-_SESSION = "x" * 64  # protocol._SESSION_RE: at most 64 characters
+_DAEMON_KEY = "k:" + "x" * 22  # the daemon's keys: secrets.token_urlsafe(16)
+_SESSION = "x" * 32  # session ids: secrets.token_urlsafe(24)
 _JOURNAL_DIRS = (f"{DISK_NAMESPACE}/index", f"{DISK_NAMESPACE}/sessions")
 _JOURNAL_FILES = ("journal", "snapshot", "snapshot.tmp")
 
@@ -92,9 +97,12 @@ def chunk_layout(n: int, chunk_bytes: int) -> tuple[int, int]:
     """``(size class, chunk count)`` of an ``n``-byte payload in a ZarrStore with
     ``chunk_bytes`` chunks: whole chunks of the largest size class whose padding is
     at most 1/8 (NOTE [ Segment layout ] in ``_zarr_store.py``)."""
+    return _layout(n, _classes(chunk_bytes))
+
+
+def _layout(n: int, classes: list[int]) -> tuple[int, int]:
     if n == 0:
         return 0, 0
-    classes = _classes(chunk_bytes)
     for c in classes:
         if c > n and c != classes[-1]:
             continue
@@ -112,7 +120,7 @@ def chunk_footprint(n: int, chunk_bytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DiskCharge:
-    """What one tensor reserves on the disk tier (NOTE [ Exact disk quota ])."""
+    """What one tensor reserves on the disk tier (bounds: NOTE [ Exact disk quota ])."""
 
     chunk_class: int
     """Its chunks' size class (0 for an empty payload)."""
@@ -120,8 +128,15 @@ class DiskCharge:
     """Its chunk files' bytes (chunks + crc32c each)."""
     records: int
     """Its put records, in the disk index and the session journal."""
-    standing: int
-    """Kept while it is stored: its delete records + its records' copy in a snapshot."""
+    index_del: int
+    """Its delete record in the disk index."""
+    session_del: int
+    """Its delete record in the session journal."""
+
+    @property
+    def standing(self) -> int:
+        """Kept while it is stored: its delete records + its records' copy in a snapshot."""
+        return self.index_del + self.session_del + self.records
 
     @property
     def write(self) -> int:
@@ -133,14 +148,41 @@ def _bound(record: list[object]) -> int:
     return len(frame(record)) + _RECORD_SLACK_BYTES
 
 
+_CRC_BIN_HEADER = 5  # msgpack bin 32 header of the chunk checksums
+_SESSION_KEY_PUT = _bound(["put", _DAEMON_KEY, {"s": _SESSION, "d": _DISK_KEY, "n": _BIG}])
+
+
+@functools.lru_cache(maxsize=256)
+def _index_put_base(dtype: str, device: str, framework: str, ndim: int) -> int:
+    """Bound on a disk-index put record without its chunk checksums: the tensor's own
+    strings, every integer at its widest (computed once per kind of tensor, so a
+    charge is arithmetic)."""
+    meta = {
+        "dtype": dtype,
+        "storage_dtype": "x" * 8,
+        "shape": [_BIG] * ndim,
+        "stride": [_BIG] * ndim,
+        "storage_offset": _BIG,
+        "compact": False,
+        "device": device,
+        "requires_grad": False,
+        "nbytes": _BIG,
+        **({} if framework == "torch" else {"framework": framework}),
+    }
+    entry = {"seg": _BIG, "start": _BIG, "count": _BIG, "crc": b"", "meta": meta}
+    return _bound(["put", _DISK_KEY, entry]) + _CRC_BIN_HEADER
+
+
 class DiskCosts:
     """Disk-side costs of one disk tier: per tensor, per session, and the root's files."""
 
     def __init__(self, disk: ZarrStore | None) -> None:
         self.chunk_bytes: int = disk.chunk_bytes if disk is not None else 8 << 20
+        self._size_classes = _classes(self.chunk_bytes)
         kind, location = split_url(disk.url) if disk is not None else ("", "")
         self.local_root = location if kind == "local" else None
-        self._del_bytes = _bound(["del", _DISK_KEY, None]) + _bound(["del", _DAEMON_KEY, None])
+        self._index_del = _bound(["del", _DISK_KEY, None])
+        self._session_del = _bound(["del", _DAEMON_KEY, None])
         session_put = _bound(["put", "s:" + _SESSION, {"created": 1e300}])
         self.session_standing = session_put + _bound(["del", "s:" + _SESSION, None])
         """A journaled session's own record: its delete + its copy in a snapshot."""
@@ -154,27 +196,16 @@ class DiskCosts:
 
     def charge(self, meta: TensorMeta) -> DiskCharge:
         """What the tensor described by ``meta`` reserves on the disk tier."""
-        chunk, count = chunk_layout(meta.nbytes, self.chunk_bytes)
-        index_put = _bound(
-            [
-                "put",
-                _DISK_KEY,
-                {
-                    "seg": _BIG,
-                    "start": _BIG,
-                    "count": _BIG,
-                    "crc": bytes(_CHUNK_CRC_BYTES * count),
-                    "meta": meta.to_dict(),
-                },
-            ]
-        )
-        session_put = _bound(["put", _DAEMON_KEY, {"s": _SESSION, "d": _DISK_KEY, "n": _BIG}])
-        records = index_put + session_put
+        chunk, count = _layout(meta.nbytes, self._size_classes)
+        base = _index_put_base(meta.dtype, meta.device, meta.framework, len(meta.shape))
+        index_put = base + _CHUNK_CRC_BYTES * count
+        records = index_put + _SESSION_KEY_PUT
         return DiskCharge(
             chunk_class=chunk,
             files=count * (chunk + _CHUNK_CRC_BYTES),
             records=records,
-            standing=self._del_bytes + records,
+            index_del=self._index_del,
+            session_del=self._session_del,
         )
 
     @property

@@ -69,6 +69,8 @@ class DiskReservation:
     charge: DiskCharge
     extra: int
     """A session record and a segment document that may come with it."""
+    records: int
+    """Journal records it covers (taken off the measured journal size meanwhile)."""
     probe: bool = False
     """The first write after a failure's back-off (NOTE [ Disk failures ], rule 2)."""
     active: bool = True
@@ -76,6 +78,18 @@ class DiskReservation:
     @property
     def nbytes(self) -> int:
         return self.charge.write + self.extra
+
+
+@dataclass(frozen=True, slots=True)
+class _Doomed:
+    """A disk-tier tensor on its way out: what it still holds until its delete ends."""
+
+    disk_key: str
+    files: int
+    index_del: int
+    """Its index delete record (written by the delete)."""
+    records: int
+    """Its put records (in the disk index until the delete; a compaction may copy them)."""
 
 
 class _Health:
@@ -156,7 +170,12 @@ class DiskTier:
         self.docs = 0
         self._classes: set[int] = set()
         self.entries = 0
-        self._pending: list[tuple[str, int, int]] = []  # (disk key, files, standing)
+        # The journals' size (NOTE [ Exact disk quota ]): measured whenever no store
+        # call runs on the pool, plus the bound of each record written since.
+        self._io_running = 0
+        self._journals_measured = self.costs.journal_bytes()
+        self._journals_since = 0
+        self._pending: list[_Doomed] = []
         self._delete_task: asyncio.Task[None] | None = None
         self.write_failures = 0
         self.compactions = 0
@@ -172,14 +191,37 @@ class DiskTier:
         """Re-walk the root's other files (start, and after a new segment)."""
         self.docs, self._classes = self.costs.other_files()
 
+    def _journals(self) -> int:
+        """The journals' size: measured if no store call is running (then exact), else
+        the last measure plus the bound of every record written since (then at least
+        what they hold, not counting a compaction's snapshot: a standing reservation
+        covers that)."""
+        if self._io_running == 0:
+            self._journals_measured = self.costs.journal_bytes()
+            self._journals_since = 0
+        return self._journals_measured + self._journals_since
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the pool: a store call that may append to the journals."""
+        self._io_running += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._io_running -= 1
+
     @property
     def used(self) -> int:
-        """Bytes the directory holds (NOTE [ Exact disk quota ]): measured now."""
-        return self.files + self.costs.journal_bytes() + self.docs
+        """Bytes the directory holds (NOTE [ Exact disk quota ]), measured now; exact
+        when nothing is in flight."""
+        return self.files + self._journals() + self.docs
+
+    @property
+    def reservations(self) -> int:
+        return self.reserved + self.standing + self.costs.snapshot_headers
 
     def held(self) -> int:
         """``used + reserved``: what counts against the quota now."""
-        return self.used + self.reserved + self.standing + self.costs.snapshot_headers
+        return self.used + self.reservations
 
     def charge(self, meta: TensorMeta) -> DiskCharge:
         return self.costs.charge(meta)
@@ -194,7 +236,8 @@ class DiskTier:
         """Room for one write, or None (no room, or the tier takes no writes now)."""
         if not self.writable():
             return None
-        res = DiskReservation(charge, self._extra(charge, new_session))
+        records = charge.records + (self.costs.session_record if new_session else 0)
+        res = DiskReservation(charge, self._extra(charge, new_session), records)
         if self.held() + res.nbytes > self.quota:
             return None
         self.reserved += res.nbytes
@@ -243,9 +286,8 @@ class DiskTier:
     async def write(self, res: DiskReservation, meta: TensorMeta, buf: np.ndarray) -> str:
         """Write one payload under ``res``; returns its disk key (not journaled yet:
         :meth:`commit` or :meth:`abandon` follows). Raises DiskFailure (``res`` released)."""
-        loop = asyncio.get_running_loop()
         try:
-            dk: str = await loop.run_in_executor(self._pool, self.store.put_blob, meta, buf)
+            dk: str = await self._run(self.store.put_blob, meta, buf)
         except Exception as exc:
             self.release(res)
             self._failed(exc, f"writing {format_bytes(meta.nbytes)}")
@@ -264,6 +306,7 @@ class DiskTier:
         assert res.active
         res.active = False
         self.reserved -= res.nbytes
+        self._journals_since += res.records
         self.standing += res.charge.standing
         self.entries += 1
         self._health.succeeded()
@@ -278,10 +321,13 @@ class DiskTier:
         self._discard(dk, res)
 
     def _discard(self, dk: str, res: DiskReservation) -> None:
-        standing = res.charge.standing
-        self.standing += standing  # its delete record is still to come
+        # Never journaled by the session table, but in the disk index until deleted:
+        # its index delete is still to come, and a compaction may copy its record.
+        charge = res.charge
+        self.standing += charge.index_del + charge.records
+        self._journals_since += charge.records  # its index record is written
         self.release(res)
-        self._queue_delete(dk, res.charge.files, standing)
+        self._queue_delete(_Doomed(dk, charge.files, charge.index_del, charge.records))
 
     def _failed(self, exc: BaseException, what: str) -> None:
         self.write_failures += 1
@@ -296,8 +342,10 @@ class DiskTier:
         self.standing += self.costs.session_standing
 
     def session_ended(self) -> None:
-        """A journaled session ended: its record's standing reservation is spent."""
+        """A journaled session ended (its delete record is written): its standing
+        reservation is spent."""
         self.standing -= self.costs.session_standing
+        self._journals_since += self.costs.session_standing - self.costs.session_record
 
     def restore(self, meta: TensorMeta) -> None:
         """Count a disk-tier tensor re-adopted after a restart."""
@@ -345,8 +393,12 @@ class DiskTier:
 
     # ------------------------------------------------------------------ frees
     def free(self, e: Entry) -> None:
-        """Delete ``e``'s disk-tier tensor (after its last streamed answer)."""
+        """Delete ``e``'s disk-tier tensor (after its last streamed answer). Its session
+        journal's delete record is written: that part of its standing is spent."""
+        session_del = self.costs.charge(e.meta).session_del
         self.entries -= 1
+        self.standing -= session_del
+        self._journals_since += session_del
         if e.readers == 0 and e.disk_key is not None:
             self._free_now(e)
 
@@ -354,30 +406,28 @@ class DiskTier:
         assert e.disk_key is not None
         charge = self.costs.charge(e.meta)
         dk, e.disk_key = e.disk_key, None
-        self._queue_delete(dk, charge.files, charge.standing)
+        self._queue_delete(_Doomed(dk, charge.files, charge.index_del, charge.records))
         self._health.room_freed()
 
-    def _queue_delete(self, dk: str, files: int, standing: int) -> None:
+    def _queue_delete(self, doomed: _Doomed) -> None:
         # Batched: one executor call per burst of frees (a session end frees thousands).
-        self._pending.append((dk, files, standing))
+        self._pending.append(doomed)
         if self._delete_task is None or self._delete_task.done():
             self._delete_task = asyncio.get_running_loop().create_task(self._flush_deletes())
 
     async def _flush_deletes(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                await loop.run_in_executor(
-                    self._pool, self.store.delete_many, [dk for dk, _, _ in batch]
-                )
+                await self._run(self.store.delete_many, [d.disk_key for d in batch])
             except Exception as exc:
                 # Leftovers are unreferenced by the journal, so the next start collects them.
                 log.warning("deleting %d disk-tier tensors failed: %s", len(batch), exc)
-            self.files -= sum(f for _, f, _ in batch)
-            freed = sum(s for _, _, s in batch)
-            self.standing -= freed
-            self.dead += freed
+            for d in batch:
+                self.files -= d.files
+                self.standing -= d.index_del + d.records
+                self._journals_since += d.index_del
+                self.dead += d.index_del + d.records
 
     def worth_compacting(self) -> bool:
         """True when the journals hold enough records of deleted tensors that a
@@ -391,9 +441,8 @@ class DiskTier:
         self._compacted_at = time.monotonic()
         self.compactions += 1
         self.compact_sessions()
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._pool, self.store.compact_index)
+            await self._run(self.store.compact_index)
         except TensorStoreError as exc:
             log.warning("compacting the disk tier's index failed: %s", exc)
             return
@@ -409,12 +458,12 @@ class DiskTier:
 
     # ---------------------------------------------------------------- report
     def snapshot(self) -> dict[str, Any]:
-        journals = self.costs.journal_bytes()
+        journals = self._journals()
         return {
             "enabled": True,
             "used": self.files + journals + self.docs,
             "metadata": journals + self.docs,
-            "reserved": self.reserved + self.standing + self.costs.snapshot_headers,
+            "reserved": self.reservations,
             "quota": self.quota,
             "tensors": self.entries,
             "writable": self.refusal() is None,
