@@ -47,6 +47,7 @@ from ._policy import (
 )
 from ._units import Duration, OptSize, Size, check_size
 from ._urls import BadURLError
+from ._yaml_config import LineOf, format_validation_error, line_finder, read_yaml
 from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec, parse_direct_io
 from .errors import ConfigError
 
@@ -420,178 +421,6 @@ class _ConfigModel(_Model):
         )
 
 
-# ---------------------------------------------------------------------------------------
-# Error messages
-# ---------------------------------------------------------------------------------------
-
-
-def _path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that holds the field at ``loc`` (for 'allowed keys' hints)."""
-    model: type[BaseModel] | None = root
-    for part in loc:
-        if model is None:
-            return None
-        if isinstance(part, int):
-            continue
-        info = model.model_fields.get(part)
-        if info is None:
-            return None
-        ann = info.annotation
-        args = getattr(ann, "__args__", ())
-        candidates = [ann, *args]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-    return model
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> str:
-    kind, loc, msg = err["type"], tuple(err["loc"]), str(err["msg"])
-    if kind == "extra_forbidden":
-        parent = _model_at(root, loc[:-1])
-        allowed = ", ".join(parent.model_fields) if parent is not None else "?"
-        return f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
-    if kind == "missing":
-        return "required field is missing"
-    if kind == "value_error":
-        msg = str(err.get("ctx", {}).get("error", msg))
-    elif kind in ("model_type", "dict_type"):
-        msg = "expected a mapping of key: value"
-    elif kind == "literal_error":
-        msg = f"expected one of {err.get('ctx', {}).get('expected', msg)}"
-    elif msg.startswith("Input should be "):
-        rest = msg.removeprefix("Input should be ")
-        # "greater than or equal to 1" reads as a value bound, not a type.
-        msg = f"expected {'a value ' if rest.startswith(('greater', 'less')) else ''}{rest}"
-    else:
-        msg = msg[0].lower() + msg[1:] if msg else msg
-    return f"{msg}; got {_short(err.get('input'))}"
-
-
-def format_validation_error(
-    error: _PydanticValidationError,
-    *,
-    source: str,
-    root: type[BaseModel],
-    prefix: tuple[int | str, ...] = (),
-    line_of: Any = None,
-) -> str:
-    """One line per problem: ``SOURCE[:LINE]: FIELD.PATH: what is wrong; got VALUE``.
-
-    ``line_of(loc) -> int | None`` maps a field location to a 1-based YAML line.
-    """
-    lines = []
-    for err in error.errors(include_url=False):
-        loc = tuple(err["loc"])
-        where = source
-        line = line_of(loc) if line_of is not None else None
-        if line is not None:
-            where = f"{source}:{line}"
-        path = _path(prefix + loc) or "(top level)"
-        lines.append(f"{where}: {path}: {_describe(err, root)}")
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} problems in {source}:\n  " + "\n  ".join(lines)
-
-
-# ---------------------------------------------------------------------------------------
-# YAML loading
-# ---------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, yaml.Node] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, list | dict):
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a mapping key must be a scalar", key_node.start_mark
-                )
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen[key] = key_node
-        return super().construct_mapping(node, deep=deep)
-
-
-def _line_finder(root: yaml.Node | None) -> Any:
-    """``loc -> 1-based line`` of the deepest YAML node along the pydantic location."""
-
-    def line_of(loc: tuple[int | str, ...]) -> int | None:
-        node = root
-        if node is None:
-            return None
-        for i, part in enumerate(loc):
-            nxt: yaml.Node | None = None
-            if isinstance(node, yaml.MappingNode):
-                for key_node, value_node in node.value:
-                    if getattr(key_node, "value", None) == part:
-                        # The field itself is reported at its key; containers at their value.
-                        nxt = key_node if i == len(loc) - 1 else value_node
-                        break
-            elif (
-                isinstance(node, yaml.SequenceNode)
-                and isinstance(part, int)
-                and 0 <= part < len(node.value)
-            ):
-                nxt = node.value[part]
-            if nxt is None:
-                break
-            node = nxt
-        return int(node.start_mark.line) + 1
-
-    return line_of
-
-
-def _read_yaml(path: str) -> tuple[Any, yaml.Node | None]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"{path}: config file not found (cwd {os.getcwd()}); check the path"
-        ) from e
-    except IsADirectoryError as e:
-        raise ConfigError(f"{path}: is a directory, expected a YAML config file") from e
-    except PermissionError as e:
-        raise ConfigError(f"{path}: cannot read config file: permission denied") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: config file is not UTF-8 text ({e.reason})") from e
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        data = None if node is None else loader.construct_document(node)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
-        problem = " ".join(p for p in (e.context, e.problem) if p)
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML error: {e}") from e
-    finally:
-        loader.dispose()
-    return data, node
-
-
 _SECTIONS_HELP = "a mapping with the optional sections store, pipeline, policy"
 
 
@@ -605,14 +434,14 @@ def load_config(path: str | os.PathLike[str]) -> EffectiveConfig:
     if not isinstance(path, str | os.PathLike):
         raise ConfigError(f"load_config: expected a file path, got {type(path).__name__}")
     source = os.fspath(path)
-    data, node = _read_yaml(source)
+    data, node = read_yaml(source)
     if data is None:
         raise ConfigError(f"{source}: config file is empty; expected {_SECTIONS_HELP}")
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}:1: top level must be {_SECTIONS_HELP}, got a {type(data).__name__}"
         )
-    return _validate(data, source=source, line_of=_line_finder(node), file=source)
+    return _validate(data, source=source, line_of=line_finder(node), file=source)
 
 
 def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> EffectiveConfig:
@@ -622,7 +451,9 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> Effe
     return _validate(_plain(data), source=source, line_of=None, file=None)
 
 
-def _validate(data: Any, *, source: str, line_of: Any, file: str | None) -> EffectiveConfig:
+def _validate(
+    data: Any, *, source: str, line_of: LineOf | None, file: str | None
+) -> EffectiveConfig:
     try:
         model = _ConfigModel.model_validate(data)
     except _PydanticValidationError as e:

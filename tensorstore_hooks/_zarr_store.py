@@ -523,8 +523,30 @@ class ZarrStore(BlobStore):
         if not entry.count:
             return entry.meta, np.empty(n, dtype=np.uint8)
         out, region = self._pool.lend(n)
-        self._read_into(key, entry, region)
+        self._read_into(key, entry, region, n, 0, entry.count)
         return entry.meta, out
+
+    def chunk_class(self, key: str) -> int:
+        """The chunk size of ``key``'s run (0 for an empty payload): the unit of
+        :meth:`read_range`."""
+        return self._entry(key).chunk
+
+    def read_range(self, key: str, start: int, length: int) -> np.ndarray:
+        """Bytes ``[start, start + length)`` of ``key``'s payload, each whole chunk read
+        verified, in an array like :meth:`get_blob`'s (a streamed answer holds one
+        piece at a time). ``start`` must be a multiple of :meth:`chunk_class`, and the
+        range must end at a chunk boundary or at the payload's end. Errors as
+        :meth:`get_blob`."""
+        entry = self._entry(key)
+        chunk, n = entry.chunk, entry.meta.nbytes
+        end = start + length
+        if length == 0:
+            return np.empty(0, dtype=np.uint8)
+        if start < 0 or start % chunk or end > n or (end != n and length % chunk):
+            raise ValueError(f"read_range: [{start}, {end}) is not a run of whole chunks")
+        out, region = self._pool.lend(length)
+        self._read_into(key, entry, region, length, start // chunk, -(-end // chunk))
+        return out
 
     def get_into(self, key: str, buffer: Any) -> TensorMeta:
         """Read ``key``'s payload into the first ``nbytes`` of ``buffer`` and return its
@@ -541,16 +563,18 @@ class ZarrStore(BlobStore):
         n = entry.meta.nbytes
         region = _aligned_region(buffer, n, "get_into")
         if entry.count:
-            self._read_into(key, entry, region)
+            self._read_into(key, entry, region, n, 0, entry.count)
         return entry.meta
 
-    def _read_into(self, key: str, entry: _Entry, region: memoryview) -> None:
-        paths = self._run_paths(entry.run)
+    def _read_into(
+        self, key: str, entry: _Entry, region: memoryview, n: int, first: int, last: int
+    ) -> None:
+        """Chunks ``[first, last)`` of ``key``'s run (``n`` payload bytes) into ``region``."""
+        paths = self._run_paths(entry.run)[first:last]
+        crcs = entry.crc[4 * first : 4 * last]
         what = f"ZarrStore({self._url}): key {key!r}"
         try:
-            self._codec.read(
-                self._io, paths, region, entry.meta.nbytes, entry.chunk, entry.crc, what
-            )
+            self._codec.read(self._io, paths, region, n, entry.chunk, crcs, what)
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
@@ -602,13 +626,27 @@ class ZarrStore(BlobStore):
         if not self._log.needs_compaction(len(self._index)):
             return
         try:
-            self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
-            last = format(self._next_key - 1, "x")
-            if self._next_key and last not in self._index:
-                self._log.record_delete(last)  # keeps the key high-water mark in the journal
+            self._compact()
         except TensorStoreError as e:
             # The journal is untouched and still the truth; try again at the next delete.
             log.warning("ZarrStore(%s): compacting the index failed: %s", self._url, e)
+
+    def _compact(self) -> None:
+        self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
+        last = format(self._next_key - 1, "x")
+        if self._next_key and last not in self._index:
+            self._log.record_delete(last)  # keeps the key high-water mark in the journal
+
+    def compact_index(self) -> None:
+        """Rewrite the index as a snapshot of the live keys now, however short the
+        journal (for a caller that counts the journal's bytes against a quota).
+
+        Raises a TensorStoreError if the snapshot cannot be written; the journal is
+        then untouched and still the truth.
+        """
+        with self._lock:
+            self._check_open()
+            self._compact()
 
     # ------------------------------------------------------------- inventory
     def keys(self) -> Iterator[str]:
