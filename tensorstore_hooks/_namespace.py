@@ -195,10 +195,15 @@ class NamespaceIndex:
             self._entries[key] = entry
             self._nbytes += entry.meta.nbytes
 
-    def cancel(self, run: Run) -> None:
-        """A reserved run whose write failed (its files deleted): free for reuse."""
+    def cancel(self, run: Run, *, uncertain: bool = False) -> None:
+        """A reserved run whose write failed (its files deleted): free for reuse, or
+        never handed out again if a request on it may still land (``uncertain``:
+        NOTE [ Requests that land late ] in ``_zarr_store.py``)."""
         with self._lock:
-            self._alloc.cancel(run)
+            if uncertain:
+                self._alloc.abandon(run)
+            else:
+                self._alloc.cancel(run)
 
     # ------------------------------------------------------------------- reads
     def entry(self, key: str) -> Entry:
@@ -272,13 +277,23 @@ class NamespaceIndex:
         if not self.log.needs_compaction(len(self._entries)):
             return
         try:
-            self.log.snapshot({k: e.to_record() for k, e in self._entries.items()})
-            last = format(self._next_key - 1, "x")
-            if self._next_key and last not in self._entries:
-                self.log.record_delete(last)  # keeps the key high-water mark in the journal
+            self._compact()
         except TensorStoreError as e:
             # The journal is untouched and still the truth; try again at the next delete.
             log.warning("ZarrStore(%s): compacting the index failed: %s", self._url, e)
+
+    def _compact(self) -> None:
+        self.log.snapshot({k: e.to_record() for k, e in self._entries.items()})
+        last = format(self._next_key - 1, "x")
+        if self._next_key and last not in self._entries:
+            self.log.record_delete(last)  # keeps the key high-water mark in the journal
+
+    def compact_index(self) -> None:
+        """Rewrite the index as a snapshot of the live keys now (see
+        ``ZarrStore.compact_index``)."""
+        with self._lock:
+            self.check_open()
+            self._compact()
 
     # --------------------------------------------------------------- lifecycle
     def flush(self) -> None:

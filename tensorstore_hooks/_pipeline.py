@@ -91,6 +91,7 @@ class Pipeline:
             stats=stats,
             read_deadline_s=settings.read_deadline_s,
         )
+        _wire_direct_io(self, store, owns_store)
         # Sets both windows now and after every forward (NOTE [ Windows ]).
         budget = BudgetControl.for_pipeline(policy, settings, self.writer, self.prefetcher, stats)
         self.router = Router(
@@ -176,6 +177,21 @@ class Pipeline:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _wire_direct_io(pipeline: Pipeline, store: TensorStore, owns_store: bool) -> None:
+    """``stats.direct_io`` says how the store moves chunk files; a store the pipeline
+    owns keeps at most ``max(prefetch window, its default)`` idle aligned read buffers
+    (NOTE [ Aligned buffers ] rule 4: the window's memory, parked between backward
+    passes and reused by the next one)."""
+    status = getattr(store, "direct_io", None)
+    describe = getattr(status, "describe", None)
+    if callable(describe):
+        pipeline.stats.direct_io = str(describe())
+    resize = getattr(store, "set_buffer_pool_bytes", None)
+    if owns_store and callable(resize):
+        floor = store.buffers.idle_limit_bytes  # type: ignore[attr-defined]
+        pipeline.prefetcher.on_window = lambda window: resize(max(window, floor))
 
 
 def _bump(stats: OffloadStats, name: str) -> None:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["OffloadStats", "RouteStats"]
+__all__ = ["OffloadStats", "RouteStats", "count_transfer"]
 
 
 @dataclass(slots=True)
@@ -38,7 +39,7 @@ class RouteStats:
 
 
 # Fields that are levels or high-water marks, not counts: a delta keeps the later value.
-_LEVELS = frozenset({"held_bytes", "peak_held_bytes", "peak_host_tier_bytes"})
+_LEVELS = frozenset({"held_bytes", "peak_held_bytes", "peak_host_tier_bytes", "direct_io"})
 
 
 @dataclass(slots=True)
@@ -83,6 +84,16 @@ class OffloadStats:
     """Time writer threads spent writing to the store (summed over threads)."""
     read_s: float = 0.0
     """Time spent reading from the store (summed over reader threads)."""
+    direct_io: str = ""
+    """How the Zarr store moves chunk files: ``"on"`` (``O_DIRECT``: offloaded bytes
+    skip the page cache), ``"off (why)"`` (e.g. tmpfs, ``direct_io="off"``, not a
+    local directory), or ``""`` for a store of another kind (NOTE [ Direct I/O ])."""
+    bytes_direct: int = 0
+    """Of ``bytes_written`` + ``bytes_read``: bytes moved with ``O_DIRECT``."""
+    bytes_buffered: int = 0
+    """Of ``bytes_written`` + ``bytes_read``: bytes a Zarr store moved without
+    ``O_DIRECT`` (through the page cache, or to memory or an object store; on a direct
+    store: size classes under 256 KiB and compressed stores)."""
     held_bytes: int = 0
     """Bytes of offloaded tensors the pipeline holds in memory right now: waiting to
     be written, or read ahead and not yet unpacked."""
@@ -157,7 +168,7 @@ class OffloadStats:
         """
         for f in dataclasses.fields(self):
             name = f.name
-            if name == "held_bytes":
+            if name in ("held_bytes", "direct_io"):
                 continue
             if name == "peak_held_bytes":
                 self.peak_held_bytes = self.held_bytes
@@ -193,6 +204,12 @@ class OffloadStats:
             f"read {b(self.bytes_read)} in {self.read_s:.3f}s{rate(self.bytes_read, self.read_s)}; "
             f"stalls pack {self.pack_stall_s:.3f}s unpack {self.unpack_stall_s:.3f}s; "
             f"peak held {b(self.peak_held_bytes)}"
+            + (
+                f"; direct I/O {self.direct_io}: {b(self.bytes_direct)} direct, "
+                f"{b(self.bytes_buffered)} buffered"
+                if self.direct_io
+                else ""
+            )
             + (f"; device_budget replans {self.replans}" if self.replans else "")
             + (
                 f"; host tier peak {b(self.peak_host_tier_bytes)}, spilled "
@@ -201,3 +218,20 @@ class OffloadStats:
                 else ""
             )
         )
+
+
+def count_transfer(stats: OffloadStats, store: Any, key: str, nbytes: int) -> None:
+    """Count ``nbytes`` of ``key`` moved to or from ``store`` as ``bytes_direct`` or
+    ``bytes_buffered`` (stores without ``moves_direct`` count neither). The caller
+    holds its lock on ``stats``."""
+    moves = getattr(store, "moves_direct", None)
+    if moves is None:
+        return
+    try:
+        direct = bool(moves(key))
+    except Exception:  # the key was deleted meanwhile: nothing to count
+        return
+    if direct:
+        stats.bytes_direct += nbytes
+    else:
+        stats.bytes_buffered += nbytes

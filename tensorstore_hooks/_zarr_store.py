@@ -72,6 +72,18 @@ it just freed: keeping old spares of sizes no longer used would turn every later
 put into a create), and ``close()`` unlinks them all. Spare chunks are in
 no index entry, so no reader (ours or plain zarr through the index) takes their stale
 bytes for a key's; a read racing its key's delete raises ``KeyNotFoundError``.
+
+NOTE [ Requests that land late ]
+An object store may apply a request after the client gave up on it: measured with
+SeaweedFS, a PUT that timed out while its volume server was down was written by the
+S3 gateway once the volume server came back, over the chunk object of a key written
+since. So a chunk run with a write or delete whose outcome is unknown (an attempt
+that failed with a timeout, a dropped connection, an error: ``ChunkIO.take_uncertain``)
+is never handed out again by this store object: a failed put abandons its run, a
+delete that failed keeps its run out of the free list. The objects are orphans, at
+most a few per outage, and go with the namespace. (The checksums bound to each
+chunk's key and position would catch such an overwrite as an ``IntegrityError``;
+this keeps it from happening.)
 """
 
 from __future__ import annotations
@@ -89,7 +101,7 @@ from typing import Any
 
 import numpy as np
 
-from ._aligned import BLOCK_BYTES, BufferPool, PoolStats, address_of, round_up
+from ._aligned import BufferPool, PoolStats
 from ._allocator import Run
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, DirectIOStatus, FsspecIO, LocalIO, MemoryIO
@@ -109,10 +121,10 @@ from ._zarr_options import (
     parse_codec,
     parse_direct_io,
 )
+from ._zarr_reads import KeyReader, TransferCounter, TransferCounts, aligned_region
 from .errors import (
     ConfigError,
     IntegrityError,
-    KeyNotFoundError,
     QuotaExceededError,
     StoreClosedError,
     StoreUnavailableError,
@@ -259,6 +271,10 @@ class ZarrStore(BlobStore):
         self._unlock: Callable[[], None] | None = None
         self._direct = DirectIOStatus(False, direct_mode, "not configured")
         self._ns = NamespaceIndex(self._io, self._url, self.namespace, chunk, spare_limit=spare)
+        self._counter = TransferCounter()
+        self._reads = KeyReader(
+            self._ns, self._codec, self._io, self._pool, self._url, self._counter
+        )
         self._ns.closed = True  # until fully constructed: close() must be safe on failure
         try:
             self._unlock = _lock_namespace(self._io, self.namespace)
@@ -316,7 +332,7 @@ class ZarrStore(BlobStore):
         written).
         """
         n = meta.nbytes
-        region = _aligned_region(buffer, n, "put_aligned")
+        region = aligned_region(buffer, n, "put_aligned")
         return self._put(
             meta,
             lambda paths, chunk: (
@@ -343,13 +359,15 @@ class ZarrStore(BlobStore):
             if isinstance(e, StoreClosedError):
                 raise
             raise self._put_error(key, e) from e
+        self._counter.add(meta.nbytes, direct=self._codec.moves_direct(self._io, chunk), read=False)
         return key
 
     def _undo_put(self, run: Run, paths: list[str]) -> None:
-        """A put that failed: delete what it wrote (give the space back), free its run."""
+        """A put that failed: delete what it wrote (give the space back), free its run
+        unless a request on it may still land (NOTE [ Requests that land late ])."""
         with contextlib.suppress(Exception):
             self._io.delete(paths)
-        self._ns.cancel(run)
+        self._ns.cancel(run, uncertain=self._io.take_uncertain(paths))
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
         err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
@@ -363,7 +381,10 @@ class ZarrStore(BlobStore):
             return
         with contextlib.suppress(Exception):
             self._io.delete([p for run in runs for p in self._ns.run_paths(run)])
-        self._ns.release(runs)
+        # NOTE [ Requests that land late ]: a run with an uncertain request stays out.
+        self._ns.release(
+            [run for run in runs if not self._io.take_uncertain(self._ns.run_paths(run))]
+        )
 
     # ------------------------------------------------------------------- gets
     def meta(self, key: str) -> TensorMeta:
@@ -375,15 +396,20 @@ class ZarrStore(BlobStore):
         stored from aligned memory): from :data:`~tensorstore_hooks._aligned.POOL_MIN_BYTES`
         up, a pooled buffer that goes back to the pool when the array and everything
         made from it (a tensor's storage) are gone (NOTE [ Aligned buffers ])."""
-        entry = self._ns.entry(key)
-        n = entry.meta.nbytes
-        if not entry.count:
-            return entry.meta, np.empty(n, dtype=np.uint8)
-        out, region = self._pool.lend(n, entry.rot)
-        self._read_into(key, entry, region)
-        if entry.rot:  # the payload's first bytes were stored last (NOTE [ Chunk objects ])
-            out[: entry.rot] = region[n - entry.rot : n]
-        return entry.meta, out
+        return self._reads.blob(key)
+
+    def chunk_class(self, key: str) -> int:
+        """The chunk size of ``key``'s run (0 for an empty payload): the unit of
+        :meth:`read_range`."""
+        return self._ns.entry(key).chunk
+
+    def read_range(self, key: str, start: int, length: int) -> np.ndarray:
+        """Bytes ``[start, start + length)`` of ``key``'s payload, each whole chunk read
+        verified, in an array like :meth:`get_blob`'s (a streamed answer holds one
+        piece at a time). ``start`` must be a multiple of :meth:`chunk_class`, and the
+        range must end at a chunk boundary or at the payload's end. Errors as
+        :meth:`get_blob`."""
+        return self._reads.range(key, start, length)
 
     def get_into(self, key: str, buffer: Any) -> TensorMeta:
         """Read ``key``'s payload into the first ``nbytes`` of ``buffer`` and return its
@@ -397,36 +423,7 @@ class ZarrStore(BlobStore):
         Raises :class:`ConfigError` for a buffer that is misaligned, short or read-only
         (nothing is read), and what :meth:`get_blob` raises.
         """
-        entry = self._ns.entry(key)
-        n = entry.meta.nbytes
-        region = _aligned_region(buffer, n, "get_into")
-        if entry.rot:
-            _, out = self.get_blob(key)
-            region[:n] = out.data
-        elif entry.count:
-            self._read_into(key, entry, region)
-        return entry.meta
-
-    def _read_into(self, key: str, entry: Entry, region: memoryview) -> None:
-        """The stored stream of ``entry`` into ``region`` (aligned), verified."""
-        paths = self._ns.run_paths(entry.run)
-        what = f"ZarrStore({self._url}): key {key!r}"
-        try:
-            self._codec.read(
-                self._io, paths, region, entry.meta.nbytes, entry.chunk, entry.crc, what
-            )
-        except Exception as e:
-            err = self._missing(key) if key not in self._ns else _read_failure(what, e)
-            if err is e:
-                raise
-            raise err from e
-        # A key deleted while being read may have had its chunks rewritten as spares;
-        # the bound checksums catch that, and so does this.
-        if key not in self._ns:
-            raise self._missing(key)
-
-    def _missing(self, key: str) -> KeyNotFoundError:
-        return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")
+        return self._reads.into(key, buffer)
 
     # ---------------------------------------------------------------- deletes
     def delete(self, key: str) -> None:
@@ -434,6 +431,15 @@ class ZarrStore(BlobStore):
 
     def delete_many(self, keys: Any) -> None:
         self._unlink(self._ns.forget(keys, missing_ok=True))
+
+    def compact_index(self) -> None:
+        """Rewrite the index as a snapshot of the live keys now, however short the
+        journal (for a caller that counts the journal's bytes against a quota).
+
+        Raises a TensorStoreError if the snapshot cannot be written; the journal is
+        then untouched and still the truth.
+        """
+        self._ns.compact_index()
 
     # ------------------------------------------------------------- inventory
     def keys(self) -> Iterator[str]:
@@ -463,6 +469,16 @@ class ZarrStore(BlobStore):
         """Whether chunk files are written and read with ``O_DIRECT``, what was asked
         (``direct_io=``) and, when off, why (NOTE [ Direct I/O ] in ``_chunkio.py``)."""
         return self._direct
+
+    def moves_direct(self, key: str) -> bool:
+        """Whether ``key``'s chunks are written and read with ``O_DIRECT``."""
+        return self._codec.moves_direct(self._io, self._ns.entry(key).chunk)
+
+    @property
+    def transfers(self) -> TransferCounts:
+        """Payload bytes written and read so far, with ``O_DIRECT`` and without (chunk
+        classes below 256 KiB and compressed ones go through the page cache)."""
+        return self._counter.counts
 
     @property
     def buffers(self) -> PoolStats:
@@ -503,28 +519,6 @@ class ZarrStore(BlobStore):
         self._finalizer()  # releases the namespace lock last, removes a temporary root
         self._io.close()
         self._pool.close()
-
-
-def _aligned_region(buffer: Any, n: int, what: str) -> memoryview:
-    """``buffer`` as a writable byte view that a direct transfer of ``n`` bytes may use
-    (NOTE [ Aligned I/O entry points ]), or a ConfigError saying what is wrong."""
-    try:
-        region = memoryview(buffer).cast("B")
-    except TypeError as e:
-        raise ConfigError(
-            f"ZarrStore.{what}: expected a buffer, got {type(buffer).__name__}"
-        ) from e
-    need = round_up(n)
-    offset = address_of(region) % BLOCK_BYTES if len(region) else 0
-    if region.readonly or len(region) < need or (n and offset):
-        raise ConfigError(
-            f"ZarrStore.{what}: the buffer must be writable, start on a "
-            f"{BLOCK_BYTES}-byte boundary and hold at least {need} bytes for a "
-            f"{n}-byte payload; got {len(region)} bytes"
-            f"{' (read-only)' if region.readonly else ''} at address offset {offset}; "
-            "use put_blob / get_blob for other buffers"
-        )
-    return region
 
 
 def _check_options(
@@ -594,20 +588,6 @@ def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec
             "tensors cannot be read here: open another namespace, or remove the "
             f"directory {namespace!r} under the root if its tensors are not needed"
         )
-
-
-def _read_failure(what: str, e: Exception) -> TensorStoreError:
-    """The store's error for a read of a key still in the index that failed with ``e``."""
-    if isinstance(e, TensorStoreError):
-        return e
-    if isinstance(e, FileNotFoundError):
-        return IntegrityError(f"{what}: chunk {e.filename or e} is missing")
-    if isinstance(e, IsADirectoryError | NotADirectoryError):
-        # Not a passing fault: a chunk path that is not a file will not heal.
-        return IntegrityError(f"{what}: chunk {e.filename or e} is not a file")
-    if isinstance(e, OSError):
-        return os_error(e, f"reading {what}")
-    return StoreUnavailableError(f"reading {what} failed: {e}")
 
 
 def _write_failure(where: str, e: BaseException) -> TensorStoreError:

@@ -94,7 +94,9 @@ def test_snapshot_delta_and_reset_give_per_step_figures() -> None:
     hooks.stats.reset()
     assert hooks.stats.tensors_offloaded == 0 and hooks.stats.per_rule == {}
     assert hooks.stats == OffloadStats(
-        peak_held_bytes=hooks.stats.held_bytes, held_bytes=hooks.stats.held_bytes
+        peak_held_bytes=hooks.stats.held_bytes,
+        held_bytes=hooks.stats.held_bytes,
+        direct_io=hooks.stats.direct_io,  # a level, like held_bytes: what the store does
     )
     with hooks:
         loss = _forward(model, X)
