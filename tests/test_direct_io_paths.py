@@ -211,6 +211,9 @@ def test_the_daemons_disk_tier_moves_bytes_with_direct_io(
     counters = snap["counters"]
     assert counters["disk_direct_bytes"] >= 2 * t.nbytes  # written and read
     assert counters["disk_buffered_bytes"] == 0
+    from tensorstore_hooks.cli.stats import format_stats
+
+    assert "disk I/O     O_DIRECT on: " in format_stats(snap)
 
 
 # ------------------------------------------------------------ the CUDA path

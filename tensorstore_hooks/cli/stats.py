@@ -93,6 +93,12 @@ def format_stats(snap: dict[str, Any]) -> str:
             f"({fb(get['session_limit'])} per session, {get['waits']} waits)"
         )
     disk = tiers["disk"]
+    if disk.get("enabled") and "direct_io" in disk:
+        how = "on" if disk["direct_io"] else f"off ({disk.get('direct_io_reason', '?')})"
+        lines.append(
+            f"disk I/O     O_DIRECT {how}: {fb(c.get('disk_direct_bytes', 0))} direct, "
+            f"{fb(c.get('disk_buffered_bytes', 0))} buffered"
+        )
     if disk.get("enabled") and disk.get("writable") is False:
         lines.append(
             f"disk tier    takes no writes now ({c.get('disk_write_failures', 0)} failed "
