@@ -46,10 +46,17 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         self._models: list[torch.nn.Module] = []
         self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
         self._depth_lock = threading.Lock()
+        self._refused: str | None = None  # NOTE [ torch.compile ], rule 2
         super().__init__(session.router.pack, session.router.unpack)
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
+        if torch.compiler.is_compiling():  # entered in traced code: NOTE [ torch.compile ]
+            from . import _compile
+
+            _compile.offload_block_traced(self)
+        if self._refused is not None:
+            raise ConfigError(self._refused)
         if self._session.closed:
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
@@ -97,7 +104,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
         forward_end(self._session)
         if self._scope is not None:
             self._scope.detach()
-            after_forward(self, self.policy, self._scope.seen)
+            after_forward(self, self.policy, self._scope.visible_paths())
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:

@@ -28,10 +28,17 @@ Rules:
    left to autograd there.
 5. A module belongs to at most one wrapped tree: wrapping it again, or a tree that
    shares a module with a wrapped one, is a ``ConfigError``.
+6. Under ``torch.compile`` (NOTE [ torch.compile ] in ``_compile.py``): a hook that
+   dynamo traces does nothing unless its module is selected; a selected module's
+   push and pop run outside the graph, and one traced inside a larger graph makes
+   its forward raise a ``ConfigError``. So the registry is keyed by ``id`` (a
+   plain dict dynamo can read; each entry's weak reference drops it when the
+   module dies), and ``wrap(torch.compile(m))`` wraps ``m``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -60,7 +67,7 @@ _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ign
 class _Wrap:
     """State of one wrapped tree: its hooks, its scope, the per-thread depth."""
 
-    __slots__ = ("__weakref__", "finalizer", "hooks", "local", "root_name", "scope")
+    __slots__ = ("__weakref__", "finalizer", "hooks", "local", "refused", "root_name", "scope")
 
     def __init__(self, hooks: WrapHooks, scope: ModuleScope | None, root_name: str) -> None:
         self.hooks = hooks
@@ -68,15 +75,18 @@ class _Wrap:
         self.root_name = root_name
         self.local = threading.local()  # .depth: selected modules running on this thread
         self.finalizer: weakref.finalize[Any, Any] | None = None
+        self.refused: str | None = None  # Rule 6: why forward must raise, once dynamo said so
 
 
 class _Entry:
-    __slots__ = ("path", "selected", "wrap")
+    __slots__ = ("path", "ref", "selected", "wrap")
 
-    def __init__(self, wrap: _Wrap, path: str, selected: bool) -> None:
+    def __init__(self, wrap: _Wrap, module: torch.nn.Module, path: str, selected: bool) -> None:
         self.wrap = wrap
         self.path = path
         self.selected = selected
+        # Dropped from the registry when the module dies (Rule 1): an id is reused.
+        self.ref = weakref.ref(module, functools.partial(_forget, id(module)))
 
 
 class _Frames(threading.local):
@@ -86,18 +96,68 @@ class _Frames(threading.local):
 
 
 _LOCK = threading.Lock()
-_REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, _Entry] = weakref.WeakKeyDictionary()
+_REGISTRY: dict[int, _Entry] = {}
+"""Every module of a wrapped tree, by ``id`` (Rule 1; see :func:`_entry`)."""
+_SELECTED: dict[int, _Entry] = {}
+"""The selected modules only: what a compiled region looks up (Rule 6)."""
+_SCOPED: dict[int, _Entry] = {}
+"""The other modules of trees whose module rules track paths (Rule 6: they cannot)."""
+_TABLES = (_REGISTRY, _SELECTED, _SCOPED)
 _ROOTS: weakref.WeakKeyDictionary[torch.nn.Module, _Wrap] = weakref.WeakKeyDictionary()
 _FRAMES = _Frames()
 _global_handles: list[Any] = []
 
 
 # ------------------------------------------------------------------- hooks
+def _entry(module: torch.nn.Module) -> _Entry | None:
+    entry = _REGISTRY.get(id(module))
+    return entry if entry is not None and entry.ref() is module else None
+
+
+def _forget(key: int, ref: weakref.ref[torch.nn.Module]) -> None:
+    """A registered module died: drop its entries (weakref callback; never raises)."""
+    for table in _TABLES:
+        entry = table.get(key)
+        if entry is not None and entry.ref is ref:
+            table.pop(key, None)
+
+
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
-    entry = _REGISTRY.get(module)
+    if torch.compiler.is_compiling():  # Rule 6
+        key = id(module)
+        if key in _SELECTED:
+            from . import _compile
+
+            _compile.wrap_hook_traced(key, module, True)
+        elif key in _SCOPED:
+            from . import _compile
+
+            _compile.scope_traced(_SCOPED[key].wrap.scope)
+        return
+    if _remove_pending:
+        _remove_unused_hooks()
+    enter_module(module)
+
+
+def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():  # Rule 6
+        key = id(module)
+        if key in _SELECTED:
+            from . import _compile
+
+            _compile.wrap_hook_traced(key, module, False)
+        return
+    exit_module(module)
+
+
+def enter_module(module: torch.nn.Module) -> None:
+    """The pre-hook's work for ``module`` (eager; see Rules 2-4)."""
+    entry = _entry(module)
     if entry is None:
         return
     wrap = entry.wrap
+    if entry.selected and wrap.refused is not None:  # Rule 6
+        raise ConfigError(wrap.refused)
     scope = wrap.scope
     if scope is not None:
         scope.enter(entry.path)
@@ -115,7 +175,8 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     _FRAMES.stack.append((module, entry, pushed))
 
 
-def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+def exit_module(module: torch.nn.Module) -> None:
+    """The post-hook's work for ``module`` (eager; Rule 3)."""
     stack = _FRAMES.stack
     if not stack or stack[-1][0] is not module:
         return
@@ -130,9 +191,30 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         wrap.local.depth -= 1
         if pushed:
             hooks = wrap.hooks
-            seen = wrap.scope.seen if wrap.scope is not None else None
+            seen = wrap.scope.visible_paths() if wrap.scope is not None else None
             after_forward(hooks, hooks.policy, seen)
             hooks._session.emit_warning()
+
+
+def refuse_traced(key: int) -> None:
+    """At trace time: dynamo traced selected module ``key`` inside a larger graph
+    (NOTE [ torch.compile ], rule 2); its next forward raises the ConfigError."""
+    entry = _SELECTED.get(key)
+    if entry is None:
+        return
+    wrap = entry.wrap
+    root = wrap.root_name
+    wrap.refused = (
+        f"tsh.wrap({root}, modules=...): the selected module {entry.path!r} runs inside a "
+        "torch.compile'd graph of a larger module or function. Compiled code saves a whole "
+        "graph's tensors when the graph returns, so offloading cannot be limited to the "
+        "selected modules without breaking the graph at each of them, and the model would "
+        "no longer be the one compiled without offloading (NOTE [ torch.compile ]). What "
+        f"works: compile each selected module on its own (e.g. `for block in ...: "
+        f"block.compile()`), or wrap the module you compile as a whole (tsh.wrap(model), "
+        "no modules=), or offload around the compiled call (`with tsh.offload(): loss = "
+        "compiled_model(x)`)."
+    )
 
 
 def _install_global_hooks() -> None:
@@ -148,15 +230,29 @@ def _remove_global_hooks() -> None:
 
 
 _live_roots = 0  # wrapped trees not yet unwrapped or collected; guarded by _LOCK
+_remove_pending = False  # the last tree was collected: remove the hooks at a safe point
 
 
 def _root_gone() -> None:
-    """A wrapped tree was unwrapped or collected: drop the global hooks after the last."""
-    global _live_roots
+    """A wrapped tree was unwrapped or collected: the global hooks go after the last.
+
+    NOTE: a finalizer runs wherever the collector happens to run, dynamo's tracing
+    included, which reads the global hook dicts to build its guards; so a collected
+    tree only marks the hooks for removal, and the next module call (a pre-hook:
+    torch iterates a copy of the hook dict there) or wrap/unwrap removes them.
+    """
+    global _live_roots, _remove_pending
     with _LOCK:
         _live_roots -= 1
-        if _live_roots == 0:
+        _remove_pending = _live_roots == 0
+
+
+def _remove_unused_hooks() -> None:
+    global _remove_pending
+    with _LOCK:
+        if _remove_pending and _live_roots == 0:
             _remove_global_hooks()
+        _remove_pending = False
 
 
 # ------------------------------------------------------------------ public
@@ -185,7 +281,15 @@ class WrapHooks(OffloadHooks):
 
 def is_wrapped(module: torch.nn.Module) -> bool:
     """Whether ``module`` is the root of a :func:`wrap` (copies of it never are)."""
-    return module in _ROOTS
+    return _uncompiled(module) in _ROOTS
+
+
+def _uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile(module)`` wrapper runs (Rule 6), else ``module``."""
+    inner = getattr(module, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
+        return inner
+    return module
 
 
 def _normalise_globs(modules: str | Sequence[str] | None) -> list[str] | None:
@@ -254,6 +358,7 @@ def wrap(
     """
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"wrap: expected a torch.nn.Module, got {type(module).__name__}")
+    module = _uncompiled(module)  # Rule 6: names and hooks are the compiled module's own
     if "model" in overrides:
         raise ConfigError(
             "wrap: model= is not needed (module rules use the paths of the wrapped module)"
@@ -263,8 +368,9 @@ def wrap(
     selected = _select(names, globs)
     with _LOCK:
         for name, sub in names.items():
-            if sub in _REGISTRY:
-                other = _REGISTRY[sub].wrap.root_name
+            found = _entry(sub)
+            if found is not None:
+                other = found.wrap.root_name
                 where = "this module" if not name else f"its submodule {name!r}"
                 raise ConfigError(
                     f"wrap: {where} is already wrapped (by tsh.wrap of a {other}); "
@@ -279,14 +385,19 @@ def wrap(
     hooks._wrap_root = weakref.ref(module)
     state = _Wrap(hooks, scope, type(module).__name__)
     with _LOCK:
-        if any(sub in _REGISTRY for sub in names.values()):  # lost a race with another wrap
+        if any(_entry(sub) is not None for sub in names.values()):  # lost a race
             session.close()
             raise ConfigError("wrap: the module was wrapped concurrently; unwrap it first")
         for name, sub in names.items():
-            _REGISTRY[sub] = _Entry(state, name, name in selected)
+            entry = _REGISTRY[id(sub)] = _Entry(state, sub, name, name in selected)
+            if entry.selected:
+                _SELECTED[id(sub)] = entry
+            elif scope is not None:
+                _SCOPED[id(sub)] = entry
         _ROOTS[module] = state
-        global _live_roots
+        global _live_roots, _remove_pending
         _live_roots += 1
+        _remove_pending = False
         _install_global_hooks()
     # A model dropped without unwrap: its registry entries vanish with it; this drops
     # the global hooks (and the hooks' own finalizer closes the session).
@@ -297,15 +408,16 @@ def wrap(
 
 def _unregister(module: torch.nn.Module) -> _Wrap | None:
     with _LOCK:
-        state = _ROOTS.pop(module, None)
+        state = _ROOTS.pop(_uncompiled(module), None)
         if state is None:
             return None
-        for sub in list(_REGISTRY.keys()):
-            entry = _REGISTRY.get(sub)
-            if entry is not None and entry.wrap is state:
-                del _REGISTRY[sub]
+        for table in _TABLES:
+            for key, entry in list(table.items()):
+                if entry.wrap is state:
+                    table.pop(key, None)
     if state.finalizer is not None:
         state.finalizer()  # -> _root_gone(), once
+    _remove_unused_hooks()  # an explicit call: a safe point
     return state
 
 
