@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._forks import foreign
 from ._retry import (
     Failure,
     Retrier,
@@ -277,14 +278,18 @@ class LocalIO(ChunkIO):
             os.pwrite(fd, me, 0)
 
         held = [fd]
+        owner = os.getpid()
 
         def release() -> None:
             if not held:
                 return  # idempotent: never close a descriptor number twice
             fd = held.pop()
-            with contextlib.suppress(OSError):
-                # Unlock explicitly: a forked child may share this open file.
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            # A forked child shares this open file, and with it the lock: only the
+            # process that took it unlocks (explicitly: the child may still hold a
+            # copy of the descriptor). Closing the child's copy leaves the lock be.
+            if not foreign(owner):  # NOTE [ Fork safety ]
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             with contextlib.suppress(OSError):
                 os.close(fd)
 

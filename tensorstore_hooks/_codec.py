@@ -297,7 +297,9 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
     region = t.contiguous().view(-1) if compact else t.as_strided((span,), (1,), offset)
     if region.device.type != "cpu":
         region = region.cpu()
-    payload = region.view(torch.uint8).numpy()
+    # Through DLPack, not ``.numpy()``: that marks the caller's storage as not
+    # resizable, for good (FSDP2 frees unsharded parameters with ``resize_(0)``).
+    payload = np.from_dlpack(region.view(torch.uint8))
     meta = TensorMeta(
         dtype=_NAME_OF[t.dtype],
         shape=shape,

@@ -53,6 +53,7 @@ import torch._dynamo
 from torch._dynamo.comptime import ComptimeContext, comptime
 
 from ._warn import warn_user
+from .errors import ConfigError
 
 __all__ = [
     "offload_block_traced",
@@ -104,33 +105,29 @@ def _python_value(ctx: ComptimeContext, name: str) -> Any:
         return getattr(tracker, "value", None)
 
 
+@outside_graph
+def _call_eagerly(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
 # ----------------------------------------------------------------- tsh.wrap
 def _note_wrap_edge(ctx: ComptimeContext) -> None:
     # Runs at trace time, in wrap_hook_traced's frame.
-    if not traced_inside_graph(ctx):
-        return
-    from ._wrap import refuse_traced
-
-    refuse_traced(_python_value(ctx, "key"))
+    if traced_inside_graph(ctx):
+        _python_value(ctx, "refuse")(_python_value(ctx, "key"))
 
 
-def _bind_wrap() -> tuple[Callable[[torch.nn.Module], None], Callable[[torch.nn.Module], None]]:
-    from ._wrap import enter_module, exit_module
-
-    return outside_graph(enter_module), outside_graph(exit_module)
-
-
-_wrap_enter, _wrap_exit = _bind_wrap()
-
-
-def wrap_hook_traced(key: int, module: torch.nn.Module, entering: bool) -> None:
-    """A ``tsh.wrap`` global hook of a selected module, traced by dynamo (rules 2, 3):
-    its eager work (push or pop) runs outside the graph."""
+def wrap_hook_traced(
+    key: int,
+    module: torch.nn.Module,
+    eager: Callable[[torch.nn.Module], None],
+    refuse: Callable[[int], None],
+) -> None:
+    """A ``tsh.wrap`` global hook of selected module ``module`` (``id`` ``key``) traced
+    by dynamo (rules 2, 3): ``eager(module)`` (its push or pop) runs outside the graph;
+    if the module is traced inside a larger graph, ``refuse(key)`` runs at trace time."""
     comptime(_note_wrap_edge)
-    if entering:
-        _wrap_enter(module)
-    else:
-        _wrap_exit(module)
+    _call_eagerly(eager, module)
 
 
 # ----------------------------------------------------------- offload() blocks
@@ -143,8 +140,6 @@ def _note_offload_block(ctx: ComptimeContext) -> None:
 
 
 def _offload_block_error() -> Exception:
-    from .errors import ConfigError
-
     return ConfigError(
         "tsh.offload(): an offload block entered inside torch.compile'd code is not "
         "supported: compiled code saves a whole graph's tensors when the graph returns, "
@@ -155,10 +150,7 @@ def _offload_block_error() -> Exception:
     )
 
 
-@outside_graph
 def _raise_refused(hooks: Any) -> None:
-    from .errors import ConfigError
-
     raise ConfigError(hooks._refused)
 
 
@@ -169,7 +161,7 @@ def offload_block_traced(hooks: Any) -> None:
     eagerly: the eager ``__enter__`` raises it) and raises it at run time.
     """
     comptime(_note_offload_block)
-    _raise_refused(hooks)
+    _call_eagerly(_raise_refused, hooks)
 
 
 # ------------------------------------------------------------- module scope

@@ -44,6 +44,7 @@ from ._daemon_conn import (
     parse_daemon_url,
 )
 from ._daemon_session import DaemonSession
+from ._forks import foreign
 from ._retry import Failure, Retrier, RetriesExhausted, RetryPolicy
 from ._store import BlobStore
 from ._units import format_bytes
@@ -206,7 +207,8 @@ class DaemonStore(BlobStore):
         self._pool = ConnectionPool(connections)
         self._last_activity = time.monotonic()
         self._keepalive_thread: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, ConnectionPool.finish, self._pool)
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: only this process ends the session
+        self._finalizer = weakref.finalize(self, _finish, self._pool, self._pid)
         if check:
             self._check_reachable()
 
@@ -353,7 +355,18 @@ class DaemonStore(BlobStore):
         return KeyNotFoundError(f"DaemonStore({url}): no key {key!r} (not a key this store issues)")
 
     # ------------------------------------------------------------- the store
+    def _check_writer(self, what: str) -> None:
+        if foreign(self._pid):  # NOTE [ Fork safety ] (tensorstore_hooks/_forks.py)
+            raise StoreUnavailableError(
+                self._fail(
+                    f"cannot {what} here: this process is a fork of the one that opened "
+                    "the store, whose daemon session it must leave alone; open a store of "
+                    "this process's own with tsh.open_store(...)"
+                )
+            )
+
     def put_blob(self, meta: TensorMeta, payload: Any) -> str:
+        self._check_writer("write")
         n = meta.nbytes
         limit = self._sess.limits.get("max_tensor_bytes")
         if isinstance(limit, int) and n > limit:
@@ -392,6 +405,7 @@ class DaemonStore(BlobStore):
         return TensorMeta.from_dict(answer.get("meta"))
 
     def delete(self, key: str) -> None:
+        self._check_writer("delete")
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
         answer, _ = self._call(Delete(id=0, keys=(key,)))
@@ -399,6 +413,7 @@ class DaemonStore(BlobStore):
             raise KeyNotFoundError(self._fail(f"no key {key!r} to delete"))
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        self._check_writer("delete")
         valid = [k for k in keys if is_valid_key(k)]
         for i in range(0, len(valid), MAX_KEYS_PER_REQUEST):
             self._call(Delete(id=0, keys=tuple(valid[i : i + MAX_KEYS_PER_REQUEST])))
@@ -440,6 +455,10 @@ class DaemonStore(BlobStore):
         Idempotent; never raises because the daemon is unreachable.
         """
         pool = self._pool
+        if foreign(self._pid):  # a forked child: close its copies of the sockets, no BYE
+            self._finalizer.detach()
+            pool.close_all()
+            return
         with pool.cond:
             if pool.closed:
                 return
@@ -463,6 +482,15 @@ class DaemonStore(BlobStore):
             conn.close()
         pool.close_all()
         self._finalizer.detach()
+
+
+def _finish(pool: ConnectionPool, pid: int) -> None:
+    """The store was dropped without ``close()``: :meth:`ConnectionPool.finish`, which
+    ends the session; in a forked child only its own sockets close (no BYE)."""
+    if foreign(pid):
+        pool.close_all()
+    else:
+        pool.finish()
 
 
 def fetch_stats(

@@ -52,9 +52,9 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
         if torch.compiler.is_compiling():  # entered in traced code: NOTE [ torch.compile ]
-            from . import _compile
+            from ._compile import offload_block_traced
 
-            _compile.offload_block_traced(self)
+            offload_block_traced(self)
         if self._refused is not None:
             raise ConfigError(self._refused)
         if self._session.closed:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import queue
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+from ._forks import foreign
 
 __all__ = ["READ", "WRITE", "IOPool", "StorePool", "on_io_thread", "pool_for", "shutdown_pool"]
 
@@ -49,17 +52,19 @@ class IOPool:
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child has none of its threads
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`shutdown` ran; a closed pool takes no more tasks."""
-        return self._closed
+        """True once :meth:`shutdown` ran, or in a forked child of the process that made
+        the pool (its threads do not exist there); a closed pool takes no more tasks."""
+        return self._closed or foreign(self._pid)
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on a pool thread; lower ``priority`` runs first."""
         fut: Future[Any] = Future()
         with self._lock:
-            if self._closed:
+            if self.closed:
                 raise RuntimeError("tensorstore-hooks I/O pool is shut down")
             if len(self._workers) < self.threads:
                 self._start_worker()
@@ -91,9 +96,11 @@ class IOPool:
             del fut, fn, args, item  # drop references to tensors promptly
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Finish queued tasks, then stop the threads (waits up to ``timeout_s``)."""
+        """Finish queued tasks, then stop the threads (waits up to ``timeout_s``).
+
+        A no-op in a forked child (the threads are its parent's)."""
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return
             self._closed = True
             workers = list(self._workers)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from ._budgets import BudgetControl, pinned_idle_cap
 from ._device import DeviceStager
+from ._forks import foreign
 from ._heap import HeapReleaser, set_mmap_threshold
 from ._iopool import StorePool, on_io_thread, shutdown_pool
 from ._parts import SessionParts
@@ -63,6 +65,7 @@ class OffloadSession:
         self.store = store
         self.settings = settings
         self.owns_store = owns_store
+        self._pid = os.getpid()  # NOTE [ Fork safety ]
         self.stats = stats = OffloadStats()
         # Counters bump ``stats`` directly: a bound method of ours would be a cycle.
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
@@ -175,6 +178,9 @@ class OffloadSession:
 
     def close(self) -> None:
         """Stop taking tensors; close the store (if owned) once every record is freed."""
+        if foreign(self._pid):  # a forked child: no lock, no store (NOTE [ Fork safety ])
+            self.router.closing = True
+            return
         with self._table.lock:
             self._closing = True
             self.router.closing = True

@@ -43,6 +43,7 @@ nodes may run while it is held.
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -51,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ._forks import foreign
 from ._signals import shielded
 
 __all__ = [
@@ -192,7 +194,8 @@ class _Finalizer(weakref.ref[Handle]):
     its registry), which holds ``release`` strongly and the table not at all.
     """
 
-    __slots__ = ("rec", "release")
+    __slots__ = ("pid", "rec", "release")
+    pid: int
     rec: Record
     release: Callable[[Record], None]
 
@@ -200,6 +203,7 @@ class _Finalizer(weakref.ref[Handle]):
         self = super().__new__(cls, handle, _handle_died)
         self.rec = rec
         self.release = release
+        self.pid = os.getpid()  # NOTE [ Fork safety ]: a forked child's copy frees nothing
         return self
 
     def __init__(self, handle: Handle, rec: Record, release: Callable[[Record], None]) -> None:
@@ -213,7 +217,8 @@ _finalizers: set[_Finalizer] = set()
 @shielded  # NOTE [ Signals and finalizers ]: a signal must not cut this in half
 def _handle_died(ref: _Finalizer) -> None:
     _finalizers.discard(ref)
-    ref.release(ref.rec)
+    if not foreign(ref.pid):
+        ref.release(ref.rec)
 
 
 def dedup_key(t: torch.Tensor) -> tuple[Any, ...]:

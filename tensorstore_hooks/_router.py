@@ -13,6 +13,7 @@ policy (budgets) sits between :meth:`decide` and :meth:`account`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import torch
 
 from ._budgets import BUDGET_LABEL
 from ._codec import is_dense, unsupported_reason
+from ._forks import foreign
 from ._records import Handle, RecordTable, State, dedup_key
 from ._signals import shielded
 from ._stats import OffloadStats, RouteStats
@@ -116,6 +118,7 @@ class Router:
         self._prefetcher = prefetcher
         self._stager = stager
         self._warned: set[str] = set()
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child keeps what it packs
         self.budget = budget
         """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
 
@@ -132,6 +135,9 @@ class Router:
             self.keep_unsupported(reason)
             return Kept(t)
         nbytes = t.numel() * t.element_size()
+        if foreign(self._pid):  # a forked child: NOTE [ Fork safety ], rule 2
+            self.account(Route("keep", "forked child", nbytes))
+            return Kept(t)
         if _in_backward():
             # Saved while backward runs (a reentrant checkpoint's recompute, a
             # create_graph backward): needed at once, so stored bytes would only be
@@ -140,6 +146,8 @@ class Router:
             return Kept(t)
         action = self.route(t, nbytes)
         if action == "store":
+            if _parameter(t):  # NOTE [ Parameters are copied at pack ]
+                return self.store(t.detach().clone(), nbytes, guard=t)
             return self.store(t, nbytes)
         if action == "host":
             if self._stager.tier is not None and self._stager.accelerated(t.device):
@@ -356,6 +364,17 @@ class Router:
 def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` where it was saved (a fallback after a spill keeps a host copy)."""
     return t if t.device == device else t.to(device)
+
+
+# NOTE [ Parameters are copied at pack ]
+# A parameter stored (``skip_parameters: false``) is copied on the forward thread and
+# written from the copy; its own version counter still guards it (in-place checks).
+# Wrappers free and re-gather parameter storage after forward: FSDP2 calls
+# ``storage.resize_(0)`` on each unsharded parameter. A write-behind reading the
+# parameter itself could run after that free (a failed write) or during it (freed
+# memory read, or a crash). Activations are never freed under a saved tensor.
+def _parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def _in_backward() -> bool:

@@ -50,7 +50,6 @@ class ModuleScope:
         self.seen: set[str] = set()
         self.compiled_warned = False  # said that compiled code hides its modules
 
-
     def attach(self, model: torch.nn.Module) -> None:
         """Hook every submodule of ``model``; paths are relative to ``model`` (root ``""``)."""
         if not isinstance(model, torch.nn.Module):
@@ -112,9 +111,9 @@ class ModuleScope:
 
         def pre_hook(module: Any, args: Any) -> None:
             if torch.compiler.is_compiling():  # NOTE [ torch.compile ], rule 4
-                from . import _compile
+                from ._compile import scope_traced
 
-                _compile.scope_traced(scope)
+                scope_traced(scope)
                 return
             enter(path)
 

@@ -34,6 +34,8 @@ Rules:
    its forward raise a ``ConfigError``. So the registry is keyed by ``id`` (a
    plain dict dynamo can read; each entry's weak reference drops it when the
    module dies), and ``wrap(torch.compile(m))`` wraps ``m``.
+7. With ``modules=`` globs, the root's first forward checks that a selected module
+   ran its hooks, and warns once if none did (a graph compiled before ``wrap``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from ._policy import compile_module_glob
 from ._scope import ModuleScope
 from ._store import TensorStore
 from ._trace import forward_begin, forward_end
+from ._warn import warn_user
 from .errors import ConfigError
 
 __all__ = ["WrapHooks", "is_wrapped", "unwrap", "wrap"]
@@ -67,15 +70,30 @@ _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ign
 class _Wrap:
     """State of one wrapped tree: its hooks, its scope, the per-thread depth."""
 
-    __slots__ = ("__weakref__", "finalizer", "hooks", "local", "refused", "root_name", "scope")
+    __slots__ = (
+        "__weakref__",
+        "finalizer",
+        "first_forward",
+        "hooks",
+        "local",
+        "ran_selected",
+        "refused",
+        "root_name",
+        "scope",
+    )
 
-    def __init__(self, hooks: WrapHooks, scope: ModuleScope | None, root_name: str) -> None:
+    def __init__(
+        self, hooks: WrapHooks, scope: ModuleScope | None, root_name: str, blocks: bool
+    ) -> None:
         self.hooks = hooks
         self.scope = scope
         self.root_name = root_name
         self.local = threading.local()  # .depth: selected modules running on this thread
         self.finalizer: weakref.finalize[Any, Any] | None = None
         self.refused: str | None = None  # Rule 6: why forward must raise, once dynamo said so
+        # Rule 7: the root's first forward checks that a selected submodule ran.
+        self.first_forward = blocks
+        self.ran_selected = False
 
 
 class _Entry:
@@ -102,7 +120,9 @@ _SELECTED: dict[int, _Entry] = {}
 """The selected modules only: what a compiled region looks up (Rule 6)."""
 _SCOPED: dict[int, _Entry] = {}
 """The other modules of trees whose module rules track paths (Rule 6: they cannot)."""
-_TABLES = (_REGISTRY, _SELECTED, _SCOPED)
+_WATCHED: dict[int, _Entry] = {}
+"""Roots whose first forward is still to be checked (Rule 7)."""
+_TABLES = (_REGISTRY, _SELECTED, _SCOPED, _WATCHED)
 _ROOTS: weakref.WeakKeyDictionary[torch.nn.Module, _Wrap] = weakref.WeakKeyDictionary()
 _FRAMES = _Frames()
 _global_handles: list[Any] = []
@@ -125,14 +145,14 @@ def _forget(key: int, ref: weakref.ref[torch.nn.Module]) -> None:
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():  # Rule 6
         key = id(module)
-        if key in _SELECTED:
-            from . import _compile
+        if key in _SELECTED or key in _WATCHED:
+            from ._compile import wrap_hook_traced
 
-            _compile.wrap_hook_traced(key, module, True)
+            wrap_hook_traced(key, module, enter_module, refuse_traced)
         elif key in _SCOPED:
-            from . import _compile
+            from ._compile import scope_traced
 
-            _compile.scope_traced(_SCOPED[key].wrap.scope)
+            scope_traced(_SCOPED[key].wrap.scope)
         return
     if _remove_pending:
         _remove_unused_hooks()
@@ -142,10 +162,10 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
 def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_compiling():  # Rule 6
         key = id(module)
-        if key in _SELECTED:
-            from . import _compile
+        if key in _SELECTED or key in _WATCHED:
+            from ._compile import wrap_hook_traced
 
-            _compile.wrap_hook_traced(key, module, False)
+            wrap_hook_traced(key, module, exit_module, refuse_traced)
         return
     exit_module(module)
 
@@ -156,12 +176,14 @@ def enter_module(module: torch.nn.Module) -> None:
     if entry is None:
         return
     wrap = entry.wrap
-    if entry.selected and wrap.refused is not None:  # Rule 6
-        raise ConfigError(wrap.refused)
+    if entry.selected:
+        wrap.ran_selected = True
+        if wrap.refused is not None:  # Rule 6
+            raise ConfigError(wrap.refused)
     scope = wrap.scope
     if scope is not None:
         scope.enter(entry.path)
-    elif not entry.selected:
+    elif not entry.selected and not (wrap.first_forward and not entry.path):
         return
     pushed = False
     if entry.selected:
@@ -187,6 +209,11 @@ def exit_module(module: torch.nn.Module) -> None:
         forward_end(wrap.hooks._session)
     if wrap.scope is not None:
         wrap.scope.exit(entry.path)
+    if not entry.path and wrap.first_forward:  # Rule 7
+        wrap.first_forward = False
+        _WATCHED.pop(id(module), None)
+        if not wrap.ran_selected:
+            _warn_no_selected_ran(wrap)
     if entry.selected:
         wrap.local.depth -= 1
         if pushed:
@@ -194,6 +221,17 @@ def exit_module(module: torch.nn.Module) -> None:
             seen = wrap.scope.visible_paths() if wrap.scope is not None else None
             after_forward(hooks, hooks.policy, seen)
             hooks._session.emit_warning()
+
+
+def _warn_no_selected_ran(wrap: _Wrap) -> None:
+    warn_user(
+        f"tensorstore-hooks: tsh.wrap({wrap.root_name}, modules=...): none of the selected "
+        "modules ran their hooks during the model's first forward, so nothing of theirs was "
+        "offloaded. If the model was run torch.compile'd before tsh.wrap(), dynamo keeps the "
+        "graph it traced without the hooks (it does not look for hooks added later: "
+        "torch._dynamo.config.skip_nnmodule_hook_guards); wrap before the first compiled "
+        "call, or call torch._dynamo.reset() after tsh.wrap() (NOTE [ torch.compile ])."
+    )
 
 
 def refuse_traced(key: int) -> None:
@@ -269,6 +307,8 @@ class WrapHooks(OffloadHooks):
         root = self._wrap_root() if self._wrap_root is not None else None
         if root is not None:
             _unregister(root)
+        else:
+            _remove_unused_hooks()  # the model was collected: a safe point to drop them
         self.close()
 
     @property
@@ -383,7 +423,7 @@ def wrap(
         session.scope = scope
     hooks = WrapHooks(session)
     hooks._wrap_root = weakref.ref(module)
-    state = _Wrap(hooks, scope, type(module).__name__)
+    state = _Wrap(hooks, scope, type(module).__name__, blocks=selected != {""})
     with _LOCK:
         if any(_entry(sub) is not None for sub in names.values()):  # lost a race
             session.close()
@@ -394,6 +434,8 @@ def wrap(
                 _SELECTED[id(sub)] = entry
             elif scope is not None:
                 _SCOPED[id(sub)] = entry
+            if not name and state.first_forward:
+                _WATCHED[id(sub)] = entry
         _ROOTS[module] = state
         global _live_roots, _remove_pending
         _live_roots += 1

@@ -64,6 +64,7 @@ from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
+from ._forks import foreign
 from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import HEADER_BYTES, Damage, IndexLog, os_error
 from ._retry import RetryPolicy
@@ -231,6 +232,7 @@ class ZarrStore(BlobStore):
         ):
             raise ConfigError(f"ZarrStore: namespace {namespace!r} must be 1-128 of [A-Za-z0-9._-]")
         self._temporary = url is None
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: only this process changes the store
         # NOTE [ Stale namespaces ]: a temporary root sweeps its dead siblings.
         location = make_temp_root() if self._temporary else None
         self._io = make_io(location or url, storage_options, retry_deadline_s)
@@ -272,7 +274,7 @@ class ZarrStore(BlobStore):
         # Collected without close(): close the journal quietly, release the namespace
         # (and remove a temporary directory).
         self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
-            self, _finalize, self._log, self._unlock, location
+            self, _finalize, self._pid, self._log, self._unlock, location
         )
 
     # ------------------------------------------------------------------ setup
@@ -352,6 +354,7 @@ class ZarrStore(BlobStore):
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
         chunk, count = self._alloc.layout(n)
+        self._check_writer("write")
         with self._lock:
             self._check_open()
             key = format(self._next_key, "x")
@@ -471,12 +474,14 @@ class ZarrStore(BlobStore):
 
     # ---------------------------------------------------------------- deletes
     def delete(self, key: str) -> None:
+        self._check_writer("delete")
         with self._lock:
             entry = self._entry(key)
             unlink = self._forget([key], [entry])
         self._unlink(unlink)
 
     def delete_many(self, keys: Any) -> None:
+        self._check_writer("delete")
         with self._lock:
             self._check_open()
             found = [(k, self._index.get(k)) for k in keys if isinstance(k, str)]
@@ -531,6 +536,7 @@ class ZarrStore(BlobStore):
 
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
+        self._check_writer("write")
         with self._lock:
             self._check_open()
             if not self._io.supports_append:
@@ -542,9 +548,25 @@ class ZarrStore(BlobStore):
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
 
+    def _check_writer(self, what: str) -> None:
+        if foreign(self._pid):
+            raise StoreUnavailableError(
+                f"ZarrStore({self._url}): cannot {what} here: this store was opened by "
+                f"process {self._pid} and this process ({os.getpid()}) is a fork of it, "
+                "which must leave the parent's namespace alone (NOTE [ Fork safety ]); "
+                "open a store of this process's own with tsh.open_store(...)"
+            )
+
     def close(self) -> None:
         """Close the store. A temporary store deletes its directory; a namespace that
-        holds no keys is removed so shared roots do not fill with empty writers."""
+        holds no keys is removed so shared roots do not fill with empty writers.
+
+        In a forked child of the process that opened it, only this object is closed:
+        nothing on disk, and the namespace lock stays with the parent."""
+        if foreign(self._pid):
+            self._closed = True
+            self._finalizer.detach()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -565,7 +587,11 @@ class ZarrStore(BlobStore):
         self._io.close()
 
 
-def _finalize(index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None) -> None:
+def _finalize(
+    pid: int, index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None
+) -> None:
+    if foreign(pid):  # a forked child's exit: the store is its parent's (NOTE [ Fork safety ])
+        return
     index_log.close()
     if unlock is not None:
         unlock()

@@ -84,6 +84,7 @@ def _fresh_dynamo() -> Iterator[None]:
     yield
     torch._dynamo.reset()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not torch.nn.modules.module._has_any_global_hook()  # every wrap undone
 
 
 def _train(setup: Setup, backend: str) -> tuple[list[dict[str, torch.Tensor]], Any]:
@@ -93,14 +94,28 @@ def _train(setup: Setup, backend: str) -> tuple[list[dict[str, torch.Tensor]], A
     call, hooks = setup(model, backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
-    for x in BATCHES:
-        opt.zero_grad(set_to_none=True)
-        call(x).backward()
-        missing = [n for n, p in model.named_parameters() if p.grad is None]
-        assert not missing, f"parameters without a gradient: {missing}"
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
+    try:
+        for x in BATCHES:
+            opt.zero_grad(set_to_none=True)
+            call(x).backward()
+            missing = [n for n, p in model.named_parameters() if p.grad is None]
+            assert not missing, f"parameters without a gradient: {missing}"
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+    except BaseException:
+        _dispose(hooks)
+        raise
     return grads, hooks
+
+
+def _dispose(hooks: Any) -> None:
+    """Unwrap (wrap's hooks) or close: no global module hooks outlive a test."""
+    if hooks is None:
+        return
+    if hasattr(hooks, "remove"):
+        hooks.remove()
+    else:
+        hooks.close()
 
 
 def _assert_same_training(
@@ -197,10 +212,7 @@ def test_compiled_training_with_offloading_is_bit_identical(case: str, backend: 
     stats = hooks.stats
     assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
     assert hooks.live_records == 0 and len(hooks.store) == 0  # graphs freed
-    if hasattr(hooks, "remove"):
-        hooks.remove()
-    else:
-        hooks.close()
+    _dispose(hooks)
 
 
 # ---------------------------------------------------------------- refusals
@@ -225,13 +237,23 @@ def test_wrap_of_blocks_inside_one_compiled_graph_is_refused(compile_: Callable[
     )
 
 
-def test_wrap_of_blocks_after_the_model_ran_compiled_is_refused() -> None:
-    def setup(model: nn.Module, backend: str) -> tuple[Any, Any]:
-        call = _whole(model, backend)
-        call(BATCHES[0])  # compiled with no hooks installed: dynamo must look again
-        return call, tsh.wrap(model, "memory://", modules="blocks.*")
-
-    _refused(setup, "'blocks.0'")
+def test_wrap_of_blocks_after_a_compiled_run_warns_then_refuses_after_a_reset() -> None:
+    # Dynamo does not guard on module hooks: the graph traced before wrap() stays in
+    # use and the blocks' hooks never run. Said once; after torch._dynamo.reset()
+    # dynamo traces the hooks and the combination is refused as above.
+    model = _net()
+    call = _whole(model, "aot_eager")
+    call(BATCHES[0])
+    hooks = tsh.wrap(model, "memory://", modules="blocks.*", min_bytes=0)
+    try:
+        with pytest.warns(UserWarning, match=r"none of the selected modules ran.*reset\(\)"):
+            call(BATCHES[0]).backward()
+        assert hooks.stats.tensors_offloaded == 0
+        torch._dynamo.reset()
+        with pytest.raises(ConfigError, match=r"'blocks\.0'"):
+            call(BATCHES[0])
+    finally:
+        hooks.remove()
 
 
 def test_offload_block_inside_compiled_forward_is_refused() -> None:
@@ -272,10 +294,7 @@ def test_module_rules_under_compile_say_once_they_cannot_see_inside(
         warnings.simplefilter("error")  # said once per session
         call(BATCHES[1]).backward()
     assert hooks.stats.tensors_offloaded > 0
-    if hasattr(hooks, "remove"):
-        hooks.remove()
-    else:
-        hooks.close()
+    _dispose(hooks)
 
 
 # ------------------------------------------------------- trainer callbacks
@@ -364,8 +383,11 @@ def test_transformers_trainer_torch_compile_with_block_modules_is_refused(
     from tensorstore_hooks.integrations.transformers import OffloadCallback
 
     cb = OffloadCallback(store="memory://", min_bytes=0, modules="model.layers.*")
-    with pytest.raises(ConfigError, match=r"'model\.layers\.0' runs inside a torch\.compile"):
-        _hf_train(llama(), [cb])
+    try:
+        with pytest.raises(ConfigError, match=r"'model\.layers\.0' runs inside a torch\.comp"):
+            _hf_train(llama(), [cb])
+    finally:
+        cb.hooks.remove()  # the Trainer has no exception event: the model stays wrapped
 
 
 def test_wrap_of_llama_blocks_under_torch_compile_is_refused_not_wrong(
@@ -376,9 +398,11 @@ def test_wrap_of_llama_blocks_under_torch_compile_is_refused_not_wrong(
     hooks = tsh.wrap(model, "memory://", modules="model.layers.*", default="keep")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, backend="aot_eager")
-    with pytest.raises(ConfigError, match=r"model\.layers\.0"):
-        compiled(input_ids=ids, labels=ids)
-    hooks.remove()
+    try:
+        with pytest.raises(ConfigError, match=r"model\.layers\.0"):
+            compiled(input_ids=ids, labels=ids)
+    finally:
+        hooks.remove()
 
 
 class _Lit:
