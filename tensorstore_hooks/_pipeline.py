@@ -74,6 +74,7 @@ class OffloadSession:
         if settings.mmap_threshold is not None:
             set_mmap_threshold(settings.mmap_threshold)  # NOTE [ Mmap threshold ]
         self._io = StorePool(store, settings.writer_threads + 2)
+        self._unuse = store._use()  # NOTE [ Closed while in use ] in _zarr_store.py
         self._closing = False
         self._closed = False
         self._table = RecordTable(self._release)
@@ -194,6 +195,7 @@ class OffloadSession:
                 return
             self._closed = True
         self.stager.clear()
+        self._unuse()
         if self.owns_store:
             shutdown_pool(self.store)
             with contextlib.suppress(Exception):

@@ -36,6 +36,7 @@ from ._iopool import WRITE
 from ._parts import PipelineUnit, SessionParts
 from ._records import Record, State
 from ._trace import WRITE_RANGE, Timeline, span
+from .errors import StoreClosedError
 
 __all__ = ["WriteBehind"]
 
@@ -234,6 +235,8 @@ class WriteBehind(PipelineUnit):
             self._store.delete(key)
         except KeyError:
             pass
+        except StoreClosedError:  # closed by its owner: a daemon session's keys went with it
+            log.debug("not deleting %r: %s is closed", key, self._store.url)
         except Exception as e:
             log.warning("could not delete %r from %s: %r", key, self._store.url, e)
 

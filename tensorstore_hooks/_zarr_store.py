@@ -41,6 +41,15 @@ it just freed: keeping old spares of sizes no longer used would turn every later
 put into a create), and ``close()`` unlinks them all. Spare chunks are in
 no index entry, so no reader (ours or plain zarr through the index) takes their stale
 bytes for a key's; a read racing its key's delete raises ``KeyNotFoundError``.
+
+NOTE [ Closed while in use ]
+An offload session deletes its keys when autograd frees their graph, which may be
+after the store was closed (a graph held by a reference cycle, freed by the
+collector). So a session marks its use of the store (``_use()``); ``close()`` then
+refuses puts and gets at once but keeps the journal and the namespace lock for the
+sessions' deletes, and finishes (spares unlinked, an empty namespace removed, the
+lock released) when the last session is done. Nothing is left behind, and no delete
+fails. Keys put by hand stay, as after any close.
 """
 
 from __future__ import annotations
@@ -246,6 +255,8 @@ class ZarrStore(BlobStore):
             chunk, keep_spares=self._io.supports_rewrite_in_place, spare_limit=spare
         )
         self._segments_made: set[int] = set()
+        self._users = 0  # offload sessions writing here: NOTE [ Closed while in use ]
+        self._close_pending = False
         self._unlock: Callable[[], None] | None = None
         self.damage: list[Damage] = []
         """What replaying this namespace's index found damaged (empty when all was well)."""
@@ -426,8 +437,8 @@ class ZarrStore(BlobStore):
             self._alloc.release(runs)
 
     # ------------------------------------------------------------------- gets
-    def _entry(self, key: str) -> _Entry:
-        self._check_open()
+    def _entry(self, key: str, *, deleting: bool = False) -> _Entry:
+        self._check_open(deleting)
         entry = self._index.get(key) if isinstance(key, str) else None
         if entry is None:
             raise KeyNotFoundError(
@@ -476,14 +487,14 @@ class ZarrStore(BlobStore):
     def delete(self, key: str) -> None:
         self._check_writer("delete")
         with self._lock:
-            entry = self._entry(key)
+            entry = self._entry(key, deleting=True)
             unlink = self._forget([key], [entry])
         self._unlink(unlink)
 
     def delete_many(self, keys: Any) -> None:
         self._check_writer("delete")
         with self._lock:
-            self._check_open()
+            self._check_open(deleting=True)
             found = [(k, self._index.get(k)) for k in keys if isinstance(k, str)]
             pairs = [(k, e) for k, e in found if e is not None]
             unlink = self._forget([k for k, _ in pairs], [e for _, e in pairs])
@@ -542,8 +553,8 @@ class ZarrStore(BlobStore):
             if not self._io.supports_append:
                 self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def _check_open(self, deleting: bool = False) -> None:
+        if self._closed and not (deleting and self._close_pending):
             raise StoreClosedError(
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
@@ -570,7 +581,36 @@ class ZarrStore(BlobStore):
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # no put or get from now on
+            if self._users:
+                # NOTE [ Closed while in use ]: the sessions' deletes still come.
+                self._close_pending = True
+                return
+        self._close_now()
+
+    def _use(self) -> Callable[[], None]:
+        """Internal (NOTE [ Closed while in use ]): an offload session writes here; call
+        the result once it has deleted what it wrote (idempotent)."""
+        with self._lock:
+            self._check_open()
+            self._users += 1
+        done: list[bool] = []
+
+        def unuse() -> None:
+            with self._lock:
+                if done:
+                    return
+                done.append(True)
+                self._users -= 1
+                last = self._users == 0 and self._close_pending
+                self._close_pending = self._close_pending and not last
+            if last:
+                self._close_now()
+
+        return unuse
+
+    def _close_now(self) -> None:
+        with self._lock:
             empty = not self._index
             spares = [p for run in self._alloc.drain_spares() for p in self._run_paths(run)]
             with contextlib.suppress(Exception):
