@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -165,6 +166,9 @@ class LocalIO(ChunkIO):
     def __init__(self, root: str) -> None:
         super().__init__("file://" + os.path.abspath(root))
         self.root = os.path.abspath(root)
+        self.root_made = False
+        """Set once the store's layout is written: from then on a missing root is an
+        error (removed or renamed), never made again under the writes' feet."""
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -189,6 +193,8 @@ class LocalIO(ChunkIO):
         try:
             fd = os.open(full, flags, 0o644)
         except FileNotFoundError:
+            if self.root_made and not os.path.isdir(self.root):
+                raise FileNotFoundError(errno.ENOENT, "the store root is gone", self.root) from None
             os.makedirs(os.path.dirname(full), exist_ok=True)
             fd = os.open(full, flags, 0o644)
         try:

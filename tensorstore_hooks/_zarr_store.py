@@ -263,6 +263,8 @@ class ZarrStore(BlobStore):
         try:
             self._unlock = self._take_namespace()
             self._init_layout()
+            if isinstance(self._io, LocalIO):
+                self._io.root_made = True  # a vanished root is an error from now on
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
@@ -412,6 +414,9 @@ class ZarrStore(BlobStore):
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
         where = f"ZarrStore({self._url}): writing key {key!r}"
+        gone = self._gone() if isinstance(e, FileNotFoundError) else None
+        if gone is not None:
+            return StoreUnavailableError(f"{where} failed: {gone}; the tensor was not stored")
         if isinstance(e, OSError):
             err = os_error(e, where)
         elif isinstance(e, TensorStoreError):
@@ -462,6 +467,9 @@ class ZarrStore(BlobStore):
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
+            gone = self._gone()
+            if gone is not None:
+                raise StoreUnavailableError(f"{what} cannot be read: {gone}") from e
             raise IntegrityError(f"{what}: chunk {e.filename or e} is missing") from e
         except TensorStoreError:
             if key not in self._index:
@@ -479,6 +487,23 @@ class ZarrStore(BlobStore):
         if key not in self._index:
             raise self._missing(key)
         return entry.meta, out
+
+    def _gone(self) -> str | None:
+        """Why the store's root or namespace is no longer there (``None`` if it is)."""
+        try:
+            if not self._io.exists("zarr.json"):
+                return (
+                    f"the store's root {self._url} is gone (removed or renamed while the "
+                    "store was open)"
+                )
+            if not self._io.exists(f"{self.namespace}/zarr.json"):
+                return (
+                    f"namespace {self.namespace!r} of {self._url} is gone (removed or "
+                    "renamed while the store was open)"
+                )
+        except Exception:  # cannot even look: say so rather than guess
+            return f"the store's root {self._url} cannot be reached"
+        return None
 
     def _missing(self, key: str) -> KeyNotFoundError:
         return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")

@@ -255,11 +255,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"inspect: --storage-options is not valid JSON: {e}", file=sys.stderr)
         return 1
     from ..errors import TensorStoreError
+    from . import error_line
 
     try:
         listing = inspect_root(url, options)
     except TensorStoreError as e:
-        print(f"inspect: {_one_line(str(e))}", file=sys.stderr)
+        print(error_line("inspect", e), file=sys.stderr)
         return 1
     except Exception as e:  # never a traceback for a store we cannot read
         why = f"{type(e).__name__}: {_one_line(str(e))}"
