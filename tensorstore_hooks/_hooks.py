@@ -16,10 +16,10 @@ import torch
 
 from ._compose import block_abort, block_enter, block_exit
 from ._diagnose import after_forward, before_forward
+from ._effects import shield_signals
 from ._pipeline import OffloadSession
 from ._registry import open_store, options_from_config
 from ._session_api import SessionAPI
-from ._signals import install as install_signal_shield
 from ._store import TensorStore
 from ._trace import describe_session, forward_begin, forward_end
 from .errors import ConfigError
@@ -61,7 +61,7 @@ class OffloadHooks(SessionAPI, torch.autograd.graph.saved_tensors_hooks):
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
-        install_signal_shield()  # NOTE [ Signals and finalizers ]
+        shield_signals()  # NOTE [ Signals and finalizers ], NOTE [ Process-wide effects ]
         if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
             return self
         pushed = counted = outermost = False

@@ -2,8 +2,9 @@
 
 A small priority pool: reads (backward is waiting) go before writes. Threads start on
 first use and stop on :meth:`IOPool.shutdown`, which runs when the owning store is
-closed and at interpreter exit. A task's exception is delivered through its Future,
-never lost in the thread.
+closed and at interpreter exit (an ``atexit`` handler registered only while a pool
+exists: NOTE [ Process-wide effects ] in ``_effects.py``). A task's exception is
+delivered through its Future, never lost in the thread.
 
 One pool serves every session on a store, sized by the first session that asks
 (``writer_threads + 2``); see :func:`pool_for` for what a later session with another
@@ -25,7 +26,16 @@ from typing import Any
 
 from ._forks import foreign
 
-__all__ = ["READ", "WRITE", "IOPool", "StorePool", "on_io_thread", "pool_for", "shutdown_pool"]
+__all__ = [
+    "READ",
+    "WRITE",
+    "IOPool",
+    "StorePool",
+    "at_exit_registered",
+    "on_io_thread",
+    "pool_for",
+    "shutdown_pool",
+]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -53,6 +63,7 @@ class IOPool:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child has none of its threads
+        self.retired = False  # counted out of the pools that keep the exit handler
 
     @property
     def closed(self) -> bool:
@@ -116,7 +127,7 @@ class IOPool:
 
 
 _POOLS: weakref.WeakKeyDictionary[Any, IOPool] = weakref.WeakKeyDictionary()
-_POOLS_LOCK = threading.Lock()
+_POOLS_LOCK = threading.RLock()  # re-entered by _count_pool from pool_for
 
 
 def pool_for(store: Any, threads: int) -> IOPool:
@@ -130,9 +141,10 @@ def pool_for(store: Any, threads: int) -> IOPool:
         pool = _POOLS.get(store)
         if pool is None or pool.closed:
             pool = _POOLS[store] = IOPool(threads)
+            _count_pool(+1)  # NOTE [ Process-wide effects ] (effect 5)
             # Idle workers hold no reference to the store: once it is collected, stop
             # them (without joining: a finalizer may run on any thread, even a worker).
-            weakref.finalize(store, pool.shutdown, 0.0).atexit = False
+            weakref.finalize(store, _collected, pool).atexit = False
         elif pool.threads != max(1, threads):
             log.warning(
                 "tensorstore-hooks: the store %s already has an I/O pool of %d threads; "
@@ -170,10 +182,46 @@ def shutdown_pool(store: Any) -> None:
     with _POOLS_LOCK:
         pool = _POOLS.pop(store, None)
     if pool is not None:
+        _retire(pool)
         pool.shutdown()
 
 
-@atexit.register
+def _collected(pool: IOPool) -> None:
+    # The store was collected (its entry leaves _POOLS with it): stop the pool's threads.
+    _retire(pool)
+    pool.shutdown(0.0)
+
+
+_pools = 0  # pools made and not yet retired; guarded by _POOLS_LOCK
+_exit_registered = False
+
+
+def _retire(pool: IOPool) -> None:
+    with _POOLS_LOCK:
+        if pool.retired:
+            return
+        pool.retired = True
+    _count_pool(-1)
+
+
+def _count_pool(delta: int) -> None:
+    """Register :func:`_shutdown_all` at exit while pools exist, unregister after."""
+    global _pools, _exit_registered
+    with _POOLS_LOCK:
+        _pools += delta
+        if _pools > 0 and not _exit_registered:
+            atexit.register(_shutdown_all)
+            _exit_registered = True
+        elif _pools <= 0 and _exit_registered:
+            atexit.unregister(_shutdown_all)
+            _exit_registered = False
+
+
+def at_exit_registered() -> bool:
+    """Whether the exit handler that stops the I/O threads is registered now."""
+    return _exit_registered
+
+
 def _shutdown_all() -> None:  # pragma: no cover - exercised by subprocess tests
     with _POOLS_LOCK:
         pools = list(_POOLS.values())

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._budgets import BudgetControl, pinned_idle_cap
 from ._device import DeviceStager
+from ._effects import SessionEffects
 from ._forks import foreign
-from ._heap import HeapReleaser, set_mmap_threshold
+from ._heap import HeapReleaser
 from ._iopool import StorePool, on_io_thread, shutdown_pool
 from ._parts import SessionParts
 from ._prefetch import Prefetcher
@@ -71,8 +72,9 @@ class OffloadSession:
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
             settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
         )
-        if settings.mmap_threshold is not None:
-            set_mmap_threshold(settings.mmap_threshold)  # NOTE [ Mmap threshold ]
+        # NOTE [ Process-wide effects ]: the mmap threshold, malloc_trim, signals.
+        trim_every = settings.release_heap_every if self.heap.enabled else 0
+        self._effects = SessionEffects(settings.mmap_threshold, trim_every)
         self._io = StorePool(store, settings.writer_threads + 2)
         self._unuse = store._use()  # NOTE [ Closed while in use ] in _zarr_store.py
         self._closing = False
@@ -196,6 +198,7 @@ class OffloadSession:
             self._closed = True
         self.stager.clear()
         self._unuse()
+        self._effects.end()
         if self.owns_store:
             shutdown_pool(self.store)
             with contextlib.suppress(Exception):

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ._eager import never_compiled
 from ._forks import foreign
 from ._signals import shielded
 
@@ -214,6 +215,7 @@ _finalizers: set[_Finalizer] = set()
 """The finalizers of live handles (set operations are atomic under the GIL)."""
 
 
+@never_compiled  # may run inside compiled code: NOTE [ torch.compile ], rule 3
 @shielded  # NOTE [ Signals and finalizers ]: a signal must not cut this in half
 def _handle_died(ref: _Finalizer) -> None:
     _finalizers.discard(ref)

@@ -22,6 +22,7 @@ import torch
 
 from ._budgets import BUDGET_LABEL
 from ._codec import is_dense, unsupported_reason
+from ._eager import never_compiled
 from ._forks import foreign
 from ._records import Handle, RecordTable, State, dedup_key
 from ._signals import shielded
@@ -123,6 +124,7 @@ class Router:
         """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
 
     # ------------------------------------------------------------ torch hooks
+    @never_compiled  # called from compiled graphs: NOTE [ torch.compile ], rule 3
     def pack(self, t: torch.Tensor) -> Any:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
         with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
@@ -156,6 +158,7 @@ class Router:
             return _pack_host(t)
         return Kept(t)
 
+    @never_compiled
     def unpack(self, packed: Any) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
         if isinstance(packed, Handle):

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._eager import never_compiled
+
 __all__ = ["ModuleScope"]
 
 
@@ -109,6 +111,7 @@ class ModuleScope:
         enter = self.enter
         scope = self
 
+        @never_compiled  # NOTE [ torch.compile ], rule 3 (one code object for all)
         def pre_hook(module: Any, args: Any) -> None:
             if torch.compiler.is_compiling():  # NOTE [ torch.compile ], rule 4
                 from ._compile import scope_traced
@@ -124,6 +127,7 @@ class ModuleScope:
         # when a global pre-hook raised before ours pushed anything.
         exit_ = self.exit
 
+        @never_compiled
         def post_hook(module: Any, args: Any, output: Any) -> None:
             if torch.compiler.is_compiling():  # rule 4: tracks nothing in traced code
                 return

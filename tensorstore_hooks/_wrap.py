@@ -52,6 +52,8 @@ from torch.nn.modules import module as _nn_module
 
 from ._compose import checkpoint_decides
 from ._diagnose import after_forward, glob_matches, sample_names
+from ._eager import never_compiled
+from ._effects import say_once
 from ._hooks import OffloadHooks, make_session
 from ._policy import compile_module_glob
 from ._scope import ModuleScope
@@ -142,6 +144,7 @@ def _forget(key: int, ref: weakref.ref[torch.nn.Module]) -> None:
             table.pop(key, None)
 
 
+@never_compiled  # a frame of its own runs eagerly; inlined, the branch below (Rule 6)
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():  # Rule 6
         key = id(module)
@@ -159,6 +162,7 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     enter_module(module)
 
 
+@never_compiled
 def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_compiling():  # Rule 6
         key = id(module)
@@ -260,6 +264,11 @@ def _install_global_hooks() -> None:
         pre = _nn_module.register_module_forward_pre_hook(_pre_hook)
         post = _nn_module.register_module_forward_hook(_post_hook, always_call=True)
         _global_handles.extend((pre, post))
+        say_once(
+            "module hooks",
+            "tensorstore-hooks: global module forward hooks registered while a model is "
+            "wrapped (NOTE [ Process-wide effects ]; removed after the last tsh.unwrap)",
+        )
 
 
 def _remove_global_hooks() -> None:

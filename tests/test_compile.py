@@ -31,9 +31,6 @@ pytestmark = [
     # dynamo reads .grad of a compiled block's non-leaf input (its own filter does not
     # win over pytest's "error"): torch's, with or without offloading.
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
-    # Dynamo tracing hooks that call torch._C builtins warns; let such a run go on, so
-    # what it trains is what these tests judge (the hooks here no longer do that).
-    pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin"),
 ]
 
 STEPS = 3

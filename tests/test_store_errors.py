@@ -42,7 +42,7 @@ def test_a_vanished_root_is_named_by_get_and_put_and_not_made_again(tmp_path: Pa
     with pytest.raises(StoreUnavailableError, match="is gone") as got:
         store.get(key)
     assert not isinstance(got.value, IntegrityError) and str(root) in str(got.value)
-    with pytest.raises(StoreUnavailableError, match="is gone.*not stored"):
+    with pytest.raises(StoreUnavailableError, match=r"is gone.*not stored"):
         store.put(torch.ones(3))
     assert not root.exists()
     store.close()
