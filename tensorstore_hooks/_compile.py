@@ -26,14 +26,18 @@ active at that moment. So:
    :class:`~tensorstore_hooks.ConfigError` at the first forward, naming what
    works instead. (Before this rule, a traced ``wrap`` pushed and popped in the
    wrong places: layers got no gradient, silently.)
-3. Torch calls a compiled module's own forward hooks outside its graph, and
-   dynamo compiles such a hook as a frame of its own; any work our hook skips
-   under ``is_compiling()`` would then be skipped for good. So a selected
-   module's hook calls its eager work through :func:`outside_graph`
-   (``torch._dynamo.disable``): dynamo breaks there, at the first instruction of
-   a frame with no tensor work, which changes no graph. Whether the hook was
-   traced on its own (rule 3) or inside a larger graph (rule 2) is read from
-   dynamo's tracer at trace time (``comptime``).
+3. Torch calls some of our code from inside compiled regions: the pack hook from a
+   graph's ``save_for_backward``, a compiled module's own forward hooks (run by
+   ``_call_impl`` outside its graph), finalizers. Dynamo would compile each such
+   frame on its own, and any work it skips under ``is_compiling()`` would be
+   skipped for good; so those functions are marked :func:`~tensorstore_hooks._eager.
+   never_compiled` (dynamo runs them, and what they call, eagerly). When dynamo
+   *inlines* a selected module's hook into a graph it builds for that module alone
+   (``block.compile()``: the hook at the graph's first instruction), the hook's
+   work runs through :func:`outside_graph` (``torch._dynamo.disable``): a break
+   before any tensor work, which changes no graph. Whether the hook was traced
+   for its module alone or inside a larger graph (rule 2) is read from dynamo's
+   tracer at trace time (``comptime``).
 4. Every other module's hook does nothing in traced code (no graph break), so
    models that are not wrapped, and the unselected parts of wrapped ones, compile
    as they would without us. Hence ``module`` policy rules cannot see modules
