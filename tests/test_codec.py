@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import gc
 import math
 import pickle
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +371,32 @@ def test_unpack_of_a_small_view_comes_back_with_its_own_span() -> None:
     y.sum().backward()
     assert torch.equal(w.grad, torch.arange(10.0))
     hooks.close()
+
+
+def test_packing_leaves_the_callers_tensors_as_they_were() -> None:
+    # .numpy() of a storage marks it not resizable for good; FSDP2 then failed to
+    # free its unsharded parameters (storage.resize_(0)).
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    with tsh.offload("memory://", min_bytes=0, skip_parameters=False) as hooks:
+        out = (x @ w).tanh()  # mm saves x and w; tanh saves its output
+        loss = out.sum()
+    hooks.flush()
+    assert hooks.stats.tensors_offloaded >= 3
+    for t in (x, w):
+        assert t.untyped_storage().resizable()
+    watch = weakref.ref(out)
+    del out
+    loss.backward()
+    del loss
+    gc.collect()
+    assert watch() is None  # nothing of ours keeps a saved tensor alive once freed
+    for t in (x, w):
+        assert t.untyped_storage().resizable()
+    w.untyped_storage().resize_(0)  # what FSDP2 does after forward
+    hooks.close()
+    store = tsh.open_store("memory://")
+    t = torch.randn(10)
+    store.get(store.put(t))
+    assert t.untyped_storage().resizable()
+    store.close()

@@ -474,3 +474,17 @@ def test_lightning_compiled_module_with_block_modules_is_refused() -> None:
     cb = OffloadCallback(store="memory://", min_bytes=0, modules="net")
     with pytest.raises(ConfigError, match=r"'net' runs inside a torch\.compile'd graph"):
         _pl_fit(_Lit.make(), [cb])
+
+
+def test_model_compile_of_a_wrapped_model_does_not_warn() -> None:
+    # docs/compile.md: only torch.compile(module) warns about global module hooks.
+    model = _net()
+    hooks = tsh.wrap(model, "memory://", min_bytes=0)
+    model.compile(backend="aot_eager")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(BATCHES[0]).backward()
+        assert hooks.stats.tensors_offloaded > 0
+    finally:
+        hooks.remove()
