@@ -1,7 +1,7 @@
 """torch.compile and the offload hooks: what runs outside a compiled graph, what is refused.
 
-Our hooks import this module only while dynamo traces them (``from . import
-_compile`` inside their ``torch.compiler.is_compiling()`` branch, which dynamo runs
+Our hooks import this module only while dynamo traces them (``from ._compile
+import ...`` inside their ``torch.compiler.is_compiling()`` branch, which dynamo runs
 at trace time), so a process that never compiles never imports ``torch._dynamo``
 because of us.
 
@@ -24,8 +24,8 @@ active at that moment. So:
    graph (``tsh.wrap(model, modules="layers.*")`` with ``torch.compile(model)``)
    and an ``offload()`` block entered in traced code are refused: a
    :class:`~tensorstore_hooks.ConfigError` at the first forward, naming what
-   works instead. (Before this rule, a traced ``wrap`` pushed and popped in the
-   wrong places: layers got no gradient, silently.)
+   works instead; never a model that trains differently (pushes and pops traced
+   into the wrong places leave layers without a gradient).
 3. Torch calls some of our code from inside compiled regions: the pack hook from a
    graph's ``save_for_backward``, a compiled module's own forward hooks (run by
    ``_call_impl`` outside its graph), finalizers. Dynamo would compile each such

@@ -72,11 +72,7 @@ class OffloadSession:
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
             settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
         )
-        # NOTE [ Process-wide effects ]: the mmap threshold, malloc_trim, signals.
-        trim_every = settings.release_heap_every if self.heap.enabled else 0
-        self._effects = SessionEffects(settings.mmap_threshold, trim_every)
         self._io = StorePool(store, settings.writer_threads + 2)
-        self._unuse = store._use()  # NOTE [ Closed while in use ] in _zarr_store.py
         self._closing = False
         self._closed = False
         self._table = RecordTable(self._release)
@@ -108,6 +104,11 @@ class OffloadSession:
             scope=scope,
             budget=budget,
         )
+        # Last, once nothing can fail: both are given back by _close_now. NOTE [ Closed
+        # while in use ] (_zarr_store.py), NOTE [ Process-wide effects ] (_effects.py).
+        self._unuse = store._use()
+        trim_every = settings.release_heap_every if self.heap.enabled else 0
+        self._effects = SessionEffects(settings.mmap_threshold, trim_every)
 
     @property
     def policy(self) -> Any:

@@ -8,8 +8,10 @@ would offload into the original's store. So nothing of ours is stored on the
 model. One pair of *global* module hooks
 (``torch.nn.modules.module.register_module_forward_pre_hook`` and
 ``register_module_forward_hook(always_call=True)``), registered while at least one
-model is wrapped, looks each running module up in a registry keyed weakly by the
-module object. A copy is another object, absent from the registry: not wrapped.
+model is wrapped, looks each running module up in a registry keyed by the module's
+``id`` and checked against a weak reference to it (Rule 6 says why not a
+``WeakKeyDictionary``). A copy is another object, absent from the registry: not
+wrapped.
 The cost while anything is wrapped: every module call in the process takes torch's
 hook path and one dictionary lookup.
 
