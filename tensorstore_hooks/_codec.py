@@ -300,9 +300,7 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
     region = t.contiguous().view(-1) if compact else t.as_strided((span,), (1,), offset)
     if region.device.type != "cpu":
         region = region.cpu()
-    # Through DLPack, not ``.numpy()``: that marks the caller's storage as not
-    # resizable, for good (FSDP2 frees unsharded parameters with ``resize_(0)``).
-    payload = np.from_dlpack(region.view(torch.uint8))
+    payload = _bytes_of(region.view(torch.uint8))
     meta = TensorMeta(
         dtype=_NAME_OF[t.dtype],
         shape=shape,
@@ -314,6 +312,33 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
         nbytes=payload.nbytes,
     )
     return meta, payload
+
+
+class _Bytes:
+    """A 1-D uint8 CPU tensor's bytes as numpy sees them, the tensor kept alive.
+
+    Not ``tensor.numpy()``: that marks the caller's storage as not resizable, for
+    good (FSDP2 frees unsharded parameters with ``storage.resize_(0)``); DLPack
+    would do too, at twice this cost.
+    """
+
+    __slots__ = ("__array_interface__", "_tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._tensor = t
+        self.__array_interface__ = {
+            "shape": (t.numel(),),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of contiguous 1-D uint8 CPU tensor ``t``, zero-copy, writable."""
+    if not t.numel():
+        return np.empty(0, dtype=np.uint8)
+    return np.asarray(_Bytes(t))
 
 
 def _as_uint8(payload: Any) -> torch.Tensor:
