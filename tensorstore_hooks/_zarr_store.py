@@ -48,8 +48,8 @@ after the store was closed (a graph held by a reference cycle, freed by the
 collector). So a session marks its use of the store (``_use()``); ``close()`` then
 refuses puts and gets at once but keeps the journal and the namespace lock for the
 sessions' deletes, and finishes (spares unlinked, an empty namespace removed, the
-lock released) when the last session is done. Nothing is left behind, and no delete
-fails. Keys put by hand stay, as after any close.
+lock released) when the last session is done, or as soon as no key is left. Nothing
+is left behind, and no delete fails. Keys put by hand stay, as after any close.
 """
 
 from __future__ import annotations
@@ -257,6 +257,7 @@ class ZarrStore(BlobStore):
         self._segments_made: set[int] = set()
         self._users = 0  # offload sessions writing here: NOTE [ Closed while in use ]
         self._close_pending = False
+        self._finished = False  # _close_now ran
         self._unlock: Callable[[], None] | None = None
         self.damage: list[Damage] = []
         """What replaying this namespace's index found damaged (empty when all was well)."""
@@ -515,6 +516,7 @@ class ZarrStore(BlobStore):
             entry = self._entry(key, deleting=True)
             unlink = self._forget([key], [entry])
         self._unlink(unlink)
+        self._finish_if_drained()
 
     def delete_many(self, keys: Any) -> None:
         self._check_writer("delete")
@@ -524,6 +526,16 @@ class ZarrStore(BlobStore):
             pairs = [(k, e) for k, e in found if e is not None]
             unlink = self._forget([k for k, _ in pairs], [e for _, e in pairs])
         self._unlink(unlink)
+        self._finish_if_drained()
+
+    def _finish_if_drained(self) -> None:
+        """A close waiting for sessions' deletes finishes once no key is left."""
+        with self._lock:
+            drained = self._close_pending and not self._index
+            if drained:
+                self._close_pending = False
+        if drained:
+            self._close_now()
 
     def _forget(self, keys: list[str], entries: list[_Entry]) -> list[Run]:
         """Under the lock: drop keys from the index and journal; returns runs to unlink."""
@@ -636,6 +648,9 @@ class ZarrStore(BlobStore):
 
     def _close_now(self) -> None:
         with self._lock:
+            if self._finished:
+                return
+            self._finished = True
             empty = not self._index
             spares = [p for run in self._alloc.drain_spares() for p in self._run_paths(run)]
             with contextlib.suppress(Exception):

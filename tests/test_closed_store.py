@@ -118,3 +118,15 @@ def test_offload_into_a_closed_store_is_refused(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreClosedError, match="is closed"):
         tsh.offload(store)
+
+
+def test_a_closed_store_finishes_once_its_last_key_is_deleted(tmp_path: Path) -> None:
+    # The hooks stay open (their session lives on); freeing the graph is enough.
+    root = tmp_path / "root"
+    store = tsh.open_store(f"file://{root}")
+    hooks = tsh.offload(store, min_bytes=0)
+    _forward_in_a_cycle(hooks)
+    store.close()
+    gc.collect()
+    assert sorted(p.name for p in root.iterdir()) == ["zarr.json"]
+    hooks.close()
