@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,10 @@ class NamespaceIndex:
         self.damage: list[Damage] = []
         """What replaying the index found damaged (empty when all was well)."""
         self.closed = False
+        """No put or get any more (deletes go on while a close waits for sessions)."""
+        self._users = 0  # offload sessions writing here: NOTE [ Closed while in use ]
+        self._close_pending = False
+        self._finished = False  # close() ran
 
     # ----------------------------------------------------------------- replay
     def resume(self) -> None:
@@ -206,9 +210,9 @@ class NamespaceIndex:
                 self._alloc.cancel(run)
 
     # ------------------------------------------------------------------- reads
-    def entry(self, key: str) -> Entry:
+    def entry(self, key: str, *, deleting: bool = False) -> Entry:
         """``key``'s entry; ``KeyNotFoundError`` if absent, ``StoreClosedError`` if closed."""
-        self.check_open()
+        self.check_open(deleting)
         found = self._entries.get(key) if isinstance(key, str) else None
         if found is None:
             raise KeyNotFoundError(
@@ -246,13 +250,13 @@ class NamespaceIndex:
         the caller must delete (outside any lock) and then :meth:`release`.
         ``missing_ok=False``: a key that is absent raises ``KeyNotFoundError``."""
         with self._lock:
-            self.check_open()
+            self.check_open(deleting=True)
             found = []
             for key in keys:
                 entry = self._entries.get(key) if isinstance(key, str) else None
                 if entry is None:
                     if not missing_ok:
-                        self.entry(key)  # raises KeyNotFoundError naming the key
+                        self.entry(key, deleting=True)  # raises KeyNotFoundError naming it
                     continue
                 found.append((key, entry))
             for key, entry in found:
@@ -303,19 +307,64 @@ class NamespaceIndex:
             if not self._io.supports_append:
                 self.log.snapshot({k: e.to_record() for k, e in self._entries.items()})
 
-    def check_open(self) -> None:
-        if self.closed:
+    def check_open(self, deleting: bool = False) -> None:
+        if self.closed and not (deleting and self._close_pending):
             raise StoreClosedError(
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
 
-    def close(self) -> tuple[bool, list[Run]] | None:
-        """Close (idempotent: ``None`` the second time). Persists the index where the
-        backend cannot append and closes the journal; returns whether the namespace
-        holds no keys and the spare runs whose files the caller deletes."""
+    def begin_close(self) -> bool:
+        """Refuse puts and gets from now on. True: the caller finishes the close now
+        (:meth:`close`); False: already closed, or sessions still use the store and
+        the close finishes when the last one is done or no key is left (NOTE [ Closed
+        while in use ] in ``_zarr_store.py``)."""
         with self._lock:
             if self.closed:
+                return False
+            self.closed = True
+            if self._users:
+                self._close_pending = True
+                return False
+            return True
+
+    def use(self, on_last: Callable[[], None]) -> Callable[[], None]:
+        """A session writes here; the result (idempotent) says it is done, and calls
+        ``on_last`` if it was the last one a pending close waited for."""
+        with self._lock:
+            self.check_open()
+            self._users += 1
+        done: list[bool] = []
+
+        def unuse() -> None:
+            with self._lock:
+                if done:
+                    return
+                done.append(True)
+                self._users -= 1
+                last = self._users == 0 and self._close_pending
+                self._close_pending = self._close_pending and not last
+            if last:
+                on_last()
+
+        return unuse
+
+    def drained(self) -> bool:
+        """Whether a close waiting for sessions' deletes may finish now: no key is left
+        (True once)."""
+        with self._lock:
+            drained = self._close_pending and not self._entries
+            if drained:
+                self._close_pending = False
+            return drained
+
+    def close(self) -> tuple[bool, list[Run]] | None:
+        """Finish closing (idempotent: ``None`` the second time). Persists the index
+        where the backend cannot append and closes the journal; returns whether the
+        namespace holds no keys and the spare runs whose files the caller deletes."""
+        with self._lock:
+            if self._finished:
                 return None
+            self._finished = True
             self.closed = True
             empty = not self._entries
             spares = self._alloc.drain_spares()

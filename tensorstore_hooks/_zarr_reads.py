@@ -29,7 +29,7 @@ from .errors import (
     TensorStoreError,
 )
 
-__all__ = ["KeyReader", "TransferCounts", "TransferCounter", "aligned_region"]
+__all__ = ["KeyReader", "TransferCounter", "TransferCounts", "aligned_region", "store_gone"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +146,15 @@ class KeyReader:
         try:
             self._codec.read(self._io, paths, region, n, entry.chunk, crcs, what, first)
         except Exception as e:
-            err = self.missing(key) if key not in self._ns else _read_failure(what, e)
+            gone = None
+            if isinstance(e, FileNotFoundError) and key in self._ns:
+                gone = store_gone(self._io, self._url, self._ns.namespace)
+            if key not in self._ns:
+                err: Exception = self.missing(key)
+            elif gone is not None:
+                err = StoreUnavailableError(f"{what} cannot be read: {gone}")
+            else:
+                err = _read_failure(what, e)
             if err is e:
                 raise
             raise err from e
@@ -182,6 +190,21 @@ def aligned_region(buffer: Any, n: int, what: str) -> memoryview:
             "use put_blob / get_blob for other buffers"
         )
     return region
+
+
+def store_gone(io: ChunkIO, url: str, namespace: str) -> str | None:
+    """Why the store's root or namespace is no longer there (``None`` if it is)."""
+    try:
+        if not io.exists("zarr.json"):
+            return f"the store's root {url} is gone (removed or renamed while the store was open)"
+        if not io.exists(f"{namespace}/zarr.json"):
+            return (
+                f"namespace {namespace!r} of {url} is gone (removed or renamed while the "
+                "store was open)"
+            )
+    except Exception:  # cannot even look: say so rather than guess
+        return f"the store's root {url} cannot be reached"
+    return None
 
 
 def _read_failure(what: str, e: Exception) -> TensorStoreError:

@@ -84,6 +84,15 @@ delete that failed keeps its run out of the free list. The objects are orphans, 
 most a few per outage, and go with the namespace. (The checksums bound to each
 chunk's key and position would catch such an overwrite as an ``IntegrityError``;
 this keeps it from happening.)
+
+NOTE [ Closed while in use ]
+An offload session deletes its keys when autograd frees their graph, which may be
+after the store was closed (a graph held by a reference cycle, freed by the
+collector). So a session marks its use of the store (``_use()``); ``close()`` then
+refuses puts and gets at once but keeps the journal and the namespace lock for the
+sessions' deletes, and finishes (spares unlinked, an empty namespace removed, the
+lock released) when the last session is done, or as soon as no key is left. Nothing
+is left behind, and no delete fails. Keys put by hand stay, as after any close.
 """
 
 from __future__ import annotations
@@ -102,13 +111,13 @@ from typing import Any
 import numpy as np
 
 from ._aligned import BufferPool, PoolStats
-from ._allocator import Run
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, DirectIOStatus, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
+from ._forks import foreign
 from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import Damage, IndexLog, os_error
-from ._namespace import Entry, NamespaceIndex
+from ._namespace import NamespaceIndex
 from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
@@ -122,11 +131,10 @@ from ._zarr_options import (
     parse_direct_io,
 )
 from ._zarr_reads import KeyReader, TransferCounter, TransferCounts, aligned_region
+from ._zarr_writes import KeyWriter, check_writer
 from .errors import (
     ConfigError,
     IntegrityError,
-    QuotaExceededError,
-    StoreClosedError,
     StoreUnavailableError,
     TensorStoreError,
 )
@@ -263,6 +271,7 @@ class ZarrStore(BlobStore):
         ):
             raise ConfigError(f"ZarrStore: namespace {namespace!r} must be 1-128 of [A-Za-z0-9._-]")
         self._temporary = url is None
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: only this process changes the store
         # NOTE [ Stale namespaces ]: a temporary root sweeps its dead siblings.
         location = make_temp_root() if self._temporary else None
         self._io = make_io(location or url, storage_options, retry_deadline_s)
@@ -275,11 +284,16 @@ class ZarrStore(BlobStore):
         self._reads = KeyReader(
             self._ns, self._codec, self._io, self._pool, self._url, self._counter
         )
+        self._writes = KeyWriter(
+            self._ns, self._codec, self._io, self._url, self._pid, self._counter
+        )
         self._ns.closed = True  # until fully constructed: close() must be safe on failure
         try:
             self._unlock = _lock_namespace(self._io, self.namespace)
             _write_layout(self._io, self._url, self.namespace, self.chunk_bytes, self.codec)
             self._direct = _configure_direct_io(self._io, direct_mode, self.namespace)
+            if isinstance(self._io, LocalIO):
+                self._io.root_made = True  # a vanished root is an error from now on
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
@@ -301,7 +315,7 @@ class ZarrStore(BlobStore):
         # Collected without close(): close the journal quietly, release the namespace
         # (and remove a temporary directory).
         self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
-            self, _finalize, self._ns.log, self._unlock, location
+            self, _finalize, self._pid, self._ns.log, self._unlock, location
         )
 
     @property
@@ -315,7 +329,9 @@ class ZarrStore(BlobStore):
         data = memoryview(payload).cast("B") if n else memoryview(b"")
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
-        return self._put(meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk))
+        return self._writes.put(
+            meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk)
+        )
 
     def put_aligned(self, meta: TensorMeta, buffer: Any) -> str:
         """Store ``buffer[:meta.nbytes]`` like :meth:`put_blob`, straight from ``buffer``
@@ -333,57 +349,12 @@ class ZarrStore(BlobStore):
         """
         n = meta.nbytes
         region = aligned_region(buffer, n, "put_aligned")
-        return self._put(
+        return self._writes.put(
             meta,
             lambda paths, chunk: (
                 self._codec.write_aligned(self._io, paths, region, n, chunk),
                 0,
             ),
-        )
-
-    def _put(self, meta: TensorMeta, write: Callable[[list[str], int], tuple[bytes, int]]) -> str:
-        key, run = self._ns.reserve(meta.nbytes)
-        chunk, _, count = run
-        paths = self._ns.run_paths(run)
-        try:
-            if count:
-                self._ns.ensure_segment(chunk, self._codec.zarr_compressors())
-            crcs, rot = write(paths, chunk) if count else (b"", 0)
-        except Exception as e:
-            self._undo_put(run, paths)
-            raise self._put_error(key, e) from e
-        try:
-            self._ns.commit(key, Entry(chunk, run[1], count, crcs, meta, rot))
-        except TensorStoreError as e:
-            self._undo_put(run, paths)
-            if isinstance(e, StoreClosedError):
-                raise
-            raise self._put_error(key, e) from e
-        self._counter.add(meta.nbytes, direct=self._codec.moves_direct(self._io, chunk), read=False)
-        return key
-
-    def _undo_put(self, run: Run, paths: list[str]) -> None:
-        """A put that failed: delete what it wrote (give the space back), free its run
-        unless a request on it may still land (NOTE [ Requests that land late ])."""
-        with contextlib.suppress(Exception):
-            self._io.delete(paths)
-        self._ns.cancel(run, uncertain=self._io.take_uncertain(paths))
-
-    def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
-        err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
-        if isinstance(err, QuotaExceededError):
-            self._unlink(self._ns.drain_spares())  # the disk is full: spares are free space
-        return type(err)(f"{err}; the tensor was not stored")
-
-    def _unlink(self, runs: list[Run]) -> None:
-        """Delete the chunk files of freed runs (outside the lock), then free them."""
-        if not runs:
-            return
-        with contextlib.suppress(Exception):
-            self._io.delete([p for run in runs for p in self._ns.run_paths(run)])
-        # NOTE [ Requests that land late ]: a run with an uncertain request stays out.
-        self._ns.release(
-            [run for run in runs if not self._io.take_uncertain(self._ns.run_paths(run))]
         )
 
     # ------------------------------------------------------------------- gets
@@ -427,10 +398,16 @@ class ZarrStore(BlobStore):
 
     # ---------------------------------------------------------------- deletes
     def delete(self, key: str) -> None:
-        self._unlink(self._ns.forget([key], missing_ok=False))
+        check_writer(self._pid, self._url, "delete")
+        self._writes.unlink(self._ns.forget([key], missing_ok=False))
+        if self._ns.drained():  # NOTE [ Closed while in use ]
+            self._close_now()
 
     def delete_many(self, keys: Any) -> None:
-        self._unlink(self._ns.forget(keys, missing_ok=True))
+        check_writer(self._pid, self._url, "delete")
+        self._writes.unlink(self._ns.forget(keys, missing_ok=True))
+        if self._ns.drained():
+            self._close_now()
 
     def compact_index(self) -> None:
         """Rewrite the index as a snapshot of the live keys now, however short the
@@ -499,13 +476,29 @@ class ZarrStore(BlobStore):
 
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
+        check_writer(self._pid, self._url, "write")
         self._ns.flush()
 
     def close(self) -> None:
         """Close the store. A temporary store deletes its directory; a namespace that
-        holds no keys is removed so shared roots do not fill with empty writers."""
+        holds no keys is removed so shared roots do not fill with empty writers.
+
+        In a forked child of the process that opened it, only this object is closed:
+        nothing on disk, and the namespace lock stays with the parent."""
         ns = getattr(self, "_ns", None)  # None: the constructor failed before making it
-        closed = None if ns is None else ns.close()
+        if ns is not None and foreign(self._pid):
+            ns.closed = True
+            self._finalizer.detach()
+        elif ns is not None and ns.begin_close():
+            self._close_now()
+
+    def _use(self) -> Callable[[], None]:
+        """Internal (NOTE [ Closed while in use ]): an offload session writes here; call
+        the result once it has deleted what it wrote (idempotent)."""
+        return self._ns.use(self._close_now)
+
+    def _close_now(self) -> None:
+        closed = self._ns.close()
         if closed is None:
             return
         empty, spare_runs = closed
@@ -590,16 +583,11 @@ def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec
         )
 
 
-def _write_failure(where: str, e: BaseException) -> TensorStoreError:
-    """The store's error for a write that failed with ``e``."""
-    if isinstance(e, OSError):
-        return os_error(e, where)
-    if isinstance(e, TensorStoreError):
-        return type(e)(f"{where} failed: {e}")
-    return StoreUnavailableError(f"{where} failed: {e}")
-
-
-def _finalize(index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None) -> None:
+def _finalize(
+    pid: int, index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None
+) -> None:
+    if foreign(pid):  # a forked child's exit: the store is its parent's (NOTE [ Fork safety ])
+        return
     index_log.close()
     if unlock is not None:
         unlock()
