@@ -40,21 +40,25 @@ Rules, numbered so code can cite them:
    prefetcher reads the stored run behind them in one sweep, with no read stall
    at backward's start.
 6. The rest is predicted from a remembered trace, aligned with the running forward
-   position by position. A *kind* is a size of the remembered trace (the same
-   tensor of each repeated block has the same size); its ratio is the running
-   forward's size over the remembered one at the kind's latest position. The
-   rest is this tensor plus each remaining remembered tensor times its kind's
-   ratio (a kind not seen yet: the ratio of all bytes so far), so a forward at
-   another sequence length is scaled kind by kind (attention's ``L x L`` and the
-   ``L x d`` tensors each by their own factor). A kind not seen yet whose tensors
-   sit together (the logits, the last norm) scales by the largest ratio seen (or of
-   all bytes so far); one not seen yet that is spread over the trace (a tensor of
-   every block) leaves the rest unknown, so no run starts before every block's kinds
-   have been seen (in the first block). The trace used is the one whose
-   ratios have contradicted themselves least so far (a kind seen at two ratios, or
-   a position past the trace's end), then one the forward matches exactly, then the
-   newest. A forward that matches a trace exactly is predicted exactly. Past the
-   trace's end the rest is the tensor alone.
+   tensor by tensor. A *kind* is a size of the remembered trace (the same tensor of
+   each repeated block has the same size); its ratio is the running forward's size
+   over the remembered one at the kind's latest pairing. The rest is this tensor
+   plus each remaining remembered tensor times its kind's ratio, so a forward at
+   another sequence length is scaled kind by kind (attention's ``L x L`` by r**2,
+   the ``L x d`` tensors by r). A kind not paired yet whose tensors sit together
+   (the logits, the last norm) scales by the largest ratio seen (or that of all
+   bytes so far, if larger): a guess too high keeps less, never more. One not
+   paired yet that is spread over the trace (a tensor of every block) leaves the
+   rest unknown: no run starts in the first block.
+   Alignment: a tensor pairs with the next trace position whose kind fits (its own
+   ratio once paired; a new kind: a ratio within the square of those seen). One or
+   two trace tensors of kinds never paired may be skipped (a tensor that fell below
+   ``min_bytes`` at this length); a tensor that fits none of the next three is one
+   the trace lacks. Both, and a kind seen at two ratios, are *contradictions*: a
+   trace with any is no longer trusted kind by kind (every remaining byte scales by
+   the largest ratio). The trace used is the one with the fewest contradictions,
+   then one the forward matches exactly so far (predicted exactly), then the
+   newest. Past the trace's end the rest is the tensor alone.
 7. Calibration: a forward whose run started from a prediction compares the rest it
    really saved from there with the prediction; the next forwards multiply their
    predictions by the largest such ratio of the last ``CALIBRATION_FORWARDS``
@@ -142,7 +146,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -171,6 +175,7 @@ __all__ = [
     "auto_budget",
     "derive_windows",
     "headroom_bytes",
+    "kept_nothing_warning",
     "pinned_idle_cap",
     "plan_keep",
     "scaled_rest",
@@ -238,9 +243,7 @@ class Trace:
             if last.get(size, i - 1) != i - 1:
                 spread.add(size)
             last[size] = i
-        return cls(
-            tuple(sizes), sum(sizes), tuple((k, n, k in spread) for k, n in counts.items())
-        )
+        return cls(tuple(sizes), sum(sizes), tuple((k, n, k in spread) for k, n in counts.items()))
 
 
 def scaled_rest(
@@ -484,6 +487,58 @@ _IDLE, _KEEPING, _CLOSED = 0, 1, 2  # a forward's run (rule 5): not started, run
 _CPU = torch.device("cpu")
 
 
+@dataclass(slots=True)
+class _Forward:
+    """The running forward (rule 1): what it has saved, and its run (rule 5)."""
+
+    aligns: list[_Alignment]
+    """One per remembered trace, newest first (rule 6)."""
+    plan_budget: int | None
+    """What the plan could spend when the forward started."""
+    sizes: list[int] = field(default_factory=list)
+    seen: int = 0
+    largest: int = 0
+    run: int = _IDLE
+    kept: int = 0
+    run_start: int = -1
+    predicted: float = 0.0
+    """The rest predicted where the run started (rule 7)."""
+    align: _Alignment | None = None
+    """The alignment that prediction came from."""
+
+
+def kept_nothing_warning(plan_bytes: int, budget_bytes: int, newest_bytes: int) -> str:
+    """The rule 9 warning: the plan's budget, the windows, the tensor that did not fit."""
+    why = (
+        f"less than the newest tensor a forward saves ({format_bytes(newest_bytes)})"
+        if plan_bytes < newest_bytes
+        else "and each forward's sizes differed too much from the earlier ones to predict "
+        "what it would still save"
+    )
+    windows = budget_bytes - plan_bytes
+    return (
+        f"tensorstore-hooks: device_budget kept nothing in {KEPT_NOTHING_FORWARDS} forwards "
+        f"in a row: the plan may spend {format_bytes(plan_bytes)} (device_budget "
+        f"{format_bytes(budget_bytes)} less the prefetch and max_inflight windows, "
+        f"{format_bytes(windows)}), {why}. Raise device_budget (to at least "
+        f"{format_bytes(newest_bytes + windows)}), give smaller windows (prefetch=, "
+        "max_inflight=), or set device_budget to null to offload without a plan."
+    )
+
+
+def _log_auto(
+    which: str, share: MemoryShare, reading: MemoryReading, base: int, headroom: int, figure: int,
+    *, info: bool,
+) -> None:  # fmt: skip
+    log.log(
+        logging.INFO if info else logging.DEBUG,
+        "%s_budget %s: %s (%s of %s from %s, less headroom %s and the peak without saved "
+        "tensors %s)",
+        which, share, format_bytes(figure), share, format_bytes(reading.limit_bytes),
+        reading.source, format_bytes(headroom), format_bytes(base),
+    )  # fmt: skip
+
+
 class BudgetControl:
     """One pipeline's budgets: the device plan, the windows and the ``auto`` figures.
 
@@ -508,8 +563,10 @@ class BudgetControl:
         stats: OffloadStats | None = None,
         probe: MemoryProbe | None = None,
     ) -> None:
-        self._device_spec = device_budget
-        self._host_spec = host_budget
+        self._specs: dict[str, int | MemoryShare | None] = {
+            "device": device_budget,
+            "host": host_budget,
+        }
         self._headroom = memory_headroom
         self._user_inflight = max_inflight
         self._user_prefetch = prefetch
@@ -526,41 +583,25 @@ class BudgetControl:
         """Forwards finished (rule 1)."""
         self.replans = 0
         """Forwards whose trace was new (rule 4)."""
-        # The running forward.
-        self._forwarding = False
-        self._sizes: list[int] = []
-        self._seen = 0
-        self._largest = 0
-        self._aligns: list[_Alignment] = []
-        self._run = _IDLE
-        self._kept = 0
-        self._run_start = -1
-        self._run_predicted = 0.0
-        self._run_align: _Alignment | None = None
-        self._plan_at_start: int | None = None
-        # What the last forwards kept (rule 9) and held (NOTE [ Auto budgets ] rule 3).
-        self._kept_nothing = 0
-        self._warned = False
-        self._unreadable = False
+        self._fwd: _Forward | None = None  # None between forwards
+        self._fwd_done = _Forward([], None)  # the last finished one
+        self._kept_nothing = 0  # forwards in a row (rule 9)
+        self._warned: set[str] = set()
         self._warning: str | None = None  # issued by keep() outside the lock
-        self._last_kept = 0
-        self._tier_used = 0
         # Effective budgets (NOTE [ Auto budgets ]).
         self._device: torch.device | None = None
-        self._device_track: PeakTrack | None = None
-        self._host_track: PeakTrack | None = None
+        self._tracks: dict[str, PeakTrack] = {}
+        self._tier_used = 0  # the host tier's bytes at the last backward's start
         self._derive_due = False
         self._logged: dict[str, int] = {}
         self.device_budget: int | None = (
             device_budget if not isinstance(device_budget, MemoryShare) else None
         )
         """The device budget in force, bytes (``None``: none, or ``auto`` not derived yet)."""
-        self.host_budget: int = 0
+        self.host_budget: int = host_budget if isinstance(host_budget, int) else 0
         """The host budget in force, bytes."""
         if isinstance(host_budget, MemoryShare):
-            self.host_budget = self._derive_host(held_bytes=0)
-        else:
-            self.host_budget = host_budget
+            self.host_budget = self._derive("host", _CPU, 0) or 0
         self._publish()
         self.windows = self._derive_windows()
         if apply is not None:
@@ -611,22 +652,20 @@ class BudgetControl:
         (rule 2 of NOTE [ Device budget plan ]); any call starts a forward (rule 1).
         """
         with self._lock:
-            if not self._forwarding:
-                self._begin_forward()
-            keep = self._decide(nbytes, device) if action in _MOVES else False
+            fwd = self._fwd if self._fwd is not None else self._begin_forward()
+            keep = self._decide(fwd, nbytes, device) if action in _MOVES else False
             warning, self._warning = self._warning, None
         if warning is not None:
             warn_user(warning)  # outside the lock: an error filter may raise it
         return keep
 
-    def _decide(self, nbytes: int, device: torch.device) -> bool:
-        if device != self._device:
-            self._device = device
-        i = len(self._sizes)
-        self._sizes.append(nbytes)
-        self._seen += nbytes
-        if nbytes > self._largest:
-            self._largest = nbytes
+    def _decide(self, fwd: _Forward, nbytes: int, device: torch.device) -> bool:
+        self._device = device
+        i = len(fwd.sizes)
+        fwd.sizes.append(nbytes)
+        fwd.seen += nbytes
+        if nbytes > fwd.largest:
+            fwd.largest = nbytes
             if not self._traces and self.derives:
                 # First forward: the windows grow with what it has saved (NOTE [ Windows ]
                 # rule 1); two integer assignments when they change.
@@ -634,72 +673,67 @@ class BudgetControl:
         budget = self.windows.plan_budget
         if budget is None or not self._traces:
             return False
-        for align in self._aligns:  # also after the run started: rule 7 checks it
+        for align in fwd.aligns:  # also after the run started: rule 7 checks it
             align.add(nbytes)
-        if self._run == _CLOSED:
-            return False
-        if self._run == _KEEPING:
-            if self._kept + nbytes <= budget:
-                self._kept += nbytes
-                return True
-            self._run = _CLOSED  # rule 5: the first misfit ends the run
+        if fwd.run == _KEEPING and fwd.kept + nbytes <= budget:
+            fwd.kept += nbytes
+            return True
+        if fwd.run != _IDLE:
+            fwd.run = _CLOSED  # rule 5: the first misfit ends the run
             return False
         if nbytes > budget:
             return False
-        best = _best(self._aligns)
-        rest = best.rest(nbytes, self._seen)
+        best = _best(fwd.aligns)
+        rest = best.rest(nbytes, fwd.seen)
         if rest * self._margin > budget:
             return False
-        self._run, self._kept = _KEEPING, nbytes
-        self._run_start, self._run_predicted, self._run_align = i, rest, best
+        fwd.run, fwd.kept, fwd.run_start, fwd.predicted, fwd.align = _KEEPING, nbytes, i, rest, best
         return True
 
-    def _begin_forward(self) -> None:
+    def _begin_forward(self) -> _Forward:
         """A forward starts (rule 1): derive what is due; the rule 9 warning, if due."""
-        self._forwarding = True
-        self._aligns = [_Alignment(t) for t in self._traces]
-        if self.forwards and (self._device_shared or self._host_shared):
+        if self.forwards and any(isinstance(v, MemoryShare) for v in self._specs.values()):
             self._update_budgets()
-        self._plan_at_start = self.windows.plan_budget
-        if self._kept_nothing >= KEPT_NOTHING_FORWARDS and not self._warned:
-            self._warned = True
-            self._warning = self._kept_nothing_message()
+        if self._kept_nothing >= KEPT_NOTHING_FORWARDS and "kept" not in self._warned:
+            self._warned.add("kept")
+            newest = self._traces[0].sizes[-1] if self._traces[0].sizes else 0
+            self._warning = kept_nothing_warning(
+                self.windows.plan_budget or 0, self.device_budget or 0, newest
+            )
+        self._fwd = _Forward([_Alignment(t) for t in self._traces], self.windows.plan_budget)
+        return self._fwd
 
     # ------------------------------------------------------------- unpacking
     def backward_started(self) -> bool:
         """An unpack ran. ``True`` when it ended a forward (the first unpack of a backward)."""
-        if not self._forwarding:  # the common case: one bool read per unpack
+        if self._fwd is None:  # the common case: one attribute read per unpack
             return False
         with self._lock:
-            if not self._forwarding:
+            fwd, self._fwd = self._fwd, None
+            if fwd is None:
                 return False
-            self._end_forward()
+            self._end_forward(fwd)
             return True
 
-    def _end_forward(self) -> None:
-        self._forwarding = False
+    def _end_forward(self, fwd: _Forward) -> None:
         self.forwards += 1
-        sizes = self._sizes
-        trace = Trace.of(sizes)
+        self._fwd_done = fwd
+        sizes = fwd.sizes
         # Rule 7: how far off the prediction the run started from was (only from a
         # trace the forward kept matching: a misaligned one says nothing of the next).
-        align = self._run_align
-        if align is not None and not align.contradictions and self._run_predicted > 0:
-            self._errors.append(sum(sizes[self._run_start :]) / self._run_predicted)
+        if fwd.align is not None and not fwd.align.contradictions and fwd.predicted > 0:
+            self._errors.append(sum(sizes[fwd.run_start :]) / fwd.predicted)
         else:
             self._errors.append(1.0)
         self._margin = min(MAX_MARGIN, max(1.0, *self._errors))
         # Rule 9: a plan that had a budget and tensors to spend it on, and kept nothing.
         # (A device_budget of 0 asks for nothing to be kept: no warning for that.)
-        planned = self._plan_at_start is not None and self._device_spec != 0
-        if self._traces and planned and sizes and self._kept == 0:
-            self._kept_nothing += 1
-        else:
-            self._kept_nothing = 0
-        self._last_kept = self._kept
+        planned = fwd.plan_budget is not None and self._specs["device"] != 0
+        kept_nothing = bool(self._traces and planned and sizes and fwd.kept == 0)
+        self._kept_nothing = self._kept_nothing + 1 if kept_nothing else 0
         if self._tier is not None:
             self._tier_used = self._tier.used_bytes
-        # Rule 4.
+        trace = Trace.of(sizes)  # rule 4
         if trace in self._traces:
             self._traces.remove(trace)
         else:
@@ -710,59 +744,31 @@ class BudgetControl:
             self._derive_due = True
         self._traces.insert(0, trace)
         del self._traces[REMEMBERED_TRACES:]
-        self._sizes, self._seen, self._largest = [], 0, 0
-        self._aligns = []
-        self._run, self._kept, self._run_start, self._run_predicted = _IDLE, 0, -1, 0.0
-        self._run_align = None
         self._set_windows(self._derive_windows())
 
-    def _kept_nothing_message(self) -> str:
-        newest = self._traces[0].sizes[-1] if self._traces and self._traces[0].sizes else 0
-        plan = self.windows.plan_budget or 0
-        budget = self.device_budget or 0
-        why = (
-            f"less than the newest tensor a forward saves ({format_bytes(newest)})"
-            if plan < newest
-            else "and each forward's sizes differed too much from the earlier ones to "
-            "predict what it would still save"
-        )
-        return (
-            f"tensorstore-hooks: device_budget kept nothing in {KEPT_NOTHING_FORWARDS} "
-            f"forwards in a row: the plan may spend {format_bytes(plan)} (device_budget "
-            f"{format_bytes(budget)} less the prefetch and max_inflight windows, "
-            f"{format_bytes(budget - plan)}), {why}. Raise device_budget (to at least "
-            f"{format_bytes(newest + budget - plan)}), give smaller windows (prefetch=, "
-            "max_inflight=), or set device_budget to null to offload without a plan."
-        )
-
     # ---------------------------------------------------------- auto budgets
-    @property
-    def _device_shared(self) -> bool:
-        return isinstance(self._device_spec, MemoryShare)
-
-    @property
-    def _host_shared(self) -> bool:
-        return isinstance(self._host_spec, MemoryShare)
-
     def _update_budgets(self) -> None:
         """At a forward's start: follow the peaks; derive what is due (rules 3 and 4)."""
         device = self._device or _CPU
-        on_host = device.type == "cpu"
-        if self._device_shared:
-            held = self._last_kept + (self._tier_used if on_host else 0)
-            self._derive_due |= self._follow("device", device, held)
-        if self._host_shared:
-            held = self._tier_used + (self._last_kept if on_host else 0)
-            self._derive_due |= self._follow("host", _CPU, held)
+        kept, on_host = self._fwd_done.kept, device.type == "cpu"
+        meters = {
+            "device": (device, kept + (self._tier_used if on_host else 0)),
+            "host": (_CPU, self._tier_used + (kept if on_host else 0)),
+        }
+        shared = [w for w, spec in self._specs.items() if isinstance(spec, MemoryShare)]
+        for which in shared:
+            self._derive_due |= self._follow(which, *meters[which])
         if not self._derive_due:
             return
         self._derive_due = False
-        if self._device_shared:
-            self.device_budget = self._derive_device(device)
-        if self._host_shared:
-            self.host_budget = self._derive_host(held_bytes=None)
-            if self._tier is not None:
-                self._tier.cap_bytes = self.host_budget
+        for which in shared:
+            figure = self._derive(which, meters[which][0], None)
+            if which == "device":
+                self.device_budget = figure
+            else:
+                self.host_budget = figure or 0
+                if self._tier is not None:
+                    self._tier.cap_bytes = self.host_budget
         self._publish()
         self._set_windows(self._derive_windows())
 
@@ -773,59 +779,36 @@ class BudgetControl:
         except Exception:  # a reading that fails leaves the budget as it is
             log.debug("%s_budget auto: reading the peak failed", which, exc_info=True)
             return False
-        old = self._device_track if which == "device" else self._host_track
-        new = track_peak(old, peak, held_bytes)
-        if which == "device":
-            self._device_track = new
-        else:
-            self._host_track = new
+        old = self._tracks.get(which)
+        self._tracks[which] = new = track_peak(old, peak, held_bytes)
         return old is None or new.baseline_bytes > old.baseline_bytes
 
-    def _derive_device(self, device: torch.device) -> int | None:
-        share = self._device_spec
+    def _derive(self, which: str, device: torch.device, held_bytes: int | None) -> int | None:
+        """``which`` budget from the memory there is (``held_bytes``: start its track)."""
+        share = self._specs[which]
         assert isinstance(share, MemoryShare)
-        reading = self._read(device)
+        try:
+            reading = self._probe.read(device)
+        except Exception:
+            log.warning("%s_budget %s: reading %s failed", which, share, device, exc_info=True)
+            reading = None
         if reading is None:
-            if not self._unreadable:
-                self._unreadable = True
+            if which not in self._warned:
+                self._warned.add(which)
                 self._warning = (
-                    f"tensorstore-hooks: device_budget {share} cannot read the memory of "
-                    f"{device} (only CPU and CUDA): no plan, tensors are moved as the rules "
-                    "say. Give device_budget as a size instead."
+                    f"tensorstore-hooks: {which}_budget {share} cannot read the memory of "
+                    f"{device} (only CPU and CUDA): no {which} budget. Give {which}_budget "
+                    "as a size instead."
                 )
             return None
-        track = self._device_track or PeakTrack(reading.peak_bytes, reading.peak_bytes)
-        return self._report("device", share, reading, track.baseline_bytes)
-
-    def _derive_host(self, *, held_bytes: int | None) -> int:
-        share = self._host_spec
-        assert isinstance(share, MemoryShare)
-        reading = self._read(_CPU)
-        if reading is None:
-            return 0
-        if held_bytes is not None or self._host_track is None:
-            self._host_track = track_peak(None, reading.peak_bytes, held_bytes or 0)
-        return self._report("host", share, reading, self._host_track.baseline_bytes)
-
-    def _read(self, device: torch.device) -> MemoryReading | None:
-        try:
-            return self._probe.read(device)
-        except Exception:
-            log.warning("budget auto: reading the memory of %s failed", device, exc_info=True)
-            return None
-
-    def _report(self, which: str, share: MemoryShare, reading: MemoryReading, base: int) -> int:
+        if held_bytes is not None or which not in self._tracks:
+            self._tracks[which] = track_peak(None, reading.peak_bytes, held_bytes or 0)
+        base = self._tracks[which].baseline_bytes
+        headroom = headroom_bytes(self._headroom, reading.limit_bytes)
         figure = auto_budget(share, reading, base, self._headroom)
         last = self._logged.get(which)
         moved = last is None or abs(figure - last) * _LOG_STEP >= max(last, 1)
-        log.log(
-            logging.INFO if moved else logging.DEBUG,
-            "%s_budget %s: %s (%s of %s from %s, less headroom %s and the peak without "
-            "saved tensors %s)",
-            which, share, format_bytes(figure), share, format_bytes(reading.limit_bytes),
-            reading.source, format_bytes(headroom_bytes(self._headroom, reading.limit_bytes)),
-            format_bytes(base),
-        )  # fmt: skip
+        _log_auto(which, share, reading, base, headroom, figure, info=moved)
         if moved:
             self._logged[which] = figure
         return figure
@@ -837,12 +820,12 @@ class BudgetControl:
 
     # ---------------------------------------------------------------- windows
     def _derive_windows(self) -> Windows:
-        trace = self._traces[0] if self._traces else None
-        seen, largest = (
-            (trace.total, max(trace.sizes, default=0))
-            if trace is not None
-            else (self._seen, self._largest)
-        )
+        if self._traces:
+            trace = self._traces[0]
+            seen, largest = trace.total, max(trace.sizes, default=0)
+        else:
+            fwd = self._fwd
+            seen, largest = (fwd.seen, fwd.largest) if fwd is not None else (0, 0)
         return derive_windows(
             seen_bytes=seen,
             largest_bytes=largest,
