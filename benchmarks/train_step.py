@@ -16,7 +16,8 @@ Modes (CPU)::
     tsh-disk      tsh.offload() into a temporary local directory
     tsh-memory    tsh.offload("memory://")
     tsh-disk@SIZE tsh.offload(device_budget=SIZE), e.g. tsh-disk@512MiB
-                  (``--budget-sweep 256MiB,512MiB`` adds one such mode per size)
+                  (``--budget-sweep 256MiB,512MiB`` adds one such mode per size);
+                  SIZE may be ``auto`` (the memory there is) or a share, ``60%``
 
 With ``--device cuda`` the modes are ``none``, ``save_on_cpu`` (pin_memory=True),
 ``checkpoint``, ``tsh-disk`` and ``tsh-memory`` and memory is
@@ -47,6 +48,17 @@ by parameter, step by step.
     python benchmarks/train_step.py --modes none,checkpoint,tsh-disk \
         --budget-sweep 256MiB,512MiB,1GiB --json bench-out/x.json --plot bench-out/x.png
     python benchmarks/train_step.py --modes none,tsh-disk --tsh-option max_inflight=128MiB
+
+Budgets (``device_budget``): ``--dynamic`` draws each step's sequence length from a
+fixed seeded list within +-30% of ``--seq`` (the model's positions cover the longest),
+as dynamic padding does; the "budgets" table then shows what the plan kept per step
+against the budget in force. ``--limit-activation 0.5`` (root, a memory cgroup)
+runs the modes a second time, each in a child cgroup whose hard limit is its own
+charge before the first step plus 0.5x no offloading's activation memory: which
+finish, which are OOM-killed, and their step times there::
+
+    python benchmarks/train_step.py --modes none,tsh-disk,tsh-disk@auto --limit-activation 0.5
+    python benchmarks/train_step.py --modes none,tsh-disk@512MiB --dynamic
 """
 
 from __future__ import annotations
@@ -226,7 +238,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from tensorstore_hooks._demo_model import GPT, synthetic_batch
 
-    cfg = _model_config(args)
+    cfg, lengths = _step_config(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     mode, budget = split_mode(args.mode)
@@ -237,6 +249,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     names = [n for n, _ in model.named_parameters()]
     batches = [synthetic_batch(cfg, i, device=device) for i in range(1 + args.steps)]
+    if lengths:  # --dynamic: each step's batch cut to its own length
+        batches = [(t[:, :n], y[:, :n]) for (t, y), n in zip(batches, lengths, strict=True)]
 
     ref: list[dict[str, torch.Tensor]] | None = None
     ref_path = Path(args.ref_grads)
@@ -265,6 +279,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
         return hooks
 
+    limit = _limit_this_process(args)  # --limit-activation: the cgroup's hard limit
     sampler = RssSampler()
     steps: list[dict[str, Any]] = []
     identical = True
@@ -276,7 +291,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     ru_before = ru_maxrss_bytes()
     base = sampler.start()  # the RSS before the first step: the run's baseline
     for i, (tokens, targets) in enumerate(batches):
-        stats_before = dataclasses.replace(hooks.stats) if hooks is not None else None
+        stats_before = hooks.stats.snapshot() if hooks is not None else None
         step_rss_before = sampler.rss()
         t_start = sampler.now()
         sampler.mark(f"step {i} forward")
@@ -348,6 +363,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "grads_reference": writes_ref,
         "grads_identical": None if writes_ref else identical,
         "grad_mismatches": mismatches,
+        "limit_bytes": limit,
+        "lengths": [int(t.shape[1]) for t, _ in batches],
     }
 
 
@@ -366,7 +383,9 @@ def _stats_delta(before: Any, after: Any) -> dict[str, float]:
         "pack_stall_s",
         "unpack_stall_s",
     )
-    return {f: getattr(after, f) - getattr(before, f) for f in fields}
+    out = {f: getattr(after, f) - getattr(before, f) for f in fields}
+    out.update(_plan_delta(before, after))
+    return out
 
 
 def _model_config(args: argparse.Namespace) -> Any:
@@ -384,6 +403,158 @@ def _model_config(args: argparse.Namespace) -> Any:
         if v is not None
     }
     return config_for(args.size, **changes)
+
+
+# ------------------------------------------------------------------ budgets (device_budget)
+DYNAMIC_SPREAD = 0.3  # --dynamic: lengths within +-30% of --seq
+DYNAMIC_SEED = 20
+
+
+def dynamic_lengths(seq: int, steps: int) -> list[int]:
+    """The sequence length of each step (warm-up first) under ``--dynamic``: drawn from
+    a fixed seeded list within +-30% of ``seq``, the same for every mode and round."""
+    import random
+
+    rng = random.Random(DYNAMIC_SEED)
+    low, high = round(seq * (1 - DYNAMIC_SPREAD)), round(seq * (1 + DYNAMIC_SPREAD))
+    return [rng.randint(low, high) for _ in range(1 + steps)]
+
+
+def _step_config(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
+    """The model config and, under ``--dynamic``, each step's sequence length (then the
+    model's positions cover the longest)."""
+    cfg = _model_config(args)
+    if not args.dynamic:
+        return cfg, None
+    lengths = dynamic_lengths(cfg.seq, args.steps)
+    return dataclasses.replace(cfg, seq=max(lengths)), lengths
+
+
+def _plan_delta(before: Any, after: Any) -> dict[str, float]:
+    """What the device_budget plan kept in a step, and the budget in force at its end."""
+    route_before = before.per_rule.get("device_budget")
+    route_after = after.per_rule.get("device_budget")
+    kept = (route_after.bytes if route_after else 0) - (route_before.bytes if route_before else 0)
+    budget = after.effective_device_budget
+    return {"planned_bytes": kept, "device_budget": -1 if budget is None else budget}
+
+
+def _limit_this_process(args: argparse.Namespace) -> int | None:
+    """``--limit-activation``: this worker's cgroup limited to its charge now plus the
+    bytes the orchestrator gave (the charge before the first step is the baseline)."""
+    if args.limit_bytes is None:
+        return None
+    from _cgroup import limit_above_charge
+
+    return limit_above_charge(args.limit_bytes)
+
+
+def format_budgets(result: dict[str, Any]) -> str:
+    """Per mode with a device_budget: what the plan kept per measured step (mean, least,
+    most) and the budget in force; kept never passes the budget."""
+    lines = [
+        "| mode | lengths | budget in force | kept per step: mean | least | most "
+        "| most <= budget |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in result["summary"]:
+        if BUDGET_SEP not in mode:
+            continue
+        steps = [s for r in result["runs"] if r["mode"] == mode for s in r["steps"]]
+        measured = [s["stats"] for s in steps if not s["warmup"] and "stats" in s]
+        if not measured:
+            continue
+        kept = [st["planned_bytes"] for st in measured]
+        budgets = [st["device_budget"] for st in measured]
+        ok = all(k <= b for k, b in zip(kept, budgets, strict=True) if b >= 0)
+        lengths = sorted({n for r in result["runs"] if r["mode"] == mode for n in r["lengths"]})
+        span = f"{lengths[0]}..{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
+        lines.append(
+            f"| {mode} | {span} | {min(budgets) / GiB:.3f}..{max(budgets) / GiB:.3f} GiB | "
+            f"{statistics.mean(kept) / GiB:.3f} GiB | {min(kept) / GiB:.3f} GiB | "
+            f"{max(kept) / GiB:.3f} GiB | {'yes' if ok else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def run_limited(
+    args: argparse.Namespace, modes: list[str], summary: dict[str, Any], ref: Path
+) -> Any:
+    """``--limit-activation``: every mode again, each worker in a child memory cgroup
+    limited to its charge before the first step plus SHARE x none's activation memory.
+    Returns the runs (an OOM-killed one is recorded as such), or why it could not run."""
+    import _cgroup
+
+    why = _cgroup.unavailable()
+    if why is not None:
+        return f"skipped: {why} (a hard memory limit needs root and a memory cgroup)"
+    extra = int(args.limit_activation * summary["none"]["act_bytes"])
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tsh-bench-limited-") as tmp:
+        for rnd, mode in _schedule(modes, args.rounds):
+            result = Path(tmp) / f"{mode}-{rnd}.json"
+            print(f"[limited, round {rnd + 1}/{args.rounds}] {mode} ...", file=sys.stderr)
+            group = _cgroup.ChildGroup()
+            try:
+                argv = [*_worker_argv(args, mode, rnd, result, ref), "--limit-bytes", str(extra)]
+                env = _worker_env(args)  # (the worker imports _cgroup from its folder)
+                proc = subprocess.run(group.argv(argv), env=env, check=False)
+                killed = group.oom_kills() > 0 or proc.returncode == -9
+                entry: dict[str, Any] = {"mode": mode, "round": rnd, "oom_killed": killed}
+                entry["peak_charge_bytes"] = group.read(2)
+                if proc.returncode == 0 and result.exists():
+                    entry.update(json.loads(result.read_text()))
+                elif not killed:
+                    raise SystemExit(f"train_step: limited {mode} exited {proc.returncode}")
+            finally:
+                group.remove()
+            entry["oom_killed"] = killed
+            runs.append(entry)
+    return runs
+
+
+def format_limited(result: dict[str, Any]) -> str:
+    """The limited pass as a table: finished or OOM-killed, step time there as ratios
+    to none's unlimited step and to offloading everything (tsh-disk) under the limit."""
+    limited = result["limited"]
+    if isinstance(limited, str):
+        return limited
+    unlimited_none = result["summary"]["none"]["step_s"]
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for run in limited:
+        by_mode.setdefault(run["mode"], []).append(run)
+
+    def step_s(runs: list[dict[str, Any]]) -> float | None:
+        done = [s["step_s"] for r in runs if not r["oom_killed"] for s in r["steps"]
+                if not s["warmup"]]  # fmt: skip
+        return statistics.median(done) if done else None
+
+    everything = step_s(by_mode.get("tsh-disk", []))
+    lines = [
+        f"hard limit: each worker's charge before its first step + "
+        f"{result['limit_activation']:g}x none's activation memory "
+        f"({result['limit_activation'] * result['summary']['none']['act_bytes'] / GiB:.2f} GiB)",
+        "",
+        "| mode | finished | step time | vs none (unlimited) | vs tsh-disk (limited) "
+        "| peak charge | grads |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode, runs in by_mode.items():
+        t = step_s(runs)
+        finished = sum(not r["oom_killed"] for r in runs)
+        grads = [r.get("grads_identical") for r in runs if r.get("grads_identical") is not None]
+        lines.append(
+            f"| {mode} | {finished}/{len(runs)}"
+            + ("" if finished == len(runs) else " (OOM-killed)")
+            + f" | {f'{t:.2f}s' if t else '-'} | "
+            + (f"{t / unlimited_none:.2f}x" if t else "-")
+            + " | "
+            + (f"{t / everything:.2f}x" if t and everything else "-")
+            + f" | {max(r['peak_charge_bytes'] for r in runs) / GiB:.2f} GiB | "
+            + ("identical" if grads and all(grads) else "DIFFER" if grads else "-")
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------- orchestrator
@@ -408,6 +579,8 @@ def _worker_argv(
             argv += [f"--{name.replace('_', '-')}", str(value)]
     for opt in args.tsh_option:
         argv += ["--tsh-option", opt]
+    if args.dynamic:
+        argv.append("--dynamic")
     return argv
 
 
@@ -437,7 +610,7 @@ def _schedule(modes: list[str], rounds: int) -> Iterator[tuple[int, str]]:
 
 def parse_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run: ``--modes`` (or every mode) plus one per ``--budget-sweep`` size."""
-    from tensorstore_hooks._units import parse_bytes
+    from tensorstore_hooks._units import check_budget
 
     default = CUDA_MODES if args.device == "cuda" else CPU_MODES
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(default)
@@ -454,9 +627,9 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
             )
         if budget is not None:
             try:
-                parse_bytes(budget)
+                check_budget(budget)
             except ValueError as e:
-                raise SystemExit(f"train_step: mode {m!r}: {e}") from None
+                raise SystemExit(f"train_step: mode {m!r}: device_budget: {e}") from None
     modes = list(dict.fromkeys(modes))
     if "none" not in modes:
         modes.insert(0, "none")  # every figure is a ratio to it
@@ -494,7 +667,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"    {time.perf_counter() - t0:.0f}s, step {med:.2f}s", file=sys.stderr, flush=True
             )
-    summary = summarise(runs, modes, gpu=args.device == "cuda")
+        summary = summarise(runs, modes, gpu=args.device == "cuda")
+        # (Under the limit, every mode compares with the unlimited none's gradients.)
+        limited = run_limited(args, modes, summary, ref) if args.limit_activation else None
     return {
         "benchmark": "train_step",
         "date": time.strftime("%Y-%m-%d"),
@@ -508,6 +683,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "summary": summary,
         "runs": runs,
+        "dynamic": args.dynamic,
+        "limit_activation": args.limit_activation,
+        "limited": limited,
     }
 
 
@@ -726,6 +904,19 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 256MiB,512MiB,1GiB",
     )
     p.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="each step's sequence length drawn from a fixed seeded list within +-30%% of "
+        "--seq (dynamic padding); the budgets table shows what device_budget kept",
+    )
+    p.add_argument(
+        "--limit-activation",
+        type=float,
+        metavar="SHARE",
+        help="root: run the modes again, each in a child memory cgroup limited to its charge "
+        "before the first step plus SHARE x none's activation memory (e.g. 0.5)",
+    )
+    p.add_argument(
         "--json",
         metavar="FILE",
         help="write every figure (and the RSS traces) as JSON; its folder is created",
@@ -742,6 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--ref-grads", help=argparse.SUPPRESS)
+    p.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
     return p
 
 
@@ -766,6 +958,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workers ran with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
     print()
     print(format_table(result))
+    if any(BUDGET_SEP in m for m in result["summary"]):
+        print("\ndevice_budget: what the plan kept" + (" (--dynamic)" if args.dynamic else ""))
+        print(format_budgets(result))
+    if result["limited"] is not None:
+        print("\nunder a hard memory limit (--limit-activation)")
+        print(format_limited(result))
     bad = [m for m, e in result["summary"].items() if e["grads_identical"] is False]
     missed = {m: e["sampler_missed_bytes"] for m, e in result["summary"].items()}
     if any(missed.values()):

@@ -41,6 +41,7 @@ __all__ = [
     "ProcessMemory",
     "SystemMemory",
     "cgroup_memory",
+    "memory_cgroup_dir",
     "peak_rss_bytes",
     "process_memory",
 ]
@@ -160,6 +161,26 @@ def _smallest_limit(base: Path, group: Path, name: str) -> int:
         here = here.parent
 
 
+def memory_cgroup_dir(
+    cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF
+) -> tuple[int, Path, Path] | None:
+    """``(version, the process's memory cgroup directory, the hierarchy's root)``, or
+    ``None`` without a memory controller (rules 1 and 2 of NOTE [ Container limits ])."""
+    try:
+        text = (proc_self / "cgroup").read_text()
+    except OSError:
+        return None
+    v1, v2 = _groups(text)
+    if v1 is not None and (cgroup_root / "memory").is_dir():
+        base = cgroup_root / "memory"
+        return 1, _group_dir(base, v1), base
+    if v2 is not None:
+        group = _group_dir(cgroup_root, v2)
+        if (group / "memory.max").exists() or (cgroup_root / "memory.max").exists():
+            return 2, group, cgroup_root
+    return None
+
+
 def cgroup_memory(
     cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF
 ) -> CgroupMemory | None:
@@ -168,28 +189,20 @@ def cgroup_memory(
     ``cgroup_root``: where the cgroup filesystems are mounted; ``proc_self``: the
     process's ``/proc`` directory (its ``cgroup`` file is read). NOTE [ Container limits ].
     """
-    try:
-        text = (proc_self / "cgroup").read_text()
-    except OSError:
+    found = memory_cgroup_dir(cgroup_root, proc_self)
+    if found is None:
         return None
-    v1, v2 = _groups(text)
-    if v1 is not None and (cgroup_root / "memory").is_dir():
-        base = cgroup_root / "memory"
-        group = _group_dir(base, v1)
+    version, group, base = found
+    if version == 1:
         stat = _stat(group / "memory.stat")
         limit = min(
             _smallest_limit(base, group, "memory.limit_in_bytes"),
             stat.get("hierarchical_memory_limit", _NO_LIMIT),
         )
-        version, anon = 1, stat.get("total_rss", stat.get("rss", 0))
-    elif v2 is not None:
-        group = _group_dir(cgroup_root, v2)
-        if not (group / "memory.max").exists() and not (cgroup_root / "memory.max").exists():
-            return None  # no memory controller in this tree
-        limit = _smallest_limit(cgroup_root, group, "memory.max")
-        version, anon = 2, _stat(group / "memory.stat").get("anon", 0)
+        anon = stat.get("total_rss", stat.get("rss", 0))
     else:
-        return None
+        limit = _smallest_limit(base, group, "memory.max")
+        anon = _stat(group / "memory.stat").get("anon", 0)
     if limit >= _NO_LIMIT:
         return None
     return CgroupMemory(version=version, path=group, limit_bytes=limit, anon_bytes=anon)

@@ -12,6 +12,7 @@ import torch
 from tensorstore_hooks._memory import (
     SystemMemory,
     cgroup_memory,
+    memory_cgroup_dir,
     peak_rss_bytes,
     process_memory,
 )
@@ -180,3 +181,14 @@ def test_cuda_reading_is_free_memory_plus_the_allocators_reserve() -> None:
     assert reading.peak_bytes >= 64 * MiB
     assert SystemMemory().peak(device) == torch.cuda.max_memory_allocated(device)
     del x
+
+
+def test_the_group_directory_whatever_its_limit(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    write(root / "memory" / "job" / "memory.limit_in_bytes", V1_NO_LIMIT)
+    found = memory_cgroup_dir(root, proc(tmp_path, "4:memory:/job\n"))
+    assert found == (1, root / "memory" / "job", root / "memory")
+    write(root / "memory.max", "max\n")
+    write(root / "a" / "memory.max", "max\n")
+    assert memory_cgroup_dir(root, proc(tmp_path, "0::/a\n")) == (2, root / "a", root)
+    assert memory_cgroup_dir(tmp_path / "none", proc(tmp_path, "0::/a\n")) is None
