@@ -513,6 +513,18 @@ def run_limited(
     return runs
 
 
+def _plan_cells(runs: list[dict[str, Any]]) -> str:
+    """'budget | kept' per measured step of ``runs`` (GiB, medians), or '- | -'."""
+    stats = [
+        s["stats"] for r in runs for s in r.get("steps", []) if not s["warmup"] and "stats" in s
+    ]
+    budgets = [st["device_budget"] for st in stats if st["device_budget"] >= 0]
+    if not budgets:
+        return "- | -"
+    kept = statistics.median(st["planned_bytes"] for st in stats)
+    return f"{statistics.median(budgets) / GiB:.2f} GiB | {kept / GiB:.2f} GiB"
+
+
 def format_limited(result: dict[str, Any]) -> str:
     """The limited pass as a table: finished or OOM-killed, step time there as ratios
     to none's unlimited step and to offloading everything (tsh-disk) under the limit."""
@@ -536,8 +548,8 @@ def format_limited(result: dict[str, Any]) -> str:
         f"({result['limit_activation'] * result['summary']['none']['act_bytes'] / GiB:.2f} GiB)",
         "",
         "| mode | finished | step time | vs none (unlimited) | vs tsh-disk (limited) "
-        "| peak charge | grads |",
-        "|---|---|---|---|---|---|---|",
+        "| peak charge | device_budget in force | kept per step | grads |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, runs in by_mode.items():
         t = step_s(runs)
@@ -551,6 +563,8 @@ def format_limited(result: dict[str, Any]) -> str:
             + " | "
             + (f"{t / everything:.2f}x" if t and everything else "-")
             + f" | {max(r['peak_charge_bytes'] for r in runs) / GiB:.2f} GiB | "
+            + _plan_cells(runs)
+            + " | "
             + ("identical" if grads and all(grads) else "DIFFER" if grads else "-")
             + " |"
         )

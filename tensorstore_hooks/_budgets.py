@@ -68,8 +68,9 @@ Rules, numbered so code can cite them:
 8. Deterministic: the decisions depend only on the sequence of sizes and the
    budget, never on timing.
 9. A plan that keeps nothing ``KEPT_NOTHING_FORWARDS`` forwards in a row (each
-   saving tensors that count, with a budget above 0) warns once, naming the budget
-   the plan had and the newest tensor it could not fit.
+   saving tensors that count) warns once, naming the budget the plan had and the
+   newest tensor it could not fit; not when ``device_budget`` was given as 0 (that
+   asks for nothing to be kept).
 
 The budget the plan spends is what the pipeline gives it: ``device_budget`` minus the
 windows that live in the same memory (NOTE [ Windows ]).
