@@ -1,11 +1,22 @@
 """Object storage I/O: ``ZarrStore`` on ``s3://`` against raw s3fs on the same bytes.
 
-Starts a local S3-compatible server (moto, in a separate process so that it does not
-share the client's interpreter lock) on 127.0.0.1, then for each size (float32
-tensors of 64 KiB, 1 MiB, 8 MiB by default) times, side by side:
+Starts a local S3-compatible server on 127.0.0.1 — SeaweedFS by default (a real,
+distributed object store: ``weed server -s3``, see ``tests/seaweedfs.py``), or moto
+(``--server moto``, in a separate process so that it does not share the client's
+interpreter lock) — then times, side by side:
 
-* ours: ``key = store.put(t); store.get(key)`` through ``tsh.open_store("s3://...")``;
-* raw: s3fs ``pipe_file`` + ``cat_file`` of the same bytes, on its own filesystem.
+* per size (float32 tensors of 64 KiB, 1 MiB, 8 MiB by default), one tensor at a
+  time: ours ``key = store.put(t); store.get(key)`` through ``tsh.open_store("s3://...")``
+  against raw s3fs ``pipe_file`` + ``cat_file`` of the same bytes;
+* in bulk, what a training step does (``--bulk``, default 512 MiB in 32 MiB tensors):
+  ours, ``writer_threads`` tensors at once (each one's chunks concurrently), against
+  raw s3fs ``pipe``/``cat`` of the same bytes in objects of the same size as our
+  chunks (``chunk_bytes``) at the same number of requests in flight. Raw ``cat``
+  returns the objects' bytes; a get of ours returns each tensor in a buffer of its
+  own (what the pipeline needs), so raw is also timed assembling its objects into
+  one new buffer per tensor ("raw+tensor"). Beside the times: the CPU seconds per GB
+  moved of the client and, for SeaweedFS, of its processes (``/proc/PID/stat``),
+  which say what bounds the transfer here.
 
 Who goes first alternates every repeat, deletes are not timed, and the figures are
 medians; the ratio is the median of each repeat's raw/ours pair (>1: ours faster).
@@ -14,8 +25,10 @@ per-request latency that batching into large objects amortises) and the time to
 read the chunks of one 64 MiB tensor split into 8 MiB objects, one by one against
 concurrently (what ``FsspecIO.read_many`` does).
 
-    python benchmarks/s3_io.py
+    python benchmarks/s3_io.py                                 # SeaweedFS on loopback
     python benchmarks/s3_io.py --repeats 20 --json s3_io.json
+    python benchmarks/s3_io.py --server moto
+    python benchmarks/s3_io.py --bulk 1GiB --bulk-tensor 32MiB --chunk-bytes 16MiB
     python benchmarks/s3_io.py --url s3://my-bucket/bench     # a real service instead
 
 With ``--url`` the figures are those of that service from this machine (credentials
@@ -31,9 +44,11 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +108,51 @@ def _median_pair(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
+class SeaweedFSServer:
+    """SeaweedFS on 127.0.0.1 (``tests/seaweedfs.py``) with a bucket for the benchmark."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(ROOT))
+        from tests.seaweedfs import SeaweedFS
+
+        # Large volumes: the benchmark writes gigabytes (deleted bytes are reclaimed only
+        # by weed's vacuum), and volume growth mid-run would be timed.
+        self.server = SeaweedFS(volume_size_limit_mb=4096)
+        self.endpoint_url = ""
+
+    def __enter__(self) -> SeaweedFSServer:
+        self.server.start(bucket=BUCKET)
+        self.endpoint_url = self.server.endpoint_url
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        return self.server.pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of processes ``pids`` so far (Linux ``/proc``)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def own_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _median_pair(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import s3fs
 
@@ -100,23 +160,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tensorstore_hooks._units import format_bytes, parse_bytes
 
     sizes = [parse_bytes(s.strip(), what="--sizes") for s in args.sizes.split(",")]
+    chunk = parse_bytes(args.chunk_bytes, what="--chunk-bytes")
+    server_pids: list[int] = []
     with contextlib.ExitStack() as stack:
         if args.url:
             base = args.url.rstrip("/")
             options = json.loads(args.storage_options) if args.storage_options else {}
             where = base
-        else:
+        elif args.server == "moto":
             os.environ.update(CREDENTIALS)
-            server = stack.enter_context(ServerProcess())
+            moto = stack.enter_context(ServerProcess())
             base = f"s3://{BUCKET}"
-            options = {"endpoint_url": server.endpoint_url, "key": "testing", "secret": "testing"}
+            options = {"endpoint_url": moto.endpoint_url, "key": "testing", "secret": "testing"}
             where = "moto (ThreadedMotoServer) on 127.0.0.1, separate process; HTTP, no TLS"
+        else:
+            weed = stack.enter_context(SeaweedFSServer())
+            server_pids = weed.pids
+            base = f"s3://{BUCKET}"
+            options = {"endpoint_url": weed.endpoint_url, "key": "testing", "secret": "testing"}
+            where = (
+                "SeaweedFS (weed server -s3, one process) on 127.0.0.1, same machine; "
+                "HTTP, no TLS"
+            )
         raw = s3fs.S3FileSystem(skip_instance_cache=True, **options)
         raw_root = base.split("://", 1)[1] + "/raw"
-        store = tsh.open_store(f"{base}/ours", storage_options=options)
+        store = tsh.open_store(f"{base}/ours", storage_options=options, chunk_bytes=chunk)
         try:
             fixed = _fixed_costs(raw, raw_root, args.repeats)
             rows = [_measure(store, raw, raw_root, n, args.repeats, format_bytes) for n in sizes]
+            bulk = None
+            if args.bulk != "0":
+                bulk = _bulk(
+                    store,
+                    raw,
+                    raw_root,
+                    total=parse_bytes(args.bulk, what="--bulk"),
+                    tensor_bytes=parse_bytes(args.bulk_tensor, what="--bulk-tensor"),
+                    chunk_bytes=chunk,
+                    threads=args.threads,
+                    repeats=max(1, args.repeats // 5),
+                    server_pids=server_pids,
+                )
         finally:
             store.close()
             with contextlib.suppress(FileNotFoundError):
@@ -128,9 +212,128 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "server": where,
         "command": " ".join(["python", "benchmarks/s3_io.py", *sys.argv[1:]]),
+        "chunk_bytes": chunk,
         "fixed": fixed,
         "results": rows,
+        "bulk": bulk,
     }
+
+
+def _bulk(
+    store: Any,
+    raw: Any,
+    root: str,
+    *,
+    total: int,
+    tensor_bytes: int,
+    chunk_bytes: int,
+    threads: int,
+    repeats: int,
+    server_pids: list[int],
+) -> dict[str, Any]:
+    """A step's worth of bytes both ways: ours (``threads`` tensors at once) against raw
+    s3fs (objects of ``chunk_bytes``, as many requests in flight as ours has)."""
+    n = max(1, total // tensor_bytes)
+    total = n * tensor_bytes
+    t = torch.randn(tensor_bytes // 4, generator=torch.Generator().manual_seed(1))
+    data = t.numpy().tobytes()
+    parts = max(1, tensor_bytes // chunk_bytes)
+    objects = [data[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(parts)]
+    in_flight = threads * parts
+    paths = {f"{root}/bulk/{k}-{i}": objects[i] for k in range(n) for i in range(parts)}
+    pool = ThreadPoolExecutor(threads)
+    gb = total / 1e9
+    sides: dict[str, dict[str, list[float]]] = {
+        side: {k: [] for k in ("put_s", "get_s", "put_client", "get_client", "put_server",
+                                "get_server")}
+        for side in ("ours", "raw", "raw+tensor")
+    }  # fmt: skip
+
+    def clocks() -> tuple[float, float, float]:
+        return time.perf_counter(), own_cpu_seconds(), cpu_seconds(server_pids)
+
+    def record(side: str, what: str, a: tuple[float, float, float]) -> None:
+        b = clocks()
+        sides[side][f"{what}_s"].append(b[0] - a[0])
+        sides[side][f"{what}_client"].append((b[1] - a[1]) / gb)
+        sides[side][f"{what}_server"].append((b[2] - a[2]) / gb)
+
+    try:
+        keys = list(pool.map(store.put, [t] * min(n, threads)))  # warm-up
+        store.delete_many(keys)
+        for r in range(repeats + 1):
+            for side in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
+                if side == "ours":
+                    a = clocks()
+                    keys = list(pool.map(store.put, [t] * n))
+                    record("ours", "put", a)
+                    a = clocks()
+                    got = list(pool.map(store.get, keys))
+                    record("ours", "get", a)
+                    if not torch.equal(got[-1], t):
+                        raise SystemExit("s3_io: a bulk tensor did not round-trip exactly")
+                    del got
+                    store.delete_many(keys)
+                else:
+                    a = clocks()
+                    raw.pipe(paths, batch_size=in_flight)
+                    record("raw", "put", a)
+                    sides["raw+tensor"]["put_s"].append(sides["raw"]["put_s"][-1])
+                    a = clocks()
+                    blobs = raw.cat(list(paths), batch_size=in_flight)
+                    record("raw", "get", a)
+                    del blobs
+                    a = clocks()
+                    blobs = raw.cat(list(paths), batch_size=in_flight)
+                    names = list(paths)
+                    tensors = []
+                    for k in range(n):
+                        buf = np.empty(tensor_bytes, dtype=np.uint8)
+                        for i in range(parts):
+                            lo = i * chunk_bytes
+                            buf[lo : lo + chunk_bytes] = np.frombuffer(
+                                blobs[names[k * parts + i]], dtype=np.uint8
+                            )
+                        tensors.append(torch.from_numpy(buf).view(torch.float32))
+                    record("raw+tensor", "get", a)
+                    del blobs, tensors
+                    raw.rm(list(paths))
+        for side in sides.values():  # the first round warmed both sides up
+            for series in side.values():
+                del series[:1]
+    finally:
+        pool.shutdown()
+    ours, rawt = sides["ours"], sides["raw"]
+    out: dict[str, Any] = {
+        "bytes": total,
+        "tensor_bytes": tensor_bytes,
+        "chunk_bytes": chunk_bytes,
+        "threads": threads,
+        "requests_in_flight": in_flight,
+        "repeats": repeats,
+        "server_cpu_measured": bool(server_pids),
+    }
+    for name, side in sides.items():
+        for k, series in side.items():
+            if series:
+                out[f"{name}_{k}"] = statistics.median(series)
+    assembled = sides["raw+tensor"]
+    out["get_ratio_tensor"] = _median_pair(assembled["get_s"], ours["get_s"])
+    out["ratio_tensor"] = _median_pair(
+        [p + g for p, g in zip(assembled["put_s"], assembled["get_s"], strict=True)],
+        [p + g for p, g in zip(ours["put_s"], ours["get_s"], strict=True)],
+    )
+    out["put_ratio"] = _median_pair(rawt["put_s"], ours["put_s"])
+    out["get_ratio"] = _median_pair(rawt["get_s"], ours["get_s"])
+    out["ratio"] = _median_pair(
+        [p + g for p, g in zip(rawt["put_s"], rawt["get_s"], strict=True)],
+        [p + g for p, g in zip(ours["put_s"], ours["get_s"], strict=True)],
+    )
+    print(
+        f"  bulk: ours/raw throughput {out['ratio']:.2f}x (raw+tensor: {out['ratio_tensor']:.2f}x)",
+        file=sys.stderr,
+    )
+    return out
 
 
 def _fixed_costs(raw: Any, root: str, repeats: int) -> dict[str, float]:
@@ -254,6 +457,38 @@ def format_table(result: dict[str, Any]) -> str:
             f"{ms(r['raw_put_get_s'])} | {mb / r['ours_put_get_s']:.0f} | "
             f"{mb / r['raw_put_get_s']:.0f} | {r['ratio']:.2f}x |"
         )
+    b = result.get("bulk")
+    if b:
+        gb = b["bytes"] / 1e9
+        server = b["server_cpu_measured"]
+        lines += [
+            "",
+            f"Bulk: {format_bytes(b['bytes'])} in {format_bytes(b['tensor_bytes'])} tensors, "
+            f"{format_bytes(b['chunk_bytes'])} objects, {b['requests_in_flight']} requests in "
+            f"flight (ours: {b['threads']} threads); CPU in seconds per GB moved",
+            "",
+            "| side | put GB/s | get GB/s | client CPU put / get | server CPU put / get |",
+            "|---|---|---|---|---|",
+        ]
+        for side in ("ours", "raw"):
+            srv = (
+                f"{b[f'{side}_put_server']:.2f} / {b[f'{side}_get_server']:.2f}"
+                if server
+                else "-"
+            )
+            lines.append(
+                f"| {side} | {gb / b[f'{side}_put_s']:.3f} | {gb / b[f'{side}_get_s']:.3f} | "
+                f"{b[f'{side}_put_client']:.2f} / {b[f'{side}_get_client']:.2f} | {srv} |"
+            )
+        g = b["raw+tensor_get_s"]
+        lines += [
+            f"| raw+tensor | - | {gb / g:.3f} | - / {b['raw+tensor_get_client']:.2f} | "
+            + (f"- / {b['raw+tensor_get_server']:.2f} |" if server else "- |"),
+            f"| ours/raw throughput | {b['put_ratio']:.2f}x | {b['get_ratio']:.2f}x | "
+            f"put+get {b['ratio']:.2f}x | |",
+            f"| ours/(raw+tensor) throughput | {b['put_ratio']:.2f}x | "
+            f"{b['get_ratio_tensor']:.2f}x | put+get {b['ratio_tensor']:.2f}x | |",
+        ]
     return "\n".join(lines)
 
 
@@ -263,7 +498,24 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=15, help="timed put+get per size (x4 for <= 1 MiB)"
     )
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"default {DEFAULT_SIZES}")
-    p.add_argument("--url", help="s3://bucket/prefix of a real service (default: local moto)")
+    p.add_argument(
+        "--server",
+        choices=("seaweedfs", "moto"),
+        default="seaweedfs",
+        help="the local S3 server to start (default seaweedfs; ignored with --url)",
+    )
+    p.add_argument("--url", help="s3://bucket/prefix of a real service instead of a local one")
+    p.add_argument(
+        "--chunk-bytes", default="8MiB", help="the store's chunk_bytes (default 8MiB)"
+    )
+    p.add_argument(
+        "--bulk", default="512MiB", help="bytes moved by the bulk comparison (0: skip it)"
+    )
+    p.add_argument("--bulk-tensor", default="32MiB", help="tensor size in the bulk comparison")
+    p.add_argument(
+        "--threads", type=int, default=2, help="tensors at once in the bulk comparison "
+        "(the pipeline's writer_threads; default 2)"
+    )
     p.add_argument("--storage-options", metavar="JSON", help="s3fs options as JSON (with --url)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     args = p.parse_args(argv)

@@ -1,11 +1,13 @@
 """The daemon: lifecycle (start, drain, stop), leases, recovery after a restart.
 
-The rest lives in small modules: ``_listen`` (binding, accepting), ``_connection``
-(one connection's handshake and request loop), ``_handlers`` (the handler table),
-``_stats`` (counters, rates, the ``stats`` snapshot), ``_tiers`` and ``_sessions``.
+It builds the parts and wires them together; each part owns its state: ``_conns``
+(the connection registry), ``_sessions`` (sessions and their tensors), ``_tiers`` and
+``_disk`` (where bytes live), ``_payload`` (memory for payloads in flight),
+``_stats`` (request counters, the ``stats`` snapshot). Connections get the parts as
+one :class:`~._services.Services` (``_connection``, ``_handlers``), never the daemon.
 
 Threads: everything here runs on the event-loop thread except disk-tier I/O, which
-runs on a small thread pool (see ``_tiers``), and the optional Prometheus endpoint,
+runs on a small thread pool (see ``_disk``), and the optional Prometheus endpoint,
 which reads an immutable snapshot refreshed by the housekeeping task.
 """
 
@@ -17,48 +19,33 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tensorstore_hooks.errors import ConfigError
-from tensorstore_hooks.protocol import ErrorCode, error_header
 
 from ._checks import check_config
 from ._config import ServerConfig, read_token
-from ._connection import Client, serve_connection
+from ._connection import serve_connection
+from ._conns import Conn, ConnRegistry
+from ._disk import DiskTier
 from ._handlers import Handlers
 from ._journal import StateJournal
 from ._listen import Listener, accept_loop, bind, server_tls_context
+from ._payload import AnswerBudget, PayloadBudget
 from ._recovery import open_disk, recover
-from ._sessions import Session, SessionTable
-from ._staging import StagingBudget
-from ._stats import DaemonStats, server_version
+from ._services import Services
+from ._sessions import SessionTable
+from ._stats import DaemonStats
 from ._tiers import Tiers
 from ._wire import FrameConn
 
-__all__ = ["Daemon", "serve", "server_version"]
+__all__ = ["Daemon", "serve"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
 _HOUSEKEEPING_S = 0.25
-
-# NOTE [ Fairness ]
-# One event loop serves every connection, so a connection must give the loop back
-# (issue 15 item 3):
-# 1. Each connection's requests queue in its own socket and are served in order,
-#    one per turn: after each request the task yields (``sleep(0)``), and the loop
-#    polls every socket before it runs that task again. A client pipelining pings
-#    therefore gets one request per round, like every other connection.
-# 2. A lease is renewed when a request is received, not when it is served: the
-#    request handler renews it as soon as the header is read, and housekeeping,
-#    before it expires anything, renews every session with a request in progress
-#    or bytes waiting on one of its sockets. A session with a request waiting
-#    never expires.
-# 3. Connections that have not said HELLO do not count against ``max_connections``:
-#    they have their own, smaller cap (``max_unauthenticated``) and a short
-#    handshake deadline, and when that cap is full the oldest of them is dropped
-#    to make room, so idle connections cannot lock out real clients.
 
 
 class Daemon:
@@ -71,20 +58,21 @@ class Daemon:
         self.tls = server_tls_context(config)
         self.url = ""
         self.stats = DaemonStats()
-        self.staging = StagingBudget(self.limits.staging_bytes)
-        self.handlers = Handlers(self)
+        self.conns = ConnRegistry(self.limits.max_connections, self.limits.max_unauthenticated)
+        self.puts = PayloadBudget(self.limits.put_buffer_bytes)
+        self.answers = AnswerBudget(
+            self.limits.get_buffer_bytes, self.limits.session_get_buffer_bytes
+        )
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsh-disk")
-        self._disk: Any = None
+        self.disk: DiskTier | None = None
         self.journal: StateJournal | None = None
         self.tiers: Tiers
         self.sessions: SessionTable
+        self._handlers: Handlers
+        self._services: Services
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.clients: set[Client] = set()
-        self.pending: dict[Client, None] = {}
-        """Connections still in their handshake, oldest first."""
         self._stop = asyncio.Event()
-        self.draining = False
         self._metrics_stop: Callable[[], None] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -96,20 +84,28 @@ class Daemon:
         cfg = self.config
         if cfg.disk_enabled:
             assert cfg.root is not None
-            self._disk, self.journal = open_disk(cfg.root)
-        self.tiers = Tiers(
-            memory_quota=cfg.memory_quota_bytes,
-            disk_quota=cfg.disk_quota_bytes,
-            disk=self._disk,
-            pool=self.pool,
-            staging_bytes=None,  # counted as bytes arrive: self.staging
-        )
+            store, self.journal = open_disk(cfg.root, self.limits.max_tensor_bytes)
+            self.disk = DiskTier(store, self.pool, cfg.disk_quota_bytes)
+        self.tiers = Tiers(memory_quota=cfg.memory_quota_bytes, disk=self.disk)
         self.sessions = SessionTable(
             self.tiers, self.journal, cfg.lease_s, session_quota=cfg.session_quota_bytes
         )
-        if self._disk is not None:
+        if self.disk is not None:
             assert self.journal is not None
-            recover(self.sessions, self._disk, self.journal)
+            recover(self.sessions, self.disk, self.journal)
+        self._services = Services(
+            config=cfg,
+            token=self.token,
+            tls=self.tls,
+            stats=self.stats,
+            conns=self.conns,
+            sessions=self.sessions,
+            tiers=self.tiers,
+            puts=self.puts,
+            answers=self.answers,
+            snapshot=self.snapshot,
+        )
+        self._handlers = Handlers(self._services)
         loop = asyncio.get_running_loop()
         for warning in check_config(cfg):
             log.warning("%s", warning)
@@ -121,7 +117,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-        self.stats.refresh(self)
+        self.refresh_stats()
         if cfg.metrics:
             from ._metrics import start_metrics_server
 
@@ -135,7 +131,7 @@ class Daemon:
             "serving %s: RAM quota %d bytes, disk %s, lease %gs, token %s, TLS %s",
             self.url,
             cfg.memory_quota_bytes,
-            f"{cfg.root} quota {cfg.disk_quota_bytes} bytes" if self._disk is not None else "none",
+            f"{cfg.root} quota {cfg.disk_quota_bytes} bytes" if self.disk is not None else "none",
             cfg.lease_s,
             "required" if self.token else "not required",
             ("with client certificates" if cfg.tls_client_ca else "on") if self.tls else "off",
@@ -154,7 +150,7 @@ class Daemon:
         await self._shutdown()
 
     async def _shutdown(self) -> None:
-        self.draining = True
+        self.conns.draining = True
         # Stop the accept loops before closing their sockets (they are registered
         # with the selector until cancelled).
         for t in list(self._tasks):
@@ -162,10 +158,9 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
-        for c in list(self.clients):
-            if c.idle and c.task is not None:
-                c.task.cancel()
-        busy = [c.task for c in self.clients if c.task is not None]
+        for task in self.conns.idle_tasks():
+            task.cancel()
+        busy = self.conns.tasks()
         if busy:
             _, pending = await asyncio.wait(busy, timeout=self.limits.drain_timeout_s)
             for t in pending:
@@ -173,65 +168,34 @@ class Daemon:
             if pending:
                 log.warning("%d connections did not finish within the drain timeout", len(pending))
                 await asyncio.wait(pending, timeout=1.0)
-        if self._disk is not None:
-            await self.tiers.drain()
+        await self.tiers.drain()
         self.pool.shutdown(wait=True)
         if self.journal is not None:
             self.sessions.compact_journal()
             self.journal.close()
-        if self._disk is not None:
-            self._disk.close()
+        if self.disk is not None:
+            self.disk.store.close()
         if self._metrics_stop is not None:
             self._metrics_stop()
         log.info("stopped")
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # ----------------------------------------------------------- connections
-    def authenticated_count(self) -> int:
-        # Not len(clients) - len(pending): an evicted connection leaves ``pending`` at
-        # once but ``clients`` only when its task has run its cleanup.
-        return sum(1 for c in self.clients if c.authenticated)
-
     def _accepted(self, sock: socket.socket, addr: Any) -> None:
-        conn = FrameConn(sock, self.limits.read_timeout_s)
-        if self.draining:
-            self.stats.count("refused")
-            conn.send_nowait(error_header(ErrorCode.BUSY, "the daemon is stopping", fatal=True))
-            conn.close()
+        wire = FrameConn(sock, self.limits.read_timeout_s)
+        if self.conns.refuse_while_draining(wire):
             return
-        if len(self.pending) >= self.limits.max_unauthenticated:
-            # See NOTE [ Fairness ], rule 3: the oldest silent connection makes room.
-            oldest = next(iter(self.pending))
-            del self.pending[oldest]
-            self.stats.count("evicted_unauthenticated")
-            oldest.conn.send_nowait(
-                error_header(
-                    ErrorCode.BUSY,
-                    f"dropped: {self.limits.max_unauthenticated} newer connections are waiting "
-                    "for their HELLO; send HELLO at once after connecting",
-                    fatal=True,
-                )
-            )
-            if oldest.task is not None:
-                oldest.task.cancel()
-        self.stats.count("connections")
-        client = Client(conn, peer=str(addr) if addr else "unix")
-        self.clients.add(client)
-        self.pending[client] = None
-        client.task = asyncio.get_running_loop().create_task(serve_connection(self, client))
-
-    def kick(self, s: Session, reason: str, keep: Client | None = None) -> None:
-        """Close the session's other connections: idle ones now, busy ones after their request."""
-        for other in list(s.conns):
-            if other is keep:
-                continue
-            other.kick_reason = reason
-            if other.idle and other.task is not None:
-                other.task.cancel()
+        c = Conn(wire, peer=str(addr) if addr else "unix")
+        evicted = self.conns.add(c)
+        if evicted is not None and evicted.task is not None:
+            evicted.task.cancel()  # NOTE [ Fairness ] in _conns, rule 3
+        c.task = asyncio.get_running_loop().create_task(
+            serve_connection(self._services, self._handlers, c)
+        )
 
     # ---------------------------------------------------------- housekeeping
     async def _housekeeping(self) -> None:
@@ -239,21 +203,42 @@ class Daemon:
             await asyncio.sleep(_HOUSEKEEPING_S)
             try:
                 now = time.monotonic()
-                for c in self.clients:
-                    # NOTE [ Fairness ], rule 2: a request in progress or waiting renews.
-                    if c.session is not None and (not c.idle or c.conn.has_input()):
-                        c.session.last_seen = now
+                for s in self.conns.busy_sessions():
+                    s.last_seen = now  # NOTE [ Fairness ], rule 2
                 for s in self.sessions.expire(now):
-                    self.kick(s, f"session expired after {self.config.lease_s:g}s without traffic")
+                    self.conns.kick(
+                        s, f"session expired after {self.config.lease_s:g}s without traffic"
+                    )
+                if self.disk is not None:
+                    self.disk.check()
                 if self.journal is not None and self.journal.needs_compaction():
                     self.sessions.compact_journal()
-                self.stats.refresh(self)
+                self.refresh_stats()
             except Exception:  # pragma: no cover - keep the daemon alive
                 log.exception("housekeeping failed")
 
+    def _reports(self) -> tuple[dict[str, Any], ...]:
+        budgets = {
+            "buffers": {"put": self.puts.snapshot(), "get": self.answers.snapshot()},
+            "counters": {"get_buffer_waits": self.answers.waits},
+        }
+        return (
+            self.tiers.snapshot(),
+            self.sessions.snapshot(self.conns.per_session(), time.monotonic()),
+            self.conns.snapshot(),
+            budgets,
+        )
+
+    def _header(self) -> dict[str, Any]:
+        return {"url": self.url, "lease_s": self.config.lease_s, "root": self.config.root}
+
+    def refresh_stats(self) -> None:
+        """Take a rate sample and a snapshot for the metrics endpoint."""
+        self.stats.refresh(self._header(), *self._reports())
+
     def snapshot(self) -> dict[str, Any]:
         """Everything ``stats`` and the metrics endpoint show (msgpack-safe)."""
-        return self.stats.snapshot(self)
+        return self.stats.snapshot(self._header(), *self._reports())
 
 
 async def _main(config: ServerConfig, on_ready: Callable[[str], None] | None) -> int:

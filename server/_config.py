@@ -14,7 +14,6 @@ import socket
 import stat
 from typing import Any, NamedTuple
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -28,6 +27,12 @@ from pydantic import (
 from tensorstore_hooks._units import Duration as Seconds
 from tensorstore_hooks._units import Size
 from tensorstore_hooks._urls import DEFAULT_PORT
+from tensorstore_hooks._yaml_config import (
+    LineOf,
+    format_validation_error,
+    line_finder,
+    read_yaml,
+)
 from tensorstore_hooks.errors import ConfigError
 
 __all__ = [
@@ -58,8 +63,14 @@ class LimitsConfig(BaseModel):
     """Once a frame starts, all of it (at most 16 MiB) must arrive within this time."""
     max_tensor_bytes: Size = Field(4 << 30, alias="max_tensor")
     """Larger PUTs are refused with TOO_LARGE before their payload is read."""
-    staging_bytes: Size = Field(256 << 20, alias="staging")
-    """Transient buffers of PUTs that go straight to disk (at least one always fits)."""
+    put_buffer_bytes: Size = Field(256 << 20, alias="put_buffer")
+    """Memory for payloads of PUTs that go straight to disk, in total, counted as their
+    bytes arrive (one PUT always proceeds). NOTE [ Payload bytes as they arrive ]."""
+    get_buffer_bytes: Size = Field(256 << 20, alias="get_buffer")
+    """Memory for GET answers read from disk, in total (NOTE [ Answers read from disk ])."""
+    session_get_buffer_bytes: Size = Field(32 << 20, alias="session_get_buffer")
+    """Memory for GET answers read from disk, per session: a client that does not read
+    its answers holds at most this much (NOTE [ Answers read from disk ])."""
     drain_timeout_s: Seconds = Field(10.0, alias="drain_timeout", ge=0)
     """On SIGTERM, in-flight requests get this long to finish."""
 
@@ -176,37 +187,10 @@ def read_token(path: str) -> str:
     return token
 
 
-def _loc(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
 DAEMON_KEYS: frozenset[str] = frozenset(
     {f.alias or name for name, f in ServerConfig.model_fields.items()}
 )
 """The top-level keys of a daemon config (``check-config`` tells it from a library one)."""
-
-
-def _allowed(model: type[BaseModel]) -> str:
-    return ", ".join(sorted(f.alias or name for name, f in model.model_fields.items()))
-
-
-def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the YAML node at pydantic location ``loc`` (its key for a field)."""
-    line = None
-    for i, part in enumerate(loc):
-        if not isinstance(node, yaml.MappingNode):
-            break
-        for key_node, value_node in node.value:
-            if getattr(key_node, "value", None) == part:
-                line = key_node.start_mark.line + 1
-                node = value_node if i < len(loc) - 1 else key_node
-                break
-        else:
-            break
-    return line
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServerConfig:
@@ -217,21 +201,20 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     clears a ``listen`` from the file and vice versa. Also refuses, with a
     ConfigError saying so, a non-loopback ``listen`` without a ``token_file``.
     """
-    source = str(path) if path is not None else "command line"
+    source = os.fspath(path) if path is not None else "command line"
     data: dict[str, Any] = {}
-    node: yaml.Node | None = None
+    line_of: LineOf | None = None
     if path is not None:
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
-            loaded = yaml.safe_load(text)
-        except OSError as e:
-            raise ConfigError(f"daemon config {source}: cannot read: {e}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"daemon config {source}: not valid YAML: {e}") from e
+            loaded, node = read_yaml(source)
+        except ConfigError as e:
+            raise ConfigError(f"daemon config {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"daemon config {source}: expected a mapping of settings at the top")
+            raise ConfigError(
+                f"daemon config {source}:1: top level must be a mapping of settings, "
+                f"got a {type(loaded).__name__}"
+            )
+        line_of = line_finder(node)
         data = dict(loaded or {})
         if "unix" in data and data.get("unix") is not None and "listen" not in data:
             data["listen"] = None
@@ -247,22 +230,17 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         merged = dict(data.get("limits") or {})
         merged.update(limits)
         data["limits"] = merged
+
+    def from_flags(loc: tuple[int | str, ...]) -> str | None:
+        return "command line" if loc and loc[0] in cli_fields else None
+
     try:
         cfg = ServerConfig.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(err["loc"])
-        field = _loc(loc)
-        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        if field.split(".")[0] in cli_fields:
-            where = "command line"
-        else:
-            line = _line(node, loc) if loc else None
-            where = f"{source}:{line}" if line is not None else source
-        if err.get("type") == "extra_forbidden":
-            model: type[BaseModel] = LimitsConfig if loc[:1] == ("limits",) else ServerConfig
-            msg = f"unknown key; allowed: {_allowed(model)}"
-        raise ConfigError(f"daemon config {where}: field {field}: {msg}") from e
+        message = format_validation_error(
+            e, source=source, root=ServerConfig, line_of=line_of, source_of=from_flags
+        )
+        raise ConfigError(f"daemon config {message}") from None
     if cfg.unix is None and cfg.listen is not None and cfg.token_file is None:
         host = parse_address(cfg.listen).host
         if not is_loopback(host):

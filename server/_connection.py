@@ -11,8 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensorstore_hooks.protocol import (
     MAX_FRAME_PAYLOAD,
@@ -25,57 +24,45 @@ from tensorstore_hooks.protocol import (
     parse_request,
 )
 
+from ._conns import Conn
+from ._handlers import Handlers
+from ._model import Session
+from ._services import Services
 from ._stats import server_version
-from ._wire import ConnectionClosed, FrameConn
+from ._wire import ConnectionClosed
 
-if TYPE_CHECKING:
-    from ._app import Daemon
-    from ._sessions import Session
-
-__all__ = ["Client", "serve_connection"]
+__all__ = ["serve_connection"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
 
-@dataclass(eq=False)
-class Client:
-    """Per-connection state, owned by its handler task."""
+async def serve_connection(svc: Services, handlers: Handlers, c: Conn) -> None:
+    """Run one connection to its end; never raises (errors become error frames).
 
-    conn: FrameConn
-    peer: str
-    task: asyncio.Task[None] | None = None
-    session: Session | None = None
-    observer: bool = False
-    idle: bool = True
-    """True while waiting for the next message: the only time the task may be cancelled."""
-    kick_reason: str | None = None
-    authenticated: bool = False
-    """True once HELLO succeeded; until then the connection counts as unauthenticated."""
-
-
-async def serve_connection(d: Daemon, c: Client) -> None:
-    """Run one connection to its end; never raises (errors become error frames)."""
-    conn = c.conn
+    It leaves the connection registry as soon as it stops serving requests.
+    """
+    conn = c.wire
+    limits = svc.limits
     linger = False
     try:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + d.limits.handshake_timeout_s
-        if d.tls is not None:
+        deadline = loop.time() + limits.handshake_timeout_s
+        if svc.tls is not None:
             try:
-                await conn.start_tls(d.tls, d.limits.handshake_timeout_s)
+                await conn.start_tls(svc.tls, limits.handshake_timeout_s)
             except ConnectionClosed as e:
                 log.info("connection %s: %s", c.peer, e)
                 raise
-        await _handshake(d, c, deadline)
-        while not d.draining and c.kick_reason is None:
+        await _handshake(svc, c, deadline)
+        while not svc.conns.draining and c.kick_reason is None:
             c.idle = True
-            head = await conn.read_head(d.limits.idle_timeout_s)
+            head = await conn.read_head(limits.idle_timeout_s)
             c.idle = False
-            if not await d.handlers.dispatch(c, head):
+            if not await handlers.dispatch(c, head):
                 break
             # One request per turn: a client pipelining requests whose bytes are
             # always ready would otherwise never give the event loop back
-            # (see NOTE [ Fairness ] in _app).
+            # (see NOTE [ Fairness ] in _conns).
             await asyncio.sleep(0)
         if c.kick_reason is not None:
             conn.send_nowait(error_header(ErrorCode.NOT_FOUND, c.kick_reason, fatal=True))
@@ -90,26 +77,21 @@ async def serve_connection(d: Daemon, c: Client) -> None:
             error_header(ErrorCode.BAD_REQUEST, "timed out waiting for the client", fatal=True)
         )
     except ProtocolError as e:
-        d.stats.count("errors")
+        svc.stats.count("errors")
         log.warning("closing connection %s: %s", c.peer, e)
         conn.send_nowait(error_header(e.code, e.message, fatal=True))
         linger = True
     except Exception as e:
-        d.stats.count("errors")
+        svc.stats.count("errors")
         log.exception("closing connection %s after an internal error", c.peer)
         conn.send_nowait(error_header(ErrorCode.INTERNAL, f"internal error: {e}", fatal=True))
         linger = True
     finally:
-        if c.session is not None:
-            c.session.conns.discard(c)
-        d.clients.discard(c)
-        d.pending.pop(c, None)
+        svc.conns.remove(c)
     try:
-        if linger and not d.draining:
+        if linger and not svc.conns.draining:
             await conn.linger_close()
     finally:
-        d.stats.count("bytes_in", conn.bytes_in)
-        d.stats.count("bytes_out", conn.bytes_out)
         conn.close()
 
 
@@ -121,10 +103,10 @@ def _token_ok(expected: str | None, given: str | None) -> bool:
     )
 
 
-async def _handshake(d: Daemon, c: Client, deadline: float) -> None:
+async def _handshake(svc: Services, c: Conn, deadline: float) -> None:
     loop = asyncio.get_running_loop()
     for _ in range(3):
-        head = await c.conn.read_head(max(0.001, deadline - loop.time()))
+        head = await c.wire.read_head(max(0.001, deadline - loop.time()))
         if head.header.get("op") != "hello":
             raise ProtocolError(
                 ErrorCode.UNAUTHORIZED, "the first message must be HELLO", fatal=True
@@ -139,7 +121,7 @@ async def _handshake(d: Daemon, c: Client, deadline: float) -> None:
             raise ProtocolError(
                 ErrorCode.UNAUTHORIZED, "the first message must be HELLO", fatal=True
             )
-        d.stats.count("hello")
+        svc.stats.count("hello")
         if req.version != PROTOCOL_VERSION:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
@@ -147,28 +129,26 @@ async def _handshake(d: Daemon, c: Client, deadline: float) -> None:
                 f"{PROTOCOL_VERSION}); upgrade tensorstore-hooks on both sides",
                 fatal=True,
             )
-        if not _token_ok(d.token, req.token):
+        if not _token_ok(svc.token, req.token):
             raise ProtocolError(
                 ErrorCode.UNAUTHORIZED,
                 "missing or wrong token: pass token= to the store or set TSH_TOKEN",
                 fatal=True,
             )
-        if d.authenticated_count() >= d.limits.max_connections:
-            d.stats.count("refused")
+        if not c.authenticated and not svc.conns.authenticate(c):
             raise ProtocolError(
                 ErrorCode.BUSY,
-                f"the daemon is at its connection cap ({d.limits.max_connections})",
+                f"the daemon is at its connection cap ({svc.limits.max_connections})",
                 fatal=True,
             )
-        c.authenticated = True
-        d.pending.pop(c, None)
+        session: Session | None = None
         resumed = False
         if not req.open_session:
             c.observer = True
         elif req.session is not None:
-            s = d.sessions.get(req.session)
-            if s is None:
-                await c.conn.send(
+            session = svc.sessions.get(req.session)
+            if session is None:
+                await c.wire.send(
                     error_header(
                         ErrorCode.NOT_FOUND,
                         "session unknown or expired (its tensors were freed); "
@@ -177,34 +157,33 @@ async def _handshake(d: Daemon, c: Client, deadline: float) -> None:
                     )
                 )
                 continue
-            c.session = s
             resumed = True
         else:
-            c.session = d.sessions.open()
-        if c.session is not None:
-            c.session.conns.add(c)
-            c.session.last_seen = time.monotonic()
+            session = svc.sessions.open()
+        if session is not None:
+            svc.conns.attach(c, session)
+            session.last_seen = time.monotonic()
             if resumed:
-                log.info("session %s joined from %s (%r)", c.session.label, c.peer, req.client)
-        await c.conn.send(_welcome(d, req, c.session, resumed))
+                log.info("session %s joined from %s (%r)", session.label, c.peer, req.client)
+        await c.wire.send(_welcome(svc, req, session, resumed))
         return
     raise ProtocolError(ErrorCode.BAD_REQUEST, "too many HELLO attempts", fatal=True)
 
 
-def _welcome(d: Daemon, req: Hello, s: Session | None, resumed: bool) -> dict[str, Any]:
+def _welcome(svc: Services, req: Hello, s: Session | None, resumed: bool) -> dict[str, Any]:
     return {
         "id": req.id,
         "ok": True,
         "session": s.id if s is not None else None,
         "resumed": resumed,
-        "lease_s": d.config.lease_s,
+        "lease_s": svc.config.lease_s,
         "server": server_version(),
         "version": PROTOCOL_VERSION,
         "limits": {
-            "max_tensor_bytes": d.limits.max_tensor_bytes,
+            "max_tensor_bytes": svc.limits.max_tensor_bytes,
             "max_frame_payload": MAX_FRAME_PAYLOAD,
             "max_keys_per_request": MAX_KEYS_PER_REQUEST,
-            "memory_quota": d.config.memory_quota_bytes,
-            "disk_quota": d.tiers.disk_quota,
+            "memory_quota": svc.config.memory_quota_bytes,
+            "disk_quota": svc.tiers.disk_quota,
         },
     }

@@ -30,14 +30,12 @@ from tensorstore_hooks._chunkio import LocalIO
 from tensorstore_hooks._index import MAGIC, Damage, IndexLog
 from tensorstore_hooks._zarr_store import split_url
 
+from ._costs import DISK_NAMESPACE
 from ._model import KeyRecord
 
-__all__ = ["DISK_NAMESPACE", "Replay", "StateJournal", "damaged_readings"]
+__all__ = ["Replay", "StateJournal", "damaged_readings"]
 
 log = logging.getLogger("tensorstore_hooks.server")
-
-DISK_NAMESPACE = "daemon"
-"""ZarrStore namespace of the disk tier (fixed, so a restart resumes it)."""
 
 
 @dataclass(slots=True)

@@ -44,6 +44,19 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
         for tier in ("ram", "disk"):
             g.add_metric([tier], float(tiers[tier][field]))
         yield g
+    buffers = GaugeMetricFamily(
+        "tsh_buffer_bytes",
+        "Memory held for payloads in flight: PUTs bound for disk, GET answers read from disk.",
+        labels=["kind"],
+    )
+    for kind in ("put", "get"):
+        buffers.add_metric([kind], float(snap["buffers"][kind]["used"]))
+    yield buffers
+    yield GaugeMetricFamily(
+        "tsh_disk_writable",
+        "1 if the disk tier takes writes now, 0 while it backs off a failure (or is off).",
+        value=1.0 if tiers["disk"].get("writable") else 0.0,
+    )
     yield GaugeMetricFamily("tsh_sessions", "Open sessions.", value=snap["sessions_total"])
     yield GaugeMetricFamily("tsh_connections", "Open connections.", value=snap["connections"])
     yield GaugeMetricFamily("tsh_uptime_seconds", "Seconds since start.", value=snap["uptime_s"])
@@ -58,6 +71,7 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
         ("tsh_spills", "spills", "Tensors spilled from RAM to disk."),
         ("tsh_spilled_bytes", "spill_bytes", "Bytes spilled from RAM to disk."),
         ("tsh_quota_rejections", "quota_rejected", "PUTs refused with QUOTA_EXCEEDED."),
+        ("tsh_disk_write_failures", "disk_write_failures", "Disk-tier writes that failed."),
         ("tsh_sessions_expired", "sessions_expired", "Sessions ended by their lease."),
         ("tsh_expired_bytes", "expired_bytes", "Bytes freed by expired leases."),
         ("tsh_errors", "errors", "Error answers and dropped connections."),

@@ -1,14 +1,14 @@
 """The daemon's values: sessions, stored tensors and journaled ownership.
 
 Shared by ``_sessions`` (who owns what, accounting, journaling) and ``_tiers``
-(where the bytes live). Neither imports the other's behaviour through this module;
-the dependency runs one way: ``_sessions`` -> ``_tiers`` -> ``_model`` (-> ``_costs``).
+(where the bytes live); the dependency runs one way: ``_sessions`` -> ``_tiers`` ->
+``_model`` (-> ``_costs``). A session's connections are the connection registry's
+(``_conns``), not part of the session.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -51,8 +51,6 @@ class Session:
     """Payload bytes of its tensors on the disk tier."""
     reserved_bytes: int = 0
     """Session-quota bytes held by its PUTs in flight."""
-    conns: set[Any] = field(default_factory=set)
-    """Live connections attached to this session (kicked when it ends)."""
     persisted: bool = False
     """True once the journal knows this session (it has had a tensor on disk)."""
     ended: bool = False
@@ -84,8 +82,11 @@ class Entry:
     meta: TensorMeta
     buf: np.ndarray | None
     disk_key: str | None = None
+    """Its key in the disk tier, set once its bytes are there *and* journaled."""
     spilling: bool = False
     freed: bool = False
+    readers: int = 0
+    """GET answers streaming it from disk; its chunks are deleted after the last one."""
 
     @property
     def nbytes(self) -> int:

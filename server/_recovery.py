@@ -7,8 +7,10 @@ Both journals (the disk tier's index, ``ROOT/daemon/index``, and the session jou
 start the daemon:
 
 1. quarantines intact disk-index records with unusable content (an unknown dtype,
-   bad extents): logged with the file, the record and the reason, then retired with
-   a delete record, so the store opens and the daemon starts. Their tensors are lost.
+   bad extents, metadata the daemon would not store: NOTE [ Storable metadata ] in
+   ``_tensor_rules``): logged with the file, the record and the reason, then retired
+   with a delete record, so the store opens and the daemon starts. Their tensors are
+   lost.
 2. logs every damaged region of either journal (file, record ordinal, byte offset)
    and, best effort, what the damaged records seem to have said (untrusted: never
    used to adopt anything);
@@ -43,9 +45,12 @@ from tensorstore_hooks._index import IndexLog, scan
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks._zarr_store import ZarrStore, split_url
 
-from ._journal import DISK_NAMESPACE, StateJournal
+from ._costs import DISK_NAMESPACE
+from ._disk import DiskTier
+from ._journal import StateJournal
 from ._root import prepare_root
 from ._sessions import SessionTable
+from ._tensor_rules import meta_problem
 
 __all__ = ["open_disk", "recover"]
 
@@ -54,13 +59,13 @@ log = logging.getLogger("tensorstore_hooks.server")
 _SEGMENT_RE = re.compile(r"seg-(\d+)")
 
 
-def open_disk(root: str) -> tuple[ZarrStore, StateJournal]:
+def open_disk(root: str, max_tensor_bytes: int) -> tuple[ZarrStore, StateJournal]:
     """Prepare the root (NOTE [ Private root ]), quarantine unusable disk-index records,
     open the disk tier and the session journal. Damage is logged, never fatal."""
     kind, location = split_url(root)
     if kind == "local":
         prepare_root(location)
-        live = _quarantine_index(location)
+        live = _quarantine_index(location, max_tensor_bytes)
         if live is not None:  # never sweep against an index that could not be read
             _sweep_stray_chunks(location, live)
     with warnings.catch_warnings(record=True) as caught:
@@ -72,18 +77,19 @@ def open_disk(root: str) -> tuple[ZarrStore, StateJournal]:
     return disk, StateJournal(root)
 
 
-def _index_entry_problem(entry: dict[str, Any]) -> str | None:
+def _index_entry_problem(entry: dict[str, Any], max_tensor_bytes: int) -> str | None:
     """Why the disk tier could not use this index entry (None if it can)."""
     try:
         extents = [entry["seg"], entry["start"], entry["count"]]
-        TensorMeta.from_dict(entry["meta"])
+        meta = TensorMeta.from_dict(entry["meta"])
     except KeyError as e:
         return f"missing field {e.args[0]!r}"
     except Exception as e:
         return str(e)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in extents):
         return f"bad extents {extents!r}"
-    return None
+    problem = meta_problem(meta, max_tensor_bytes)
+    return problem[1] if problem is not None else None
 
 
 def _record_numbers(io: LocalIO, path: str) -> dict[str, int]:
@@ -95,7 +101,7 @@ def _record_numbers(io: LocalIO, path: str) -> dict[str, int]:
     return {key: i + 1 for i, (_, key, _) in enumerate(scan(raw, path).records)}
 
 
-def _quarantine_index(location: str) -> dict[str, dict[str, Any]] | None:
+def _quarantine_index(location: str, max_tensor_bytes: int) -> dict[str, dict[str, Any]] | None:
     """Retire disk-index records the store would refuse; returns the usable entries
     (None if the index cannot be read: the store's own open then says why)."""
     io = LocalIO(location)
@@ -106,7 +112,11 @@ def _quarantine_index(location: str) -> dict[str, dict[str, Any]] | None:
     except Exception as e:  # the store's own open reports it properly
         log.debug("pre-reading the disk-tier index failed: %r", e)
         return None
-    bad = {k: why for k, e in entries.items() if (why := _index_entry_problem(e)) is not None}
+    bad = {
+        k: why
+        for k, e in entries.items()
+        if (why := _index_entry_problem(e, max_tensor_bytes)) is not None
+    }
     if bad:
         numbers = _record_numbers(io, f"{directory}/journal")
         for key, why in bad.items():
@@ -166,7 +176,7 @@ def _sweep_stray_chunks(location: str, live: dict[str, dict[str, Any]]) -> None:
         )
 
 
-def recover(table: SessionTable, disk: ZarrStore, journal: StateJournal) -> None:
+def recover(table: SessionTable, tier: DiskTier, journal: StateJournal) -> None:
     """Re-adopt the previous run's sessions and disk-tier tensors (NOTE [ Journal damage ])."""
     replay = journal.load()
     for q in replay.quarantined:
@@ -178,6 +188,7 @@ def recover(table: SessionTable, disk: ZarrStore, journal: StateJournal) -> None
             "the damaged session-journal records seem to have said (unchecked): %s",
             "; ".join(replay.readings),
         )
+    disk = tier.store
     for sid, created in replay.sessions.items():
         table.restore(sid, created)
     implied: dict[str, int] = {}
@@ -223,22 +234,21 @@ def recover(table: SessionTable, disk: ZarrStore, journal: StateJournal) -> None
                 format_bytes(orphan_bytes),
             )
     table.compact_journal()
-    tiers = table.tiers
-    tiers.refresh_metadata(force=True)
-    held = tiers.disk_used + tiers.disk_metadata
-    if held > tiers.disk_quota:
+    tier.measure_docs()
+    held = tier.held()
+    if held > tier.quota:
         log.warning(
             "the disk tier holds %s, more than its quota of %s: no tensor goes to disk "
             "until its sessions free %s (stored tensors are kept)",
             format_bytes(held),
-            format_bytes(tiers.disk_quota),
-            format_bytes(held - tiers.disk_quota),
+            format_bytes(tier.quota),
+            format_bytes(held - tier.quota),
         )
     if replay.sessions or implied or on_disk:
         log.info(
             "recovered %d sessions and %d disk-tier tensors (%d bytes); collected %d orphans",
             len(replay.sessions) + len(implied),
             len(adopted),
-            table.tiers.disk_used,
+            tier.files,
             len(orphans),
         )

@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
+from tensorstore_hooks.errors import TensorStoreError
 from tensorstore_hooks.protocol import ErrorCode
 
 from ._costs import RAM_OVERHEAD_BYTES, ram_charge
@@ -50,7 +53,10 @@ class SessionTable:
         self.opened = 0
         self.expired = 0
         self.expired_bytes = 0
-        tiers.on_spilled = self._spilled
+        self._compaction_failed = False
+        tiers.spilled = self._spilled
+        if tiers.disk is not None:
+            tiers.disk.compact_sessions = self.compact_journal
 
     # ------------------------------------------------------------- lifecycle
     def open(self) -> Session:
@@ -65,6 +71,8 @@ class SessionTable:
         """A journaled session after a restart; its lease starts now."""
         s = Session(id=sid, created=created, last_seen=time.monotonic(), persisted=True)
         self.sessions[sid] = s
+        if self.tiers.disk is not None:
+            self.tiers.disk.session_recorded()
         return s
 
     def get(self, sid: str) -> Session | None:
@@ -82,6 +90,8 @@ class SessionTable:
         self.sessions.pop(s.id, None)
         if s.persisted and self.journal is not None:
             self.journal.session_ended(s.id)
+            if self.tiers.disk is not None:
+                self.tiers.disk.session_ended()
         log.info("session %s ended (%s): %d bytes freed", s.label, reason, freed)
         return freed
 
@@ -94,12 +104,13 @@ class SessionTable:
         return out
 
     # --------------------------------------------------------------- tensors
-    async def admit(self, s: Session, n: int) -> Reservation:
-        """Reserve room for an ``n``-byte PUT of ``s``: its session quota, then the tiers.
+    async def admit(self, s: Session, meta: TensorMeta) -> Reservation:
+        """Reserve room for a PUT of ``meta`` by ``s``: its session quota, then the tiers.
 
         Raises TierError(QUOTA_EXCEEDED) naming the quota that is full. Pair with
         :meth:`release` (after the store_* call or the failure).
         """
+        n = meta.nbytes
         charge = ram_charge(n)
         quota = self.session_quota
         if quota is not None and s.charged_bytes + charge > quota:
@@ -114,7 +125,7 @@ class SessionTable:
             )
         s.reserved_bytes += charge
         try:
-            res = await self.tiers.admit(n)
+            res = await self.tiers.admit(meta, new_session=not s.persisted)
         except BaseException:
             s.reserved_bytes -= charge
             raise
@@ -142,14 +153,24 @@ class SessionTable:
     ) -> Entry:
         """Write a disk-placed payload, journal it, and only then return (the ack follows).
 
-        Raises TierError: INTERNAL if the disk failed, NOT_FOUND if ``s`` ended meanwhile.
+        Raises TierError: QUOTA_EXCEEDED if the disk or the journal failed (nothing is
+        kept: NOTE [ Disk failures ]), NOT_FOUND if ``s`` ended meanwhile.
         """
         e = Entry(key, s, meta, None)
-        await self.tiers.commit_disk(res, e, buf)
+        dk = await self.tiers.write_disk(res, e, buf)
         if s.ended:
-            self.tiers.free(e)
+            self.tiers.abandon_disk(res, dk, None)
             raise TierError(ErrorCode.NOT_FOUND, "the session ended while the tensor was written")
-        self._journal_on_disk(e)
+        try:
+            self._journal_on_disk(e, dk)
+        except TensorStoreError as exc:
+            self.tiers.abandon_disk(res, dk, exc)
+            self.tiers.quota_rejected += 1
+            raise TierError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"the daemon could not journal the tensor ({exc}); the client keeps it",
+            ) from exc
+        self.tiers.commit_disk(res, e, dk)
         s.entries[key] = e
         s.disk_bytes += e.nbytes
         return e
@@ -180,25 +201,33 @@ class SessionTable:
         s.disk_bytes += e.nbytes
         return e
 
-    def _spilled(self, e: Entry) -> None:
-        """The tiers moved ``e`` from RAM to disk: journal it, move its owner's bytes."""
+    def _spilled(self, e: Entry, dk: str) -> None:
+        """The tiers wrote ``e`` to disk as ``dk``: journal it, then move its owner's
+        bytes. Raises TensorStoreError if it cannot be journaled (the spill is undone)."""
+        self._journal_on_disk(e, dk)
         e.owner.ram_bytes -= e.nbytes
         e.owner.disk_bytes += e.nbytes
-        self._journal_on_disk(e)
 
-    def _journal_on_disk(self, e: Entry) -> None:
+    def _journal_on_disk(self, e: Entry, dk: str) -> None:
+        """Record ``e`` on disk as ``dk`` (and its session, the first time). Raises
+        TensorStoreError if a record cannot be written."""
         if self.journal is None:
             return
-        assert e.disk_key is not None
         owner = e.owner
         if not owner.persisted:
             self.journal.session_opened(owner.id, owner.created)
             owner.persisted = True
-        self.journal.key_on_disk(e.key, KeyRecord(owner.id, e.disk_key, e.nbytes))
+            if self.tiers.disk is not None:
+                self.tiers.disk.session_recorded()
+        self.journal.key_on_disk(e.key, KeyRecord(owner.id, dk, e.nbytes))
 
     # --------------------------------------------------------------- journal
     def compact_journal(self) -> None:
-        """Rewrite the journal as the live sessions and their disk-tier keys."""
+        """Rewrite the journal as the live sessions and their disk-tier keys.
+
+        A failure is logged (once until a compaction works again) and leaves the
+        journal as it was: still the truth, only longer.
+        """
         if self.journal is None:
             return
         sessions: dict[str, float] = {}
@@ -210,4 +239,39 @@ class SessionTable:
             for e in s.entries.values():
                 if e.buf is None and e.disk_key is not None and not e.freed:
                     keys[e.key] = KeyRecord(s.id, e.disk_key, e.nbytes)
-        self.journal.compact(sessions, keys)
+        try:
+            self.journal.compact(sessions, keys)
+        except TensorStoreError as exc:
+            if not self._compaction_failed:
+                log.warning("compacting the session journal failed (%s); it stays as it is", exc)
+            self._compaction_failed = True
+            return
+        self._compaction_failed = False
+
+    # ---------------------------------------------------------------- report
+    def snapshot(self, connections: Mapping[str, int], now: float) -> dict[str, Any]:
+        """This part of ``stats``: the sessions (largest first, at most 200) and the
+        session counters. ``connections``: session id -> its live connections."""
+        ordered = sorted(self.sessions.values(), key=lambda s: -s.nbytes)
+        return {
+            "sessions_total": len(ordered),
+            "sessions": [
+                {
+                    "id": s.label,
+                    "tensors": len(s.entries),
+                    "ram_bytes": s.ram_bytes,
+                    "disk_bytes": s.disk_bytes,
+                    "connections": connections.get(s.id, 0),
+                    "idle_s": now - s.last_seen,
+                    "lease_left_s": max(0.0, self.lease_s - (now - s.last_seen)),
+                    "requests": s.requests,
+                }
+                for s in ordered[:200]
+            ],
+            "counters": {
+                "sessions_opened": self.opened,
+                "sessions_expired": self.expired,
+                "expired_bytes": self.expired_bytes,
+                "session_quota_rejected": self.session_rejected,
+            },
+        }

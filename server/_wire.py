@@ -45,7 +45,7 @@ from tensorstore_hooks.protocol import (
     unpack_header,
 )
 
-from ._staging import PIECE_BYTES
+from ._payload import PIECE_BYTES
 
 __all__ = ["ConnectionClosed", "FrameConn", "Head", "with_timeout"]
 
@@ -248,8 +248,8 @@ class FrameConn:
 
         ``dest`` must be exactly ``head.size`` bytes. Each frame has its own deadline.
         ``reserve(n)``, if given, is awaited before each piece of at most
-        ``PIECE_BYTES`` is received (the staging budget, see NOTE [ Staging as bytes
-        arrive ]); time spent waiting in it does not count against the deadline.
+        ``PIECE_BYTES`` is received (the PUT payload budget, see NOTE [ Payload bytes
+        as they arrive ]); time spent waiting in it does not count against the deadline.
         """
         if dest is not None and len(dest) != head.size:
             raise ValueError("destination does not match the message size")
@@ -328,6 +328,26 @@ class FrameConn:
                 buffers.append(view[start:stop])
         frames = -(-size // MAX_FRAME_PAYLOAD) or 1
         await with_timeout(self._sendmsg_all(buffers), self.read_timeout_s * frames)
+
+    async def send_first(self, header: dict[str, Any], size: int, part: Any) -> None:
+        """Start a message of ``size`` payload bytes: ``header`` and its first ``part``
+        (at most ``MAX_FRAME_PAYLOAD``); :meth:`send_more` sends the rest. Deadline:
+        ``read_timeout_s``."""
+        view = memoryview(part).cast("B")
+        if size:
+            header["size"] = size
+        buffers: list[Any] = [message_head(header, len(view))]
+        if len(view):
+            buffers.append(view)
+        await with_timeout(self._sendmsg_all(buffers), self.read_timeout_s)
+
+    async def send_more(self, part: Any) -> None:
+        """One continuation frame of the message :meth:`send_first` started."""
+        view = memoryview(part).cast("B")
+        assert 0 < len(view) <= MAX_FRAME_PAYLOAD
+        await with_timeout(
+            self._sendmsg_all([pack_prefix(0, len(view)), view]), self.read_timeout_s
+        )
 
     async def _sendmsg_all(self, buffers: list[Any]) -> None:
         if self.tls:

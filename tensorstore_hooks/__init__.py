@@ -28,15 +28,25 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
   ``_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
 * ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
   ``_registry.py`` - the stores and ``open_store`` (one registry entry per URL
-  scheme); ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
+  scheme); ``_chain.py`` - ``TierChain``, several stores as one, fastest first;
+  ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
   and codec checks.
 * ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
 * ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.
+* ``_capture.py`` - ``capture()``: module hooks streaming intermediates and gradients
+  into plain Zarr arrays under ``ROOT/capture/`` (``_capture_writer.py`` appends them on
+  I/O threads, ``_capture_layout.py`` is their layout); ``_capture_dataset.py`` -
+  ``CaptureDataset`` reads them back (``_capture_source.py``: from a URL or an object).
 """
 
 from __future__ import annotations
 
+from ._capture import Capture, capture
+from ._capture_dataset import CaptureDataset
+from ._capture_writer import CaptureStats
+from ._chain import TierChain
+from ._chain_core import ChainStats, TierStats
 from ._codec import TensorMeta
 from ._config import EffectiveConfig, load_config
 from ._hooks import OffloadHooks, offload
@@ -62,6 +72,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlobStore",
+    "Capture",
+    "CaptureDataset",
+    "CaptureStats",
+    "ChainStats",
     "ConfigError",
     "Decision",
     "EffectiveConfig",
@@ -79,9 +93,12 @@ __all__ = [
     "TensorMeta",
     "TensorStore",
     "TensorStoreError",
+    "TierChain",
+    "TierStats",
     "UnsupportedTensorError",
     "ZarrStore",
     "__version__",
+    "capture",
     "load_config",
     "offload",
     "open_store",

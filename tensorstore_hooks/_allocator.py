@@ -94,6 +94,11 @@ class ChunkAllocator:
         self.live_bytes -= run[0] * run[2]
         self.release([run])
 
+    def abandon(self, run: Run) -> None:
+        """A run from :meth:`alloc` that was never used but whose objects may still
+        change (a write of unknown outcome): never handed out again."""
+        self.live_bytes -= run[0] * run[2]
+
     def retire(self, runs: Iterable[Run]) -> list[Run]:
         """Runs of deleted keys. Keeps what fits as spares (the newest freed: a loop
         re-saves what it just freed, so the least recently freed sizes make room) and

@@ -1,27 +1,58 @@
 """Moving whole objects (chunk files, metadata documents) under one root.
 
 Three backends share one small interface: :class:`LocalIO` talks to the OS directly
-(one ``open``/``write`` per chunk, ``readinto`` a caller's buffer: no extra copy),
-:class:`MemoryIO` keeps bytes in a private dict, and :class:`FsspecIO` goes through
-any fsspec filesystem (S3, GCS, ...), batching many objects into one concurrent call.
-Paths are ``/``-separated and relative to the root.
+(one ``open``/``write`` per chunk, ``readinto`` a caller's buffer: no extra copy; with
+``O_DIRECT`` where the filesystem allows it, NOTE [ Direct I/O ]), :class:`MemoryIO`
+keeps bytes in a private dict, and :class:`FsspecIO` goes through any fsspec
+filesystem (S3, GCS, ...), batching many objects into one concurrent call. Paths are
+``/``-separated and relative to the root.
+
+NOTE [ Direct I/O ]
+Through the page cache, every offloaded byte is copied by the CPU on its way to the
+disk and back, and stays charged to the process's memory cgroup until the kernel
+writes it back and reclaims it: a container sees no saving at all. With ``O_DIRECT``
+the bytes go between the caller's (aligned) memory and the device, and nothing stays
+behind. Rules:
+
+1. A store asks for it with ``direct_io``: ``"auto"`` (default) uses it where the
+   root's filesystem allows it, ``"on"`` requires it (a :class:`ConfigError` where it
+   cannot be had), ``"off"`` never uses it. Only :class:`LocalIO` can; other
+   backends report it off.
+2. Whether a root allows it is probed once per root directory and process
+   (:func:`probe_direct_io`): RAM filesystems (tmpfs, ramfs) are refused outright
+   (their files are memory; since Linux 6.6 tmpfs accepts ``O_DIRECT`` and ignores
+   it), then one aligned block is written and read back with ``O_DIRECT`` in a probe
+   file. A root without it is said once at INFO and in the store's stats.
+3. Only chunk objects go direct (:meth:`ChunkIO.write_aligned`,
+   :meth:`ChunkIO.read_aligned`): addresses, lengths and the offset 0 are multiples of
+   :data:`~tensorstore_hooks._aligned.BLOCK_BYTES`; NOTE [ Aligned buffers ] says
+   where such memory comes from. Metadata documents and journals stay buffered.
+4. A direct write ends by setting the object's size (``ftruncate``) when it is not
+   what the caller asked for: a new object is extended with a hole (no zero-fill of
+   whole blocks), a longer one cut back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import functools
 import logging
 import os
+import secrets
 import shutil
 import socket
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from ._aligned import BLOCK_BYTES, AlignedBuffer
 from ._retry import (
     Failure,
     Retrier,
@@ -33,9 +64,18 @@ from ._retry import (
     service_code,
 )
 from ._urls import link_protocols
-from .errors import StoreClosedError, StoreUnavailableError
+from .errors import ConfigError, StoreClosedError, StoreUnavailableError
 
-__all__ = ["ChunkIO", "FsspecIO", "LocalIO", "MemoryIO"]
+__all__ = [
+    "DIRECT_IO_MODES",
+    "ChunkIO",
+    "DirectIOStatus",
+    "FsspecIO",
+    "LocalIO",
+    "MemoryIO",
+    "direct_io_readonly_check",
+    "probe_direct_io",
+]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -72,13 +112,46 @@ class ChunkIO(ABC):
         for path, parts in items:
             self.write(path, parts)
 
-    def write_with_trailer(
-        self, path: str, parts: Sequence[Buffer], trailer: Callable[[], Buffer]
-    ) -> None:
-        """Write ``parts`` followed by ``trailer()``, which is called as late as the
-        backend allows (after ``parts`` are written, for local files) so the caller can
-        compute it, e.g. a checksum, while the parts are being written."""
-        self.write(path, [*parts, trailer()])
+    def write_sized(self, path: str, parts: Sequence[Buffer], size: int) -> None:
+        """Write object ``path`` of ``size`` bytes that starts with the concatenation of
+        ``parts``; the bytes after them are zeros in a new object and unspecified in one
+        rewritten in place (here: always zeros)."""
+        n = sum(memoryview(p).nbytes for p in parts)
+        self.write(path, [*parts, bytes(size - n)] if size > n else parts)
+
+    # ------------------------------------------------------- NOTE [ Direct I/O ]
+    direct_io: DirectIOStatus | None = None
+    """Set by :meth:`configure_direct_io`; ``None`` until then (buffered)."""
+
+    @property
+    def uses_direct_io(self) -> bool:
+        """True once :meth:`configure_direct_io` turned ``O_DIRECT`` on."""
+        return self.direct_io is not None and self.direct_io.enabled
+
+    def configure_direct_io(self, mode: str, probe_path: str) -> DirectIOStatus:
+        """Turn direct I/O on where ``mode`` (``auto``/``on``/``off``) and the backend
+        allow it (NOTE [ Direct I/O ] rule 1); ``probe_path`` names a scratch object
+        the probe may create and remove. Raises :class:`ConfigError` for ``on`` where
+        it cannot be had. Call once, before any chunk I/O."""
+        if mode == "on":
+            raise ConfigError(
+                f"direct_io='on' needs a local directory, but {self.url} is not one "
+                "(O_DIRECT is a local-filesystem feature); use direct_io='auto' or 'off'"
+            )
+        self.direct_io = DirectIOStatus(False, mode, "not a local directory")
+        return self.direct_io
+
+    def write_aligned(self, path: str, views: Sequence[memoryview], size: int) -> None:
+        """Write the concatenation of ``views`` at offset 0 of ``path`` with ``O_DIRECT``,
+        then make the object ``size`` bytes (NOTE [ Direct I/O ] rule 4). Each view must
+        start on a ``BLOCK_BYTES`` boundary and be a multiple of it long."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct I/O")
+
+    def read_aligned(self, path: str, view: memoryview) -> tuple[int, int]:
+        """Fill ``view`` (aligned as for :meth:`write_aligned`) from offset 0 of ``path``
+        with ``O_DIRECT``; returns (bytes read, object size). Fewer bytes are read only
+        at the end of the object. Raises ``FileNotFoundError`` if absent."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct I/O")
 
     @abstractmethod
     def read(self, path: str) -> Buffer:
@@ -115,6 +188,14 @@ class ChunkIO(ABC):
     @abstractmethod
     def delete(self, paths: Sequence[str]) -> None:
         """Delete objects; missing ones are ignored."""
+
+    def take_uncertain(self, paths: Sequence[str]) -> bool:
+        """Whether a write or delete of any of ``paths`` had an attempt fail in a way
+        that may still take effect later (the service may apply a request after the
+        client gave up on it); the paths are forgotten. Always False where an
+        operation's outcome is known when it returns (local files, memory).
+        NOTE [ Requests that land late ] in ``_zarr_store.py``."""
+        return False
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...
@@ -171,33 +252,82 @@ class LocalIO(ChunkIO):
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         self._write(path, parts, None)
 
-    def write_with_trailer(
-        self, path: str, parts: Sequence[Buffer], trailer: Callable[[], Buffer]
-    ) -> None:
-        self._write(path, parts, trailer)
+    def write_sized(self, path: str, parts: Sequence[Buffer], size: int) -> None:
+        self._write(path, parts, size)
 
-    def _write(
-        self, path: str, parts: Sequence[Buffer], trailer: Callable[[], Buffer] | None
-    ) -> None:
+    def _open_for_write(self, path: str, extra_flags: int = 0) -> int:
+        full = self._full(path)
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | extra_flags
+        try:
+            return os.open(full, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            return os.open(full, flags, 0o644)
+
+    def _write(self, path: str, parts: Sequence[Buffer], size: int | None = None) -> None:
         # Overwrite in place rather than truncate: rewriting the blocks and page-cache
         # pages a file already has is 3-10x cheaper (in kernel time) than freeing them
         # and allocating new ones, and a store's chunk files are rewritten with the same
         # size over and over (NOTE [ Spare chunk files ] in _zarr_store.py).
-        full = self._full(path)
-        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(full, flags, 0o644)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = os.open(full, flags, 0o644)
+        fd = self._open_for_write(path)
         try:
             total = 0
             for part in parts:
                 total += _write_all(fd, part)
-            if trailer is not None:
-                total += _write_all(fd, trailer())
-            if os.fstat(fd).st_size > total:
-                os.ftruncate(fd, total)
+            want = total if size is None else size
+            have = os.fstat(fd).st_size
+            if have > want or (size is not None and have != want):
+                os.ftruncate(fd, want)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------- NOTE [ Direct I/O ]
+    def configure_direct_io(self, mode: str, probe_path: str) -> DirectIOStatus:
+        if mode not in DIRECT_IO_MODES:
+            raise ConfigError(
+                f"direct_io: expected one of {', '.join(DIRECT_IO_MODES)}, got {mode!r}"
+            )
+        if mode == "off":
+            self.direct_io = DirectIOStatus(False, mode, "direct_io is 'off'")
+            return self.direct_io
+        full = self._full(probe_path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        ok, why = _probe_cached(self.root, full)
+        if not ok and mode == "on":
+            raise ConfigError(
+                f"direct_io='on': {self.url} cannot do direct I/O: {why}. Put the store on a "
+                "filesystem that supports O_DIRECT (ext4, xfs, btrfs on a disk), or use "
+                "direct_io='auto' (buffered where unsupported) or 'off'"
+            )
+        self.direct_io = DirectIOStatus(ok, mode, why)
+        return self.direct_io
+
+    def write_aligned(self, path: str, views: Sequence[memoryview], size: int) -> None:
+        fd = self._open_for_write(path, _O_DIRECT)
+        try:
+            _pwrite_aligned(fd, views)
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    def read_aligned(self, path: str, view: memoryview) -> tuple[int, int]:
+        full = self._full(path)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT)
+        except OSError as e:
+            if e.errno == errno.EINVAL and os.path.isdir(full):  # what a buffered open says
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), full) from e
+            raise
+        try:
+            size = os.fstat(fd).st_size
+            pos = 0
+            while pos < len(view):
+                n = os.preadv(fd, [view[pos:]], pos)
+                if not n:
+                    break
+                pos += n
+            return pos, size
         finally:
             os.close(fd)
 
@@ -299,6 +429,148 @@ def _write_all(fd: int, part: Buffer) -> int:
     return n
 
 
+def _pwrite_aligned(fd: int, views: Sequence[memoryview]) -> None:
+    """``pwritev`` the views at offset 0, resuming after short writes (which stay
+    block-aligned with O_DIRECT; one that does not is an EIO, never silent)."""
+    todo = [v for v in views if len(v)]
+    pos = 0
+    while todo:
+        n = os.pwritev(fd, todo, pos)
+        if n <= 0 or (n % BLOCK_BYTES and n != sum(len(v) for v in todo)):
+            raise OSError(errno.EIO, f"direct write stopped after {pos + max(n, 0)} bytes")
+        pos += n
+        while todo and n >= len(todo[0]):
+            n -= len(todo[0])
+            todo.pop(0)
+        if n:
+            todo[0] = todo[0][n:]
+
+
+# ----------------------------------------------------------- NOTE [ Direct I/O ]
+DIRECT_IO_MODES = ("auto", "on", "off")
+"""The values of ``store.direct_io``."""
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs(2) f_type magics
+_probed: dict[str, tuple[bool, str]] = {}
+_probed_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class DirectIOStatus:
+    """Whether a backend does chunk I/O with ``O_DIRECT`` (NOTE [ Direct I/O ])."""
+
+    enabled: bool
+    """True: chunk objects are written and read with ``O_DIRECT``."""
+    mode: str
+    """What was asked: ``auto``, ``on`` or ``off``."""
+    reason: str
+    """Why it is off (empty when on)."""
+
+    def describe(self) -> str:
+        """``"on"`` or ``"off (why)"``, for logs and ``inspect``."""
+        return "on" if self.enabled else f"off ({self.reason})"
+
+
+def _ram_filesystem(directory: str) -> str | None:
+    """The name of the RAM filesystem ``directory`` is on, or None (Linux ``statfs``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.statfs(os.fsencode(directory), buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    magic = int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder) & 0xFFFFFFFF
+    return _RAM_FILESYSTEMS.get(magic)
+
+
+def probe_direct_io(directory: str, probe_name: str | None = None) -> tuple[bool, str]:
+    """Whether ``O_DIRECT`` chunk I/O works in ``directory`` (which must exist), and if
+    not, why (NOTE [ Direct I/O ] rule 2). Creates and removes one probe file
+    (``probe_name``, default a unique hidden name); never raises for a refusal."""
+    ok, why, _ = _probe(directory, probe_name)
+    return ok, why
+
+
+def direct_io_readonly_check(root: str) -> str:
+    """What a store under ``root`` would get from ``direct_io="auto"``, found without
+    writing anything (for ``inspect``): ``"available (FS accepts O_DIRECT)"`` or
+    ``"off (why)"``. Opens the root's ``zarr.json`` with ``O_DIRECT`` for reading."""
+    if not _O_DIRECT:
+        return "off (this platform has no O_DIRECT)"
+    ram = _ram_filesystem(root)
+    if ram is not None:
+        return f"off (the root is on {ram}, whose files live in RAM)"
+    try:
+        fd = os.open(os.path.join(root, "zarr.json"), os.O_RDONLY | _O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return "off (the filesystem refuses O_DIRECT)"
+        return f"unknown ({e.strerror})"
+    os.close(fd)
+    return "available (the filesystem accepts O_DIRECT; direct_io=auto uses it)"
+
+
+def _probe(directory: str, probe_name: str | None) -> tuple[bool, str, bool]:
+    """:func:`probe_direct_io`, plus whether the answer holds for good (a filesystem
+    that refuses O_DIRECT) or may change (no room for the probe file, no permission)."""
+    if not _O_DIRECT:
+        return False, "this platform has no O_DIRECT", True
+    ram = _ram_filesystem(directory)
+    if ram is not None:
+        return False, f"the root is on {ram}, whose files live in RAM", True
+    name = probe_name or f".tsh-direct-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT, 0o600)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False, "the filesystem refuses O_DIRECT", True
+        return False, f"cannot create a probe file ({e.strerror})", False
+    try:
+        out, back = AlignedBuffer(BLOCK_BYTES), AlignedBuffer(BLOCK_BYTES)
+        out.view[:] = (b"tsh-direct-probe" * (BLOCK_BYTES // 16))[:BLOCK_BYTES]
+        try:
+            os.pwrite(fd, out.view, 0)
+            got = os.preadv(fd, [back.view], 0)
+        except OSError as e:
+            definitive = e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+            return (
+                False,
+                f"O_DIRECT I/O of {BLOCK_BYTES}-byte blocks fails ({e.strerror})",
+                definitive,
+            )
+        if got != BLOCK_BYTES or back.view != out.view:
+            return False, "O_DIRECT reads did not return what was written", True
+        return True, "", True
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _probe_cached(root: str, probe_file: str) -> tuple[bool, str]:
+    """:func:`probe_direct_io` (with ``probe_file``) once per root directory in this
+    process; a refusal is said once, at INFO."""
+    key = os.path.realpath(root)
+    with _probed_lock:
+        hit = _probed.get(key)
+        if hit is not None:
+            return hit
+        ok, why, definitive = _probe(os.path.dirname(probe_file), os.path.basename(probe_file))
+        result = (ok, why)
+        if definitive:  # a full disk or a permission problem is asked again next time
+            _probed[key] = result
+    if not result[0]:
+        log.info(
+            "direct I/O is off under %s: %s; chunk files go through the page cache", key, result[1]
+        )
+    return result
+
+
 class MemoryIO(ChunkIO):
     """A private in-process dict (never fsspec's process-global memory filesystem)."""
 
@@ -383,6 +655,8 @@ class FsspecIO(ChunkIO):
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
         self._owns_fs = owns_fs
         self._closed = False
+        self._uncertain: set[str] = set()  # NOTE [ Requests that land late ] in _zarr_store.py
+        self._uncertain_lock = threading.Lock()
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -462,6 +736,29 @@ class FsspecIO(ChunkIO):
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._run(what, lambda t: self._attempt(method, t, *args, **kwargs))
 
+    def _note_uncertain(self, paths: Sequence[str]) -> None:
+        with self._uncertain_lock:
+            self._uncertain.update(paths)
+
+    def _changing(self, paths: Sequence[str], attempt: Callable[[], Any]) -> Any:
+        """One attempt of a request that changes ``paths``: if it fails, the service may
+        still apply it later (a timeout while it waits on its storage servers)."""
+        try:
+            return attempt()
+        except FileNotFoundError:
+            raise  # a definite answer (nothing there), not an unknown outcome
+        except BaseException:
+            self._note_uncertain(paths)
+            raise
+
+    def take_uncertain(self, paths: Sequence[str]) -> bool:
+        with self._uncertain_lock:
+            if not self._uncertain:
+                return False
+            hit = not self._uncertain.isdisjoint(paths)
+            self._uncertain.difference_update(paths)
+            return hit
+
     def _unavailable(self, e: RetriesExhausted) -> StoreUnavailableError:
         cause = e.cause
         detail = f"{type(cause).__name__}: {cause}"
@@ -499,7 +796,11 @@ class FsspecIO(ChunkIO):
     # ------------------------------------------------------------ ChunkIO
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         data = self._join(parts)
-        self._call(f"writing {path!r}", "pipe_file", self._full(path), data)
+        full = self._full(path)
+        self._run(
+            f"writing {path!r}",
+            lambda t: self._changing([path], lambda: self._attempt("pipe_file", t, full, data)),
+        )
 
     def write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
         if len(items) <= 1:
@@ -507,6 +808,7 @@ class FsspecIO(ChunkIO):
                 self.write(*items[0])
             return
         pending = {self._full(p): self._join(parts) for p, parts in items}
+        relative = {self._full(p): p for p, _ in items}
 
         def attempt(time_left_s: float) -> None:
             # Objects are written concurrently and each one's outcome kept, so a retry
@@ -516,7 +818,10 @@ class FsspecIO(ChunkIO):
             if self._async:
                 from fsspec.asyn import sync
 
-                outcomes = sync(self.fs.loop, self._pipe_each, batch, timeout=time_left_s)
+                outcomes = self._changing(
+                    [relative[p] for p, _ in batch],
+                    lambda: sync(self.fs.loop, self._pipe_each, batch, timeout=time_left_s),
+                )
             else:
                 outcomes = [_outcome(self.fs.pipe_file, p, d) for p, d in batch]
             errors = []
@@ -524,6 +829,7 @@ class FsspecIO(ChunkIO):
                 if err is None:
                     del pending[path]
                 else:
+                    self._note_uncertain([relative[path]])
                     errors.append(err)
             if errors:
                 errors.sort(key=lambda err: classify(err) is Failure.TRANSIENT)
@@ -581,11 +887,21 @@ class FsspecIO(ChunkIO):
             return
         full = [self._full(p) for p in paths]
         try:
-            self._call(f"deleting {len(full)} objects ({paths[0]!r}, ...)", "rm", full)
+            self._run(
+                f"deleting {len(full)} objects ({paths[0]!r}, ...)",
+                lambda t: self._changing(paths, lambda: self._attempt("rm", t, full)),
+            )
         except FileNotFoundError:
-            for f in full:
+            for path in paths:
                 with contextlib.suppress(FileNotFoundError):
-                    self._call(f"deleting {f!r}", "rm_file", f)
+                    self._delete_one(path)
+
+    def _delete_one(self, path: str) -> None:
+        full = self._full(path)
+        self._run(
+            f"deleting {full!r}",
+            lambda t: self._changing([path], lambda: self._attempt("rm_file", t, full)),
+        )
 
     def exists(self, path: str) -> bool:
         return bool(self._call(f"checking {path or '/'!r}", "exists", self._full(path)))

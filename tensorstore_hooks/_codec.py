@@ -89,7 +89,7 @@ _NAME_OF: dict[torch.dtype, str] = {dtype: name for name, (dtype, _) in DTYPES.i
 # Bounds applied to metadata read back from a store or the wire.
 _MAX_NDIM = 64
 _MAX_NBYTES = 1 << 48
-_DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]{0,15}(:\d{1,4})?$")
+_DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,15}(:\d{1,4})?")  # fullmatch: "$" allows "\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +188,7 @@ class TensorMeta:
                 raise IntegrityError(f"tensor metadata: bad {name} {val!r}")
         if not isinstance(compact, bool) or not isinstance(requires_grad, bool):
             raise IntegrityError("tensor metadata: compact/requires_grad must be booleans")
-        if not isinstance(device, str) or not _DEVICE_RE.match(device):
+        if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
             raise IntegrityError(f"tensor metadata: bad device {device!r}")
         meta = cls(
             dtype=dtype,

@@ -57,7 +57,8 @@ from ._units import (
     check_size,
 )
 from ._urls import BadURLError
-from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec
+from ._yaml_config import LineOf, format_validation_error, line_finder, read_yaml
+from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec, parse_direct_io
 from .errors import ConfigError
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "PipelineSettings",
     "Size",
     "StoreSettings",
+    "TierSettings",
     "config_from_dict",
     "dump_config",
     "format_validation_error",
@@ -99,6 +101,23 @@ class StoreSettings:
     (``_zarr_options.CODEC_HELP``; ``zstd:0`` is refused)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Zarr chunk size in bytes: a power of two >= 4 KiB."""
+    direct_io: str = "auto"
+    """Local directories: ``auto`` (``O_DIRECT`` where the filesystem allows it), ``on``
+    (required) or ``off`` (page cache). See NOTE [ Direct I/O ] in ``_chunkio.py``."""
+    tiers: tuple[TierSettings, ...] = ()
+    """A tier chain instead of ``url`` (fastest first); empty: one store at ``url``."""
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """One entry of ``store.tiers``: a tier of a chain (NOTE [ Tier chain ], ``_chain_core``)."""
+
+    url: str
+    """The tier's store URL."""
+    budget: int | None = None
+    """Bytes the tier may hold; every tier but the last has one, the last none."""
+    storage_options: dict[str, Any] | None = None
+    """This tier's fsspec options (``None``: the section's ``storage_options``)."""
 
 
 @dataclass(frozen=True)
@@ -147,16 +166,23 @@ class EffectiveConfig:
         Sizes are written with the largest exact binary unit (``"8MiB"``). With
         ``redact``, ``storage_options`` values whose key looks secret are masked.
         """
-        options = dict(self.store.storage_options)
-        if redact:
-            options = {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+        def shown(options: Mapping[str, Any]) -> dict[str, Any]:
+            if not redact:
+                return dict(options)
+            return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+
+        store: dict[str, Any] = {
+            "url": self.store.url,
+            "storage_options": shown(self.store.storage_options),
+            "codec": self.store.codec,
+            "chunk_bytes": exact_size(self.store.chunk_bytes),
+            "direct_io": self.store.direct_io,
+        }
+        if self.store.tiers:
+            del store["url"]
+            store["tiers"] = [_tier_to_dict(t, shown) for t in self.store.tiers]
         return {
-            "store": {
-                "url": self.store.url,
-                "storage_options": options,
-                "codec": self.store.codec,
-                "chunk_bytes": exact_size(self.store.chunk_bytes),
-            },
+            "store": store,
             "pipeline": {
                 "max_inflight": _opt_exact(self.pipeline.max_inflight),
                 "prefetch": _opt_exact(self.pipeline.prefetch),
@@ -178,6 +204,15 @@ class EffectiveConfig:
 
 
 _SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _tier_to_dict(tier: TierSettings, shown: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"url": tier.url}
+    if tier.budget is not None:
+        out["budget"] = exact_size(tier.budget)
+    if tier.storage_options is not None:
+        out["storage_options"] = shown(tier.storage_options)
+    return out
 
 
 def _opt_exact(n: int | None) -> int | str | None:
@@ -229,6 +264,10 @@ def _chunk_size(value: Any) -> int:
     return check_chunk_bytes(value)
 
 
+def _direct_io(value: Any) -> str:
+    return parse_direct_io(value)
+
+
 def _codec(value: Any) -> Any:
     parse_codec(value)  # also refuses None and other non-strings, with the allowed forms
     return value
@@ -255,11 +294,45 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class _TierModel(_Model):
+    url: Annotated[str, AfterValidator(_url)]
+    budget: OptSize = None
+    storage_options: dict[str, Any] | None = None
+
+
 class _StoreModel(_Model):
     url: Annotated[str | None, AfterValidator(_url)] = None
     storage_options: dict[str, Any] = Field(default_factory=dict)
     codec: Annotated[str, BeforeValidator(_codec)] = "none"
     chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
+    direct_io: Annotated[str, BeforeValidator(_direct_io)] = "auto"
+    tiers: list[_TierModel] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _chain(self) -> _StoreModel:
+        # NOTE [ Tier chain ] in _chain_core.py: a budget for every tier but the last.
+        if "tiers" not in self.model_fields_set:
+            return self
+        if self.url is not None:
+            raise ValueError(
+                "url and tiers are exclusive: a chain names its URLs in tiers"
+            )
+        if len(self.tiers) < 2:
+            raise ValueError(
+                "tiers needs two or more tiers (fastest first); for one store use url"
+            )
+        for i, tier in enumerate(self.tiers[:-1]):
+            if tier.budget is None:
+                raise ValueError(
+                    f"tiers[{i}].budget is missing: every tier but the last needs one "
+                    "(the bytes it may hold, e.g. budget: 64GiB)"
+                )
+        if self.tiers[-1].budget is not None:
+            raise ValueError(
+                f"tiers[{len(self.tiers) - 1}] is the last tier and takes no budget: it "
+                "holds what the tiers above cannot"
+            )
+        return self
 
 
 class _PipelineModel(_Model):
@@ -340,6 +413,15 @@ class _ConfigModel(_Model):
                 storage_options=dict(s.storage_options),
                 codec=s.codec,
                 chunk_bytes=s.chunk_bytes,
+                direct_io=s.direct_io,
+                tiers=tuple(
+                    TierSettings(
+                        t.url,
+                        t.budget,
+                        None if t.storage_options is None else dict(t.storage_options),
+                    )
+                    for t in s.tiers
+                ),
             ),
             pipeline=PipelineSettings(
                 max_inflight=p.max_inflight,
@@ -362,178 +444,6 @@ class _ConfigModel(_Model):
         )
 
 
-# ---------------------------------------------------------------------------------------
-# Error messages
-# ---------------------------------------------------------------------------------------
-
-
-def _path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that holds the field at ``loc`` (for 'allowed keys' hints)."""
-    model: type[BaseModel] | None = root
-    for part in loc:
-        if model is None:
-            return None
-        if isinstance(part, int):
-            continue
-        info = model.model_fields.get(part)
-        if info is None:
-            return None
-        ann = info.annotation
-        args = getattr(ann, "__args__", ())
-        candidates = [ann, *args]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-    return model
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> str:
-    kind, loc, msg = err["type"], tuple(err["loc"]), str(err["msg"])
-    if kind == "extra_forbidden":
-        parent = _model_at(root, loc[:-1])
-        allowed = ", ".join(parent.model_fields) if parent is not None else "?"
-        return f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
-    if kind == "missing":
-        return "required field is missing"
-    if kind == "value_error":
-        msg = str(err.get("ctx", {}).get("error", msg))
-    elif kind in ("model_type", "dict_type"):
-        msg = "expected a mapping of key: value"
-    elif kind == "literal_error":
-        msg = f"expected one of {err.get('ctx', {}).get('expected', msg)}"
-    elif msg.startswith("Input should be "):
-        rest = msg.removeprefix("Input should be ")
-        # "greater than or equal to 1" reads as a value bound, not a type.
-        msg = f"expected {'a value ' if rest.startswith(('greater', 'less')) else ''}{rest}"
-    else:
-        msg = msg[0].lower() + msg[1:] if msg else msg
-    return f"{msg}; got {_short(err.get('input'))}"
-
-
-def format_validation_error(
-    error: _PydanticValidationError,
-    *,
-    source: str,
-    root: type[BaseModel],
-    prefix: tuple[int | str, ...] = (),
-    line_of: Any = None,
-) -> str:
-    """One line per problem: ``SOURCE[:LINE]: FIELD.PATH: what is wrong; got VALUE``.
-
-    ``line_of(loc) -> int | None`` maps a field location to a 1-based YAML line.
-    """
-    lines = []
-    for err in error.errors(include_url=False):
-        loc = tuple(err["loc"])
-        where = source
-        line = line_of(loc) if line_of is not None else None
-        if line is not None:
-            where = f"{source}:{line}"
-        path = _path(prefix + loc) or "(top level)"
-        lines.append(f"{where}: {path}: {_describe(err, root)}")
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} problems in {source}:\n  " + "\n  ".join(lines)
-
-
-# ---------------------------------------------------------------------------------------
-# YAML loading
-# ---------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, yaml.Node] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, list | dict):
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a mapping key must be a scalar", key_node.start_mark
-                )
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen[key] = key_node
-        return super().construct_mapping(node, deep=deep)
-
-
-def _line_finder(root: yaml.Node | None) -> Any:
-    """``loc -> 1-based line`` of the deepest YAML node along the pydantic location."""
-
-    def line_of(loc: tuple[int | str, ...]) -> int | None:
-        node = root
-        if node is None:
-            return None
-        for i, part in enumerate(loc):
-            nxt: yaml.Node | None = None
-            if isinstance(node, yaml.MappingNode):
-                for key_node, value_node in node.value:
-                    if getattr(key_node, "value", None) == part:
-                        # The field itself is reported at its key; containers at their value.
-                        nxt = key_node if i == len(loc) - 1 else value_node
-                        break
-            elif (
-                isinstance(node, yaml.SequenceNode)
-                and isinstance(part, int)
-                and 0 <= part < len(node.value)
-            ):
-                nxt = node.value[part]
-            if nxt is None:
-                break
-            node = nxt
-        return int(node.start_mark.line) + 1
-
-    return line_of
-
-
-def _read_yaml(path: str) -> tuple[Any, yaml.Node | None]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"{path}: config file not found (cwd {os.getcwd()}); check the path"
-        ) from e
-    except IsADirectoryError as e:
-        raise ConfigError(f"{path}: is a directory, expected a YAML config file") from e
-    except PermissionError as e:
-        raise ConfigError(f"{path}: cannot read config file: permission denied") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: config file is not UTF-8 text ({e.reason})") from e
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        data = None if node is None else loader.construct_document(node)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
-        problem = " ".join(p for p in (e.context, e.problem) if p)
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML error: {e}") from e
-    finally:
-        loader.dispose()
-    return data, node
-
-
 _SECTIONS_HELP = "a mapping with the optional sections store, pipeline, policy"
 
 
@@ -547,14 +457,14 @@ def load_config(path: str | os.PathLike[str]) -> EffectiveConfig:
     if not isinstance(path, str | os.PathLike):
         raise ConfigError(f"load_config: expected a file path, got {type(path).__name__}")
     source = os.fspath(path)
-    data, node = _read_yaml(source)
+    data, node = read_yaml(source)
     if data is None:
         raise ConfigError(f"{source}: config file is empty; expected {_SECTIONS_HELP}")
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}:1: top level must be {_SECTIONS_HELP}, got a {type(data).__name__}"
         )
-    return _validate(data, source=source, line_of=_line_finder(node), file=source)
+    return _validate(data, source=source, line_of=line_finder(node), file=source)
 
 
 def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> EffectiveConfig:
@@ -564,7 +474,9 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> Effe
     return _validate(_plain(data), source=source, line_of=None, file=None)
 
 
-def _validate(data: Any, *, source: str, line_of: Any, file: str | None) -> EffectiveConfig:
+def _validate(
+    data: Any, *, source: str, line_of: LineOf | None, file: str | None
+) -> EffectiveConfig:
     try:
         model = _ConfigModel.model_validate(data)
     except _PydanticValidationError as e:
@@ -611,6 +523,7 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "storage_options": ("store", _StoreModel),
     "codec": ("store", _StoreModel),
     "chunk_bytes": ("store", _StoreModel),
+    "direct_io": ("store", _StoreModel),
 }
 OVERRIDE_KEYS: tuple[str, ...] = tuple(_OVERRIDES)
 """The keyword arguments of ``offload()`` that override config fields."""

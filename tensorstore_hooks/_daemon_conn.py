@@ -332,6 +332,14 @@ class Connection:
         while pos < size:
             self._recv_exact(prefix)
             hl, pl = parse_prefix(self._prefix)
+            if hl != 0 and pl == 0:
+                # The daemon cut its answer off (a disk read failed mid-way) and says
+                # why in an error frame where the next continuation was due.
+                raw = bytearray(hl)
+                self._recv_exact(memoryview(raw))
+                cut = unpack_header(raw)
+                if cut.get("ok") is False:
+                    return cut, None
             if hl != 0 or pl == 0 or pos + pl > size:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "bad continuation frame", fatal=True)
             self._recv_exact(view[pos : pos + pl])

@@ -21,7 +21,7 @@ from ._compose import block_abort, block_enter, block_exit
 from ._config import EffectiveConfig, StoreSettings
 from ._diagnose import after_forward, before_forward
 from ._pipeline import Pipeline
-from ._registry import open_store, options_from_config
+from ._registry import chain_from_settings, open_store, options_from_config
 from ._signals import install as install_signal_shield
 from ._store import TensorStore
 from ._trace import Timeline, describe_pipeline, forward_begin, forward_end
@@ -196,7 +196,11 @@ def _check_model(model: object, where: str) -> None:
 def _store_options(url: object, store_cfg: StoreSettings) -> dict[str, object]:
     # The store kind (registry) says which store: settings its factory takes.
     return options_from_config(
-        url, store_cfg.codec, store_cfg.chunk_bytes, store_cfg.storage_options
+        url,
+        store_cfg.codec,
+        store_cfg.chunk_bytes,
+        store_cfg.storage_options,
+        store_cfg.direct_io,
     )
 
 
@@ -216,7 +220,7 @@ def offload(
     environment variable names a default. Keyword overrides win over the file:
     ``min_bytes``, ``skip_parameters``, ``prefetch``, ``max_inflight``, ``rules``,
     ``default``, ``writer_threads``, ``read_deadline_s``, ``release_heap_every``, ``codec``,
-    ``chunk_bytes``, ``storage_options``.
+    ``chunk_bytes``, ``storage_options``, ``direct_io``.
     ``model``: track its module paths for ``module`` rules (or ``hooks.attach(model)``).
 
     Raises :class:`ConfigError` for bad options, before anything is changed.
@@ -243,6 +247,8 @@ def make_pipeline(
     cfg = resolve_config(config, overrides)
     if isinstance(store, TensorStore):
         st, owned = store, False
+    elif store is None and cfg.store.tiers:
+        st, owned = chain_from_settings(cfg.store), True
     else:
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).

@@ -84,6 +84,7 @@ class IOPool:
                 return
             fut, fn, args = item
             if not fut.set_running_or_notify_cancel():
+                del fut, fn, args, item
                 continue
             try:
                 result = fn(*args)
@@ -91,6 +92,9 @@ class IOPool:
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+                # An idle thread must not keep the last tensor it read alive (and its
+                # read buffer out of the pool) until its next task.
+                del result
             del fut, fn, args, item  # drop references to tensors promptly
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

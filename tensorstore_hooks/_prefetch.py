@@ -12,10 +12,19 @@ that finds its read already done or running is a hit; one that has to start its 
 read is a miss. Out-of-order access (branches, several graphs) is correct, only
 slower: the cursor simply jumps.
 
+The window counts what a read brings back onto the device (its span, rounded: rule 7
+of NOTE [ Stream ordering ]), not the tensor's element bytes. A record whose saved
+tensor is still in memory is never read ahead (unpack returns the tensor itself).
+Each read ahead runs into the very future the record table gave the record when it
+planned the read, so an unpack on another thread that claims it before the read
+has even been submitted waits for that read, not for a placeholder.
+
 A read has one deadline, ``read_deadline_s``, from its first attempt: reads retry in
 the library's one retry loop (NOTE [ One retry layer ] in ``_retry.py``) with
 :func:`~tensorstore_hooks._retry.classify_store_read`, and a read ahead that failed
-is final for its unpack (it already had the whole deadline) rather than retried again.
+is final for its unpack (it already had the whole deadline) rather than retried again,
+except for one that ran out of device memory: reading ahead runs at backward's peak,
+so that unpack reads on demand instead, and reads ahead stop until the next backward.
 """
 
 from __future__ import annotations
@@ -75,18 +84,21 @@ class Prefetcher:
             classify=classify_store_read,
         )
         self.timeline: Timeline | None = None  # set while hooks.trace() records
+        self._out_of_memory = False  # a read ahead ran out of device memory: stop
 
     # ---------------------------------------------------------------- unpack
     def take(self, rec: Record, fut: Future[Loaded] | None, t0: float) -> torch.Tensor:
         """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss)."""
+        out: Loaded | None = None
         if fut is not None:
-            self._stats.prefetch_hits += 1
             with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
                 try:
                     out = fut.result()
-                except CancelledError:
-                    out = self.read(rec)
+                except (CancelledError, torch.OutOfMemoryError):
+                    out = None  # freed meanwhile, or no device memory ahead: read now
                 # Any other error is final: that read had the whole deadline already.
+        if out is not None:
+            self._stats.prefetch_hits += 1
         else:
             self._stats.prefetch_misses += 1
             self.fill()
@@ -123,7 +135,7 @@ class Prefetcher:
         self._heap.note(rec.nbytes)
         t = t.detach()
         if self._stager.accelerated(rec.device):
-            return self._stager.to_device(t, rec.device, rec.offset)
+            return self._stager.to_device(t, rec.device)
         if rec.device.type != "cpu":
             return t.to(rec.device), None
         return t, None
@@ -142,18 +154,44 @@ class Prefetcher:
 
     def restart(self) -> None:
         """A backward begins: read ahead from the newest record down."""
+        self._out_of_memory = False
         self._reads.restart()
         self.fill()
 
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
-        if self.window_bytes <= 0:
+        if self.window_bytes <= 0 or self._out_of_memory:
             return
         planned = self._reads.plan(self.window_bytes)
         if not planned:
             return
         pool = self._io()
-        for rec in planned:
-            fut = pool.submit(READ, self.read, rec)
-            if not self._reads.attach(rec, fut):
-                fut.cancel()
+        for i, (rec, fut) in enumerate(planned):
+            try:
+                pool.submit(READ, self._read_ahead, rec, fut)
+            except RuntimeError:  # the pool shut down (the store closed): read on demand
+                for _, left in planned[i:]:
+                    left.cancel()
+                return
+
+    def _read_ahead(self, rec: Record, fut: Future[Loaded]) -> None:
+        """I/O thread: run one read ahead into ``fut`` (unless freed meanwhile)."""
+        if not fut.set_running_or_notify_cancel():
+            return
+        out: Loaded | None = None
+        error: BaseException | None = None
+        try:
+            out = self.read(rec)
+        except BaseException as e:
+            error = e
+        if isinstance(error, torch.OutOfMemoryError) and not self._out_of_memory:
+            self._out_of_memory = True
+            log.info("read ahead: out of device memory; reading on demand this backward")
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            assert out is not None
+            fut.set_result(out)
+        # A logged error's traceback keeps this frame alive: it must not keep the read
+        # (whose error holds the unpacking frames, and their handles) with it.
+        del fut, out, error, rec

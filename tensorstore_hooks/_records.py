@@ -70,7 +70,7 @@ from typing import Protocol, TypeAlias
 import torch
 
 from ._signals import shielded
-from ._staging import CopyEvent, Loaded
+from ._staging import CopyEvent, Loaded, returned_bytes
 from ._stats import OffloadStats
 from .errors import StoreUnavailableError
 
@@ -166,10 +166,12 @@ class HostCopy:
 
     ``event``: the copy to host still running (``None`` once it has completed).
     ``readers``: copies back to the device running out of ``buf``; ``orphaned``: the
-    buffer goes back when the last of them ends (rule 4).
+    buffer goes back when the last of them ends (rule 4). ``keep``: the saved tensor of
+    a record freed while ``event`` was still running, which that copy still reads: it
+    lives as long as this copy is not given back (rule 2 of NOTE [ Stream ordering ]).
     """
 
-    __slots__ = ("buf", "event", "host", "orphaned", "readers")
+    __slots__ = ("buf", "event", "host", "keep", "orphaned", "readers")
 
     def __init__(self, host: torch.Tensor, buf: torch.Tensor, event: CopyEvent | None) -> None:
         self.host = host
@@ -177,6 +179,7 @@ class HostCopy:
         self.event = event
         self.readers = 0
         self.orphaned = False
+        self.keep: torch.Tensor | None = None
 
 
 class Record:
@@ -185,6 +188,7 @@ class Record:
     __slots__ = (
         "dedup_key",
         "device",
+        "device_nbytes",
         "error",
         "fetch",
         "guard",
@@ -192,7 +196,6 @@ class Record:
         "host_rule",
         "key",
         "nbytes",
-        "offset",
         "pos",
         "refs",
         "source",
@@ -220,8 +223,10 @@ class Record:
         # Outlives ``guard``: see NOTE [ In-place checks ].
         self.guard_ref = _weak(t if guard is None else guard)
         self.nbytes = nbytes
+        # What it takes on its device when read back (its span, rounded): the
+        # read-ahead window counts this (rule 7 of NOTE [ Stream ordering ]).
+        self.device_nbytes = returned_bytes(t)
         self.device = t.device
-        self.offset = int(t.storage_offset())
         self.state = state
         self.host_rule = False  # sent here by a ``host`` rule (counted as host, not offloaded)
         self.key: str | None = None
@@ -328,6 +333,9 @@ class WriteJob:
 
     source: torch.Tensor | None
     event: CopyEvent | None
+    from_device: bool = False
+    """``source`` is the saved tensor itself, not a host copy of it (on an accelerator,
+    the writer copies it out first: rule 8 of NOTE [ Stream ordering ])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,34 +506,36 @@ class ReadAhead:
         with self._lock:
             self.cursor = len(self._order) - 1
 
-    def plan(self, window_bytes: int) -> list[Record]:
-        """The next records to read ahead, newest first, within ``window_bytes``.
+    def plan(self, window_bytes: int) -> list[tuple[Record, Future[Loaded]]]:
+        """The next records to read ahead, newest first, within ``window_bytes``, each
+        with the future its read completes (the caller runs each read into it).
 
-        Each is claimed (its bytes count in the window); the caller submits the reads
-        and hands each future to :meth:`attach`.
+        Each is claimed (its device bytes count in the window) and its future is the
+        one unpack will find: there is no moment a record's read ahead is a
+        placeholder an unpack could claim and wait on forever. A record whose saved
+        tensor is still in memory (a held record whose copy to host has not been seen
+        complete) is skipped: unpack returns that tensor, nothing need come back.
         """
-        out: list[Record] = []
+        out: list[tuple[Record, Future[Loaded]]] = []
         with self._lock:
             while 0 <= self.cursor < len(self._order):
                 rec = self._order[self.cursor]
-                if rec is not None and rec.state in _READABLE and rec.fetch is None:
-                    if self._window and self._window + rec.nbytes > window_bytes:
+                if (
+                    rec is not None
+                    and rec.state in _READABLE
+                    and rec.fetch is None
+                    and rec.source is None
+                ):
+                    size = rec.device_nbytes
+                    if self._window and self._window + size > window_bytes:
                         break
-                    rec.fetch = Future()  # a placeholder until attach()
-                    self._window += rec.nbytes
-                    self._stats.hold(rec.nbytes)
-                    out.append(rec)
+                    fut: Future[Loaded] = Future()
+                    rec.fetch = fut
+                    self._window += size
+                    self._stats.hold(size)
+                    out.append((rec, fut))
                 self.cursor -= 1
         return out
-
-    def attach(self, rec: Record, fut: Future[Loaded]) -> bool:
-        """The read ahead planned for ``rec`` runs as ``fut``; ``False``: unpacked or
-        freed meanwhile, and the caller cancels it."""
-        with self._lock:
-            if rec.fetch is None:
-                return False
-            rec.fetch = fut
-            return True
 
     def _claim(self, rec: Record) -> Future[Loaded] | None:
         """Unpack takes the read running ahead for ``rec``, or the cursor jumps to just
@@ -533,8 +543,8 @@ class ReadAhead:
         fut = rec.fetch
         if fut is not None:
             rec.fetch = None
-            self._window -= rec.nbytes
-            self._stats.hold(-rec.nbytes)
+            self._window -= rec.device_nbytes
+            self._stats.hold(-rec.device_nbytes)
         else:
             self.cursor = rec.pos - 1
         return fut
@@ -544,8 +554,8 @@ class ReadAhead:
         if rec.fetch is not None:
             rec.fetch.cancel()
             rec.fetch = None
-            self._window -= rec.nbytes
-            self._stats.hold(-rec.nbytes)
+            self._window -= rec.device_nbytes
+            self._stats.hold(-rec.device_nbytes)
 
     def _reset(self) -> None:
         """Nothing is live: start over (lock held)."""
@@ -721,7 +731,7 @@ class RecordTable:
             copy = rec.staged
             if copy is not None:
                 return WriteJob(copy.host, copy.event)
-            return WriteJob(rec.source, None)
+            return WriteJob(rec.source, None, from_device=True)
 
     def unchanged(self, rec: Record) -> bool:
         """Whether ``rec``'s bytes may still be written: not DIRTY and, while the saved
@@ -855,9 +865,12 @@ class RecordTable:
             self._live -= 1
             key, rec.key = rec.key, None
             self.reads._forget(rec)
+            copy = rec.staged
+            source = rec.source  # dropped below, outside the lock: it may free graph pieces
+            if copy is not None and copy.event is not None and source is not None:
+                copy.keep = source  # a copy to host still reads it: it goes with the copy
             # A write under way gives its host copy back when it ends (end_write).
             give_back = None if prev in (State.QUEUED, State.WRITING) else self.copies._take(rec)
-            source = rec.source  # dropped below, outside the lock: it may free graph pieces
             rec._drop_source()
             idle = self._live == 0
             if idle:

@@ -14,14 +14,16 @@ entry unless ``clobber=True``; :func:`store_kinds` is a read-only view.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from ._chain import TierChain, check_budgets
 from ._store import TensorStore
 from ._urls import (
     BadURLError,
@@ -65,7 +67,7 @@ class StoreKind:
     these. ``None``: not declared, everything is passed on."""
     config_options: tuple[str, ...] = ()
     """The ``store:`` config fields passed to the factory as keywords by ``offload()``
-    (``codec``, ``chunk_bytes``, ``storage_options``)."""
+    (``codec``, ``chunk_bytes``, ``storage_options``, ``direct_io``)."""
     chainable: bool = False
     """Whether the scheme may be a link of an fsspec chain (``simplecache::file://``):
     only Zarr kinds, which fsspec opens; a daemon URL is never chained."""
@@ -79,8 +81,18 @@ class StoreKind:
 _ZARR = "tensorstore_hooks._zarr_store:ZarrStore"
 _DAEMON = "tensorstore_hooks._daemon_client:DaemonStore"
 _ZARR_OPTIONS = frozenset(
-    {"storage_options", "chunk_bytes", "codec", "namespace", "retry_deadline_s", "spare_bytes"}
+    {
+        "storage_options",
+        "chunk_bytes",
+        "codec",
+        "namespace",
+        "retry_deadline_s",
+        "spare_bytes",
+        "direct_io",
+        "buffer_pool_bytes",
+    }
 )
+_ZARR_CONFIG_OPTIONS = ("codec", "chunk_bytes", "storage_options", "direct_io")
 
 
 def _check_zarr_url(url: str) -> None:
@@ -93,7 +105,7 @@ def _zarr_kind(scheme: str) -> StoreKind:
         factory=_ZARR,
         parse_url=_check_zarr_url,
         option_keys=_ZARR_OPTIONS,
-        config_options=("codec", "chunk_bytes", "storage_options"),
+        config_options=_ZARR_CONFIG_OPTIONS,
         chainable=True,
     )
 
@@ -118,7 +130,7 @@ _FSSPEC_KIND = StoreKind(
     factory=_ZARR,
     parse_url=_check_zarr_url,
     option_keys=_ZARR_OPTIONS,
-    config_options=("codec", "chunk_bytes", "storage_options"),
+    config_options=_ZARR_CONFIG_OPTIONS,
     chainable=True,
 )
 _LOCAL_KIND = _BUILTIN["file"]
@@ -246,7 +258,11 @@ def _unknown_scheme(proto: str) -> str:
 
 
 def options_from_config(
-    url: object, codec: str, chunk_bytes: int, storage_options: Mapping[str, Any]
+    url: object,
+    codec: str,
+    chunk_bytes: int,
+    storage_options: Mapping[str, Any],
+    direct_io: str = "auto",
 ) -> dict[str, Any]:
     """The ``open_store`` options that the config's ``store:`` section gives ``url``'s kind.
 
@@ -260,7 +276,12 @@ def options_from_config(
     kind = _LOCAL_KIND if url is None else kind_of(url)
     if kind.spread_storage_options:
         return dict(storage_options)
-    given = {"codec": codec, "chunk_bytes": chunk_bytes, "storage_options": storage_options}
+    given = {
+        "codec": codec,
+        "chunk_bytes": chunk_bytes,
+        "storage_options": storage_options,
+        "direct_io": direct_io,
+    }
     opts = {k: given[k] for k in kind.config_options}
     if not opts.get("storage_options"):
         opts.pop("storage_options", None)
@@ -307,7 +328,7 @@ def _check_fsspec_importable(url: str) -> None:
 
 
 def open_store(
-    url: str | os.PathLike[str] | TensorStore | None = None, **options: Any
+    url: str | os.PathLike[str] | TensorStore | Sequence[Any] | None = None, **options: Any
 ) -> TensorStore:
     """Open the store for ``url``.
 
@@ -319,6 +340,9 @@ def open_store(
       passed to it. ``""``, ``file://`` and one-slash URLs (``tsh:/host:7077``) are
       refused (NOTE [ Store URL rules ]).
     * a :class:`TensorStore`: returned as is (``options`` must then be empty).
+    * a list of the above, fastest first, with ``budgets=[...]`` (one size per tier but
+      the last): a :class:`~tensorstore_hooks.TierChain`; ``storage_options`` is then one
+      dict for every tier or a list, one per tier (:func:`open_chain`).
 
     ``options`` go to the store's constructor (``chunk_bytes``, ``codec``,
     ``storage_options``, ``token``, ...). Raises :class:`ConfigError` for unknown
@@ -332,10 +356,12 @@ def open_store(
         return url
     if url is None:
         return _open(_LOCAL_KIND, None, options)
+    if isinstance(url, list | tuple):
+        return open_chain(url, **options)
     if not isinstance(url, str | os.PathLike):
         raise ConfigError(
-            "open_store: expected a URL string, a path, a TensorStore or None, "
-            f"got {type(url).__name__} {url!r}"
+            "open_store: expected a URL string, a path, a TensorStore, None, or a list of "
+            f"those (a tier chain), got {type(url).__name__} {url!r}"
         )
     s = os.fspath(url)
     if not isinstance(s, str):
@@ -360,3 +386,143 @@ def _open(kind: StoreKind, url: str | None, options: dict[str, Any]) -> TensorSt
         return factory(url, **options)
     except TypeError as e:
         raise ConfigError(f"{shown}: bad options {sorted(options)}: {e}") from e
+
+
+# ------------------------------------------------------------------ tier chains
+_CHAIN_KEYWORDS = (
+    "budgets", "storage_options", "move_threads", "put_wait_s", "close_timeout_s", "plan"
+)
+
+
+def open_chain(
+    urls: Sequence[Any],
+    *,
+    budgets: Any = None,
+    storage_options: Any = None,
+    move_threads: int = 2,
+    put_wait_s: float = 60.0,
+    close_timeout_s: float = 60.0,
+    plan: bool = True,
+    **options: Any,
+) -> TierChain:
+    """``open_store([url, url, ...], budgets=[...], ...)``: open each tier, then chain them.
+
+    ``urls``: two or more of what ``open_store`` takes (a URL, a path, ``None`` for a
+    temporary directory, or a :class:`TensorStore`, which the chain then does not
+    close), fastest first. ``storage_options``: one dict for every tier, or a list
+    with one dict (or ``None``) per tier. Other ``options`` (``chunk_bytes``,
+    ``codec``, ``retry_deadline_s``, ...) go to every tier whose kind takes them; one
+    that no tier takes is a :class:`ConfigError`. The Zarr tiers share one namespace
+    name (unless ``namespace=`` is given), so ``inspect`` can pair their contents.
+    """
+    urls = list(urls)
+    if len(urls) < 2:
+        raise ConfigError(
+            "open_store: a list is a tier chain and needs two or more URLs (fastest first), "
+            f"got a list of {len(urls)}: {urls!r}; for one store pass its URL alone"
+        )
+    if budgets is None:
+        raise ConfigError(
+            f"open_store({urls!r}): a tier chain needs budgets=[...], one size per tier but "
+            "the last (e.g. budgets=['64GiB']): the bytes each tier may hold"
+        )
+    sizes = check_budgets(budgets, len(urls))
+    per_tier = _per_tier_options(storage_options, len(urls))
+    kinds: list[Any] = []
+    for i, url in enumerate(urls):
+        if isinstance(url, TensorStore):
+            kinds.append(None)
+        elif url is None:
+            kinds.append(store_kinds()["file"])
+        elif isinstance(url, str | os.PathLike):
+            kinds.append(kind_of(os.fspath(url)))
+        else:
+            raise ConfigError(
+                f"open_store: tier {i} of the chain must be a URL, a path, None or a "
+                f"TensorStore, got {type(url).__name__} {url!r}"
+            )
+    if "namespace" not in options:
+        from ._zarr_store import _default_namespace
+
+        options = {**options, "namespace": _default_namespace()}
+    taken = {k for kind in kinds if kind is not None and kind.option_keys for k in kind.option_keys}
+    unknown = sorted(set(options) - taken - {"namespace"})
+    if unknown:
+        raise ConfigError(
+            f"open_store({urls!r}): no tier of the chain takes option(s) {', '.join(unknown)}; "
+            f"the tiers take: {', '.join(sorted(taken)) or 'none'} "
+            f"(chain options: {', '.join(_CHAIN_KEYWORDS)})"
+        )
+    stores: list[TensorStore] = []
+    owned: list[bool] = []
+    try:
+        for url, kind, so in zip(urls, kinds, per_tier, strict=True):
+            if kind is None:
+                if so:
+                    raise ConfigError(
+                        "open_store: storage_options cannot apply to a tier given as a store "
+                        f"object ({url!r}); pass None for it in the list"
+                    )
+                stores.append(url)
+                owned.append(False)
+                continue
+            if kind.spread_storage_options:
+                opts = dict(so or {})
+            else:
+                keys = kind.option_keys or frozenset()
+                opts = {k: v for k, v in options.items() if k in keys}
+                if so:
+                    opts["storage_options"] = dict(so)
+            stores.append(open_store(url, **opts))
+            owned.append(True)
+        return TierChain(
+            stores,
+            sizes,
+            owned=owned,
+            move_threads=move_threads,
+            put_wait_s=put_wait_s,
+            close_timeout_s=close_timeout_s,
+            plan=plan,
+        )
+    except BaseException:
+        for store, own in zip(stores, owned, strict=False):
+            if own:
+                with contextlib.suppress(Exception):
+                    store.close()
+        raise
+
+
+def _per_tier_options(storage_options: Any, tiers: int) -> list[dict[str, Any] | None]:
+    if storage_options is None:
+        return [None] * tiers
+    if isinstance(storage_options, dict):
+        return [storage_options] * tiers
+    if (
+        isinstance(storage_options, list | tuple)
+        and len(storage_options) == tiers
+        and all(so is None or isinstance(so, dict) for so in storage_options)
+    ):
+        return list(storage_options)
+    raise ConfigError(
+        f"open_store: storage_options of a {tiers}-tier chain must be one dict for every "
+        f"tier or a list of {tiers} dicts (or None), one per tier; got {storage_options!r}"
+    )
+
+
+def chain_from_settings(store: Any) -> TierChain:
+    """The chain a config's ``store: {tiers: [...]}`` section describes (``StoreSettings``):
+    each tier's ``storage_options`` or else the section's; ``codec`` and ``chunk_bytes``
+    for every Zarr tier."""
+    tiers = store.tiers
+    # As for one store (options_from_config): only the settings some tier's kind takes.
+    wanted = {k for t in tiers for k in kind_of(t.url).config_options}
+    given = {"codec": store.codec, "chunk_bytes": store.chunk_bytes}
+    return open_chain(
+        [t.url for t in tiers],
+        budgets=[t.budget for t in tiers[:-1]],
+        storage_options=[
+            dict(t.storage_options if t.storage_options is not None else store.storage_options)
+            for t in tiers
+        ],
+        **{k: v for k, v in given.items() if k in wanted},
+    )

@@ -21,7 +21,7 @@ from typing import Generic, Protocol, TypeAlias, TypeVar
 import torch
 
 from ._budgets import BUDGET_LABEL, BudgetControl
-from ._codec import is_dense, unsupported_reason
+from ._codec import unsupported_reason
 from ._device import DeviceStager
 from ._policy import Policy
 from ._prefetch import Prefetcher
@@ -30,6 +30,7 @@ from ._records import (
     Fetch,
     Handle,
     Ready,
+    Record,
     RecordTable,
     Refused,
     VersionCounter,
@@ -38,14 +39,19 @@ from ._records import (
 )
 from ._scope import ModuleScope
 from ._signals import shielded
+from ._staging import device_bytes
 from ._stats import OffloadStats, RouteStats
 from ._trace import PACK_RANGE, UNPACK_RANGE, Timeline, span
 from ._warn import warn_user
 from ._writebehind import WriteBehind
 
-__all__ = ["Host", "Kept", "Packed", "Route", "Router", "inplace_error"]
+__all__ = ["CAPTURE_LABEL", "Host", "Kept", "Packed", "Route", "Router", "inplace_error"]
 
 log = logging.getLogger("tensorstore_hooks")
+
+CAPTURE_LABEL = "cuda graph capture"
+"""The stats label (``stats.per_rule``) of tensors kept because a graph was being
+captured (rule 10 of NOTE [ Stream ordering ])."""
 
 _T = TypeVar("_T", bound="_Detachable")
 _D = TypeVar("_D")
@@ -160,14 +166,21 @@ class Router:
             # read straight back. NOTE [ Checkpoint composition ], rule 3.
             self.account(Route("keep", "saved during backward", nbytes))
             return Kept(t)
+        if self._stager.capturing(t.device):
+            # Copies need event waits, illegal while a graph is being captured: rule 10
+            # of NOTE [ Stream ordering ].
+            self.account(Route("keep", CAPTURE_LABEL, nbytes))
+            return Kept(t)
         action = self.route(t, nbytes)
         if action == "store":
             return self.store(t, nbytes)
         if action == "host":
-            if self._stager.tier is not None and self._stager.accelerated(t.device):
+            if not self._stager.accelerated(t.device):
+                return Kept(t)  # already in host memory; a copy would only add memory
+            if self._stager.tier is not None:
                 # One pinned pool, one cap: NOTE [ Host tier wiring ].
                 return self.store(t, nbytes, host=True)
-            return _pack_host(t)
+            return Host(self._stager.pin(t), t.device)
         return Kept(t)
 
     def unpack(self, packed: Packed) -> torch.Tensor:
@@ -175,11 +188,25 @@ class Router:
         if isinstance(packed, Handle):
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
                 return self.load(packed)  # load() notes the backward step itself
+        device = packed.tensor.device if isinstance(packed, Kept) else packed.device
+        if self._stager.capturing(device):
+            return self._unpack_capturing(packed)
         self.backward_step()
         self.emit_warning()
         if isinstance(packed, Kept):
             return self.unkeep(packed)
-        return packed.tensor.to(packed.device, non_blocking=True)
+        return self._stager.unpin(packed.tensor, packed.device)
+
+    def _unpack_capturing(
+        self, packed: Kept[torch.Tensor] | Host[torch.Tensor, torch.device]
+    ) -> torch.Tensor:
+        """Unpack while a graph is being captured: a kept tensor as is (no read ahead
+        starts: its reads would wait on events); nothing comes back from host memory."""
+        if isinstance(packed, Kept):
+            if packed.guard._version != packed.version:
+                raise inplace_error(f"a tensor of shape {tuple(_shape(packed.tensor))}")
+            return packed.tensor
+        raise _capture_error()
 
     # --------------------------------------------------------------- routing
     def decide(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> Route:
@@ -216,7 +243,7 @@ class Router:
         """:meth:`decide`, the budget's plan, then :meth:`account`: the action for ``t``."""
         route = self.decide(t, nbytes, parameter=parameter)
         budget = self.budget
-        if budget is not None and budget.keep(route.action, nbytes, device=t.device):
+        if budget is not None and budget.keep(route.action, device_bytes(t), device=t.device):
             route = Route("keep", BUDGET_LABEL, nbytes)
         return self.account(route)
 
@@ -295,9 +322,11 @@ class Router:
 
     def load(self, handle: Handle) -> torch.Tensor:
         """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
+        rec = handle.rec
+        if self._stager.capturing(rec.device):
+            return self._load_capturing(rec)
         self.emit_warning()
         self.backward_step()
-        rec = handle.rec
         t0 = time.perf_counter()
         while True:
             claim = self._table.claim_for_unpack(rec)
@@ -308,6 +337,15 @@ class Router:
             if isinstance(claim, Fetch):
                 return self._prefetcher.take(rec, claim.read, t0)
             claim.done.wait()  # written from the device: wait for the write
+
+    def _load_capturing(self, rec: Record) -> torch.Tensor:
+        """Unpack while a graph is being captured: only a tensor still on its device."""
+        claim = self._table.claim_for_unpack(rec)
+        if isinstance(claim, Refused):
+            raise claim.error()
+        if isinstance(claim, Ready) and claim.tensor.device == rec.device:
+            return claim.tensor
+        raise _capture_error()
 
     # ------------------------------------------------------------------ kept
     @staticmethod
@@ -354,12 +392,10 @@ def _shape(t: object) -> tuple[int, ...]:
     return tuple(int(n) for n in shape)
 
 
-def _pack_host(t: torch.Tensor) -> Kept[torch.Tensor] | Host[torch.Tensor, torch.device]:
-    if t.device.type == "cpu":
-        return Kept(t)  # already in host memory; a copy would only add memory
-    if is_dense(tuple(t.shape), tuple(t.stride())):
-        packed = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
-    else:
-        packed = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    packed.copy_(t.detach(), non_blocking=True)
-    return Host(packed, t.device)
+def _capture_error() -> RuntimeError:
+    return RuntimeError(
+        "tensorstore-hooks: a saved tensor these hooks moved off the device cannot be "
+        "brought back while a CUDA graph is being captured (its copy needs event waits, "
+        "which capture forbids). Run backward outside the capture: tensors saved during "
+        "a capture stay on the device, so a backward captured with its forward works."
+    )

@@ -39,6 +39,7 @@ from ._device import DeviceStager
 from ._heap import HeapReleaser
 from ._iopool import WRITE, StorePool
 from ._records import Record, RecordTable, WriteJob
+from ._staging import CopyEvent
 from ._stats import OffloadStats
 from ._trace import WRITE_RANGE, Timeline, span
 
@@ -77,10 +78,15 @@ class WriteBehind:
         self._stats.pack_stall_s += self._table.wait_for_room(nbytes, self.max_inflight)
 
     def start(self, rec: Record, t: torch.Tensor) -> None:
-        """Submit QUEUED ``rec``'s write: a device tensor is staged to host first."""
+        """Submit QUEUED ``rec``'s write: a device tensor is staged to host first, or
+        (with a host tier it does not go to) copied out by the writer after an event
+        recorded here, on its producer (rule 8 of NOTE [ Stream ordering ])."""
+        ready: CopyEvent | None = None
         if self._stager.stages(t):
             self._stager.stage(rec, t)
-        self._io().submit(WRITE, self._write, rec)
+        elif self._stager.accelerated(t.device):
+            ready = self._stager.producer_event(t)
+        self._io().submit(WRITE, self._write, rec, ready)
 
     def hold(self, rec: Record, t: torch.Tensor) -> None:
         """Put HELD ``rec`` in the host tier (NOTE [ Host tier wiring ]); with no room
@@ -100,8 +106,9 @@ class WriteBehind:
         self._io().submit(WRITE, self._write, rec)
 
     # ----------------------------------------------------------------- write
-    def _write(self, rec: Record) -> None:
-        """Writer thread: move one record's bytes into the store."""
+    def _write(self, rec: Record, ready: CopyEvent | None = None) -> None:
+        """Writer thread: move one record's bytes into the store (``ready``: the event
+        a tensor written from the device is copied out after)."""
         table = self._table
         job = table.begin_write(rec)
         key: str | None = None
@@ -109,7 +116,7 @@ class WriteBehind:
         dirty = False
         if job is not None:
             try:
-                key, dirty = self._put(rec, job)
+                key, dirty = self._put(rec, job, ready)
             except BaseException as e:
                 error = e
             del job  # the record alone decides how long the tensor lives
@@ -125,7 +132,7 @@ class WriteBehind:
         if job is not None:
             self._heap.note(rec.nbytes)
 
-    def _put(self, rec: Record, job: WriteJob) -> tuple[str | None, bool]:
+    def _put(self, rec: Record, job: WriteJob, ready: CopyEvent | None) -> tuple[str | None, bool]:
         """Check the version, copy the bytes into the store, check again (NOTE [ In-place
         checks ]): the one place a saved tensor's bytes are copied out.
 
@@ -134,11 +141,20 @@ class WriteBehind:
         """
         table = self._table
         if job.event is not None:
-            job.event.synchronize()
+            job.event.synchronize()  # an I/O thread: may wait (events are blocking)
             self._stager.give_back(rec, table.copies.done(rec))
         src = job.source
         if src is None or not table.unchanged(rec):
             return None, True
+        if job.from_device and self._stager.accelerated(src.device):
+            if ready is None:
+                raise RuntimeError(
+                    "tensorstore-hooks internal error: a device tensor reached the writer "
+                    "without an event on its producer (rule 8 of NOTE [ Stream ordering ])"
+                )
+            src = self._stager.to_pageable(src, ready)  # rule 8: never read it here
+            if not table.unchanged(rec):
+                return None, True
         t0 = time.perf_counter()  # NOTE [ Profiler ranges ]
         with span(WRITE_RANGE, self.timeline, {"bytes": rec.nbytes}):
             key = self._store.put(src)

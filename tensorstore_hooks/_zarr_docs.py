@@ -12,7 +12,7 @@ from typing import Any
 import zarr
 from zarr.codecs import BytesCodec
 
-__all__ = ["namespace_doc", "root_doc", "segment_doc"]
+__all__ = ["namespace_doc", "namespace_format", "root_doc", "segment_doc"]
 
 
 def _zarr_json(factory: Callable[[Any], Any]) -> bytes:
@@ -42,6 +42,21 @@ def namespace_doc(format_version: int, namespace: str, chunk_bytes: int, codec: 
     return _zarr_json(lambda s: zarr.create_group(store=s, zarr_format=3, attributes=attrs))
 
 
+def namespace_format(doc: Any) -> Any:
+    """The ``format`` a namespace's ``zarr.json`` (bytes) declares, or ``"unknown"``
+    when it declares none or cannot be parsed."""
+    import json
+
+    try:
+        parsed = json.loads(bytes(doc))
+    except ValueError:  # also UnicodeDecodeError
+        return "unknown"
+    attrs = parsed.get("attributes") if isinstance(parsed, dict) else None
+    ours = attrs.get("tensorstore_hooks") if isinstance(attrs, dict) else None
+    fmt = ours.get("format") if isinstance(ours, dict) else None
+    return "unknown" if fmt is None else fmt
+
+
 def segment_doc(chunk: int, chunks: int, compressors: list[Any]) -> bytes:
     """A 1-D uint8 segment array of ``chunks`` chunks of ``chunk`` bytes (NOTE [ Segment
     layout ] in ``_zarr_store.py``)."""
@@ -53,7 +68,7 @@ def segment_doc(chunk: int, chunks: int, compressors: list[Any]) -> bytes:
             dtype="uint8",
             fill_value=0,
             serializer=BytesCodec(),
-            compressors=compressors,
+            compressors=compressors or None,
             filters=None,
             zarr_format=3,
             attributes={"tensorstore_hooks": {"segment_chunk_bytes": chunk}},

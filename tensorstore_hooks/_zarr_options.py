@@ -15,11 +15,13 @@ from .errors import ConfigError
 
 __all__ = [
     "CODEC_HELP",
+    "DIRECT_IO_HELP",
     "DEFAULT_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
     "ZSTD_DEFAULT_LEVEL",
     "check_chunk_bytes",
     "parse_codec",
+    "parse_direct_io",
 ]
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -60,6 +62,27 @@ def parse_codec(codec: Any) -> tuple[str, int | None]:
                 if n != 0 and _ZSTD_MIN_LEVEL <= n <= _ZSTD_MAX_LEVEL:
                     return name, n
     raise ConfigError(f"expected {CODEC_HELP}")
+
+
+DIRECT_IO_HELP = (
+    "'auto' (O_DIRECT where the filesystem allows it), 'on' (required: an error where it "
+    "cannot be had) or 'off' (through the page cache); YAML's on/off/true/false mean on/off"
+)
+
+
+def parse_direct_io(value: Any) -> str:
+    """``store.direct_io``: ``"auto"``, ``"on"`` or ``"off"``.
+
+    Booleans are taken as ``on``/``off``: YAML 1.1 (PyYAML) reads an unquoted
+    ``direct_io: on`` as ``True``. Anything else is refused.
+    """
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    if isinstance(value, str) and value.strip().lower() in ("auto", "on", "off"):
+        return value.strip().lower()
+    raise ConfigError(f"expected {DIRECT_IO_HELP}")
 
 
 def check_chunk_bytes(value: Any) -> int:

@@ -2,11 +2,11 @@
 
 See ``docs/layout.md`` for the on-disk format. In short::
 
-    ROOT/zarr.json                        group {"tensorstore_hooks": {"format": 2}}
+    ROOT/zarr.json                        group {"tensorstore_hooks": {"format": 3}}
     ROOT/NS/zarr.json                     group, one per writer (host-pid-random) or named
     ROOT/NS/seg-CHUNK/zarr.json           1-D uint8 array, chunk shape (CHUNK,), codecs
-                                          bytes [+ zstd|blosc-lz4] + crc32c
-    ROOT/NS/seg-CHUNK/c/I                 chunk I: CHUNK bytes [compressed] + crc32c
+                                          bytes [+ zstd|blosc-lz4]
+    ROOT/NS/seg-CHUNK/c/I                 chunk I: CHUNK bytes [compressed]
     ROOT/NS/index/{journal,snapshot}      key -> (segment, first chunk, chunks, crcs, meta)
     ROOT/NS/lock                          held (flock) by the store object writing NS
 
@@ -21,10 +21,32 @@ Creating a Zarr array costs 3-8 ms in zarr 3.1.6, whatever its size, and a train
 step saves hundreds of tensors, so arrays are created once per size class and each
 tensor occupies a run of whole chunks in the class that wastes least: chunk sizes are
 ``chunk_bytes`` halved down to 4 KiB, and a tensor goes to the largest class whose
-padding is at most 1/8 of its size. A put then writes whole chunks (the bytes Zarr
-itself would write: payload, zero padding, crc32c) and a delete frees them; chunk
-runs are reused. I/O bypasses zarr's async machinery (tens of microseconds a call)
+padding is at most 1/8 of its size. A put then writes whole chunks (NOTE [ Chunk
+objects ] in ``_chunkcodec.py``: what Zarr reads for them) and a delete frees them;
+chunk runs are reused. I/O bypasses zarr's async machinery (tens of microseconds a call)
 and writes the keys and encodings that ``zarr.open_array`` reads back.
+
+NOTE [ Aligned I/O entry points ]
+For callers that move a tensor's bytes through page-aligned host memory of their own
+(the pipeline's CUDA staging: a device-to-host copy lands in a pinned buffer, and a
+host-to-device copy leaves from one), two methods skip the store's own buffers:
+
+1. ``put_aligned(meta, buffer)``: the chunks are written with ``O_DIRECT`` straight
+   from ``buffer`` (no host copy); ``get_into(key, buffer)``: the chunks are read
+   straight into it. ``buffer`` starts on a 4 KiB boundary, is writable and holds at
+   least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to there are
+   the store's to overwrite (zero padding on a put, whole blocks on a get). A buffer
+   that does not qualify is a ``ConfigError`` and nothing is transferred.
+2. Both return when the transfer is over: the buffer is the caller's again.
+3. Without direct I/O (tmpfs, ``direct_io="off"``, object stores) they are
+   ``put_blob`` and a read + copy: always correct, only not copy-free.
+4. What the store itself holds for everyone else is ``buffers`` (``PoolStats``):
+   read buffers lent as tensor storage (a tensor's ``nbytes`` rounded up to 4 KiB,
+   returned when the tensor dies), staging buffers in use by writes (at most one
+   chunk per writing thread), and idle buffers kept for reuse (at most
+   ``buffer_pool_bytes``, settable with ``set_buffer_pool_bytes``). A caller that
+   budgets memory counts the lent ones where the tensors are counted and the idle
+   and staging ones beside them.
 
 NOTE [ Spare chunk files ]
 A training loop frees and re-saves the same sizes every step. On a local filesystem,
@@ -41,6 +63,18 @@ it just freed: keeping old spares of sizes no longer used would turn every later
 put into a create), and ``close()`` unlinks them all. Spare chunks are in
 no index entry, so no reader (ours or plain zarr through the index) takes their stale
 bytes for a key's; a read racing its key's delete raises ``KeyNotFoundError``.
+
+NOTE [ Requests that land late ]
+An object store may apply a request after the client gave up on it: measured with
+SeaweedFS, a PUT that timed out while its volume server was down was written by the
+S3 gateway once the volume server came back, over the chunk object of a key written
+since. So a chunk run with a write or delete whose outcome is unknown (an attempt
+that failed with a timeout, a dropped connection, an error: ``ChunkIO.take_uncertain``)
+is never handed out again by this store object: a failed put abandons its run, a
+delete that failed keeps its run out of the free list. The objects are orphans, at
+most a few per outage, and go with the namespace. (The checksums bound to each
+chunk's key and position would catch such an overwrite as an ``IntegrityError``;
+this keeps it from happening.)
 """
 
 from __future__ import annotations
@@ -60,9 +94,10 @@ from typing import Any
 
 import numpy as np
 
+from ._aligned import BLOCK_BYTES, BufferPool, PoolStats, address_of, round_up
 from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
 from ._chunkcodec import ChunkCodec
-from ._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
+from ._chunkio import ChunkIO, DirectIOStatus, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
 from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import HEADER_BYTES, Damage, IndexLog, os_error
@@ -70,8 +105,14 @@ from ._retry import RetryPolicy
 from ._store import BlobStore
 from ._units import parse_bytes
 from ._urls import split_url
-from ._zarr_docs import namespace_doc, root_doc, segment_doc
-from ._zarr_options import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, parse_codec
+from ._zarr_docs import namespace_doc, namespace_format, root_doc, segment_doc
+from ._zarr_options import (
+    DEFAULT_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    check_chunk_bytes,
+    parse_codec,
+    parse_direct_io,
+)
 from .errors import (
     ConfigError,
     IntegrityError,
@@ -92,8 +133,13 @@ __all__ = [
 
 log = logging.getLogger("tensorstore_hooks")
 
+DEFAULT_BUFFER_POOL_BYTES = 64 << 20
+"""Idle aligned buffers a store keeps for reuse by default (``buffer_pool_bytes``)."""
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""The layout this version writes and reads (docs/layout.md); a namespace of another
+format is refused when opened, naming its version."""
 
 
 @dataclass(slots=True)
@@ -164,36 +210,75 @@ def make_io(
 class ZarrStore(BlobStore):
     """Tensors in chunked Zarr v3 arrays under a local path or any fsspec URL.
 
-    ``url``: a bare path, ``file://``, ``memory://`` (private to this object), or any
-    fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
-    ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
+        ``url``: a bare path, ``file://``, ``memory://`` (private to this object), or any
+        fsspec URL (``s3://bucket/prefix``) with ``storage_options`` passed to fsspec.
+        ``None`` makes a temporary directory that is removed on ``close()`` and at exit.
 
-    Each instance writes into its own *namespace* under the root (``host-pid-random``,
-    prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
-    so several processes and ranks can share a root. Opening a
-    named namespace that exists resumes it: its keys are readable again. On a local
-    root a namespace is locked (``flock`` on ``NS/lock``) while a store object has it
-    open: a second opener, in this process or another, gets a
-    :class:`StoreUnavailableError` naming the holder. Object stores have no lock:
-    give each writer its own namespace (the default does).
+        Each instance writes into its own *namespace* under the root (``host-pid-random``,
+        prefixed ``r{rank}-`` under ``torch.distributed``, unless ``namespace`` names one),
+        so several processes and ranks can share a root. Opening a
+        named namespace that exists resumes it: its keys are readable again. On a local
+        root a namespace is locked (``flock`` on ``NS/lock``) while a store object has it
+        open: a second opener, in this process or another, gets a
+        :class:`StoreUnavailableError` naming the holder. Object stores have no lock:
+        give each writer its own namespace (the default does).
 
-    ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
-    transient failures (throttling, 5xx, connection resets) before it raises
-    :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
-    when the store is opened.
+        ``retry_deadline_s`` (fsspec URLs): how long one object-store operation retries
+        transient failures (throttling, 5xx, connection resets) before it raises
+        :class:`StoreUnavailableError`; a missing bucket or denied access fails at once,
+        when the store is opened.
 
-    ``spare_bytes`` (local directories): how many bytes of deleted keys' chunk files
-    to keep for rewriting in place (NOTE [ Spare chunk files ]); ``None`` (default):
-    up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
-    directory holds exactly the live keys.
+        ``spare_bytes`` (local directories): how many bytes of deleted keys' chunk files
+        to keep for rewriting in place (NOTE [ Aligned I/O entry points ]
+    For callers that move a tensor's bytes through page-aligned host memory of their own
+    (the pipeline's CUDA staging: a device-to-host copy lands in a pinned buffer, and a
+    host-to-device copy leaves from one), two methods skip the store's own buffers:
 
-    Errors: a put that fails for any OS reason raises a TensorStoreError
-    (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
-    chunks are deleted and nothing is journaled. A damaged index is replayed as far
-    as it goes (:attr:`damage`, NOTE [ Journal records ] in ``_index.py``).
+    1. ``put_aligned(meta, buffer)``: the chunks are written with ``O_DIRECT`` straight
+       from ``buffer`` (no host copy); ``get_into(key, buffer)``: the chunks are read
+       straight into it. ``buffer`` starts on a 4 KiB boundary, is writable and holds at
+       least ``round_up(nbytes, 4096)`` bytes; the bytes after ``nbytes`` up to there are
+       the store's to overwrite (zero padding on a put, whole blocks on a get). A buffer
+       that does not qualify is a ``ConfigError`` and nothing is transferred.
+    2. Both return when the transfer is over: the buffer is the caller's again.
+    3. Without direct I/O (tmpfs, ``direct_io="off"``, object stores) they are
+       ``put_blob`` and a read + copy: always correct, only not copy-free.
+    4. What the store itself holds for everyone else is ``buffers`` (``PoolStats``):
+       read buffers lent as tensor storage (a tensor's ``nbytes`` rounded up to 4 KiB,
+       returned when the tensor dies), staging buffers in use by writes (at most one
+       chunk per writing thread), and idle buffers kept for reuse (at most
+       ``buffer_pool_bytes``, settable with ``set_buffer_pool_bytes``). A caller that
+       budgets memory counts the lent ones where the tensors are counted and the idle
+       and staging ones beside them.
 
-    Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
-    index is guarded by a lock and chunk I/O happens outside it.
+    NOTE [ Spare chunk files ]); ``None`` (default):
+        up to the peak of the live keys' chunk bytes; ``0``: unlink at once, so the
+        directory holds exactly the live keys.
+
+        ``direct_io`` (local directories): ``"auto"`` (default) writes and reads chunk
+        files with ``O_DIRECT`` where the filesystem allows it (not tmpfs), so offloaded
+        bytes leave RAM and cost no page-cache copy; ``"on"`` requires it
+        (:class:`ConfigError` where it cannot be had); ``"off"`` goes through the page
+        cache. :attr:`direct_io` says what was chosen and why (NOTE [ Direct I/O ] in
+        ``_chunkio.py``).
+
+        ``buffer_pool_bytes``: how many bytes of idle page-aligned buffers (direct-write
+        staging, and read buffers that came back from dead tensors) to keep for reuse;
+        ``None`` (default): :data:`DEFAULT_BUFFER_POOL_BYTES`. What the pool holds is
+        :attr:`buffers` (NOTE [ Aligned buffers ] in ``_aligned.py``).
+
+        Reads: ``get``/``get_blob`` return tensors whose storage is the buffer the bytes
+        were read into (no copy; a tensor with a storage offset or a gapped view is
+        rebuilt by the codec). :meth:`put_aligned` writes from a caller's aligned
+        buffer with no copy at all.
+
+        Errors: a put that fails for any OS reason raises a TensorStoreError
+        (:class:`QuotaExceededError` when the filesystem is full) and is not stored: its
+        chunks are deleted and nothing is journaled. A damaged index is replayed as far
+        as it goes (:attr:`damage`, NOTE [ Journal records ] in ``_index.py``).
+
+        Thread-safe. ``put_blob``/``get_blob`` of different keys run concurrently; the
+        index is guarded by a lock and chunk I/O happens outside it.
     """
 
     def __init__(
@@ -206,9 +291,18 @@ class ZarrStore(BlobStore):
         namespace: str | None = None,
         retry_deadline_s: float = 30.0,
         spare_bytes: int | str | None = None,
+        direct_io: str | bool = "auto",
+        buffer_pool_bytes: int | str | None = None,
     ) -> None:
         self._closed = True  # until fully constructed: close() must be safe on failure
-        chunk, self._codec, spare = _check_options(chunk_bytes, codec, spare_bytes)
+        chunk, spare, pool_bytes, direct_mode = _check_options(
+            chunk_bytes, spare_bytes, buffer_pool_bytes, direct_io
+        )
+        self._pool = BufferPool(pool_bytes)
+        try:
+            self._codec = ChunkCodec(codec, self._pool)
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
         self.codec = codec
         self.chunk_bytes = chunk
         if namespace is not None and not (
@@ -232,9 +326,11 @@ class ZarrStore(BlobStore):
         self._unlock: Callable[[], None] | None = None
         self.damage: list[Damage] = []
         """What replaying this namespace's index found damaged (empty when all was well)."""
+        self._direct = DirectIOStatus(False, direct_mode, "not configured")
         try:
             self._unlock = self._take_namespace()
-            _write_layout(self._io, self.namespace, self.chunk_bytes, self.codec)
+            _write_layout(self._io, self._url, self.namespace, self.chunk_bytes, self.codec)
+            self._configure_direct_io(direct_mode)
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
@@ -271,6 +367,12 @@ class ZarrStore(BlobStore):
                 "keys. Close the other store first, or use another namespace."
             ) from None
 
+    def _configure_direct_io(self, mode: str) -> None:
+        try:
+            self._direct = self._io.configure_direct_io(mode, f"{self.namespace}/direct-probe")
+        except ConfigError as e:
+            raise ConfigError(f"ZarrStore({self._url}): {e}") from None
+
     def _resume(self, index_log: IndexLog) -> None:
         entries, self._next_key = _replay(index_log, self._alloc, self._url, self.namespace)
         self.damage = list(index_log.damage)
@@ -301,6 +403,30 @@ class ZarrStore(BlobStore):
         data = memoryview(payload).cast("B") if n else memoryview(b"")
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
+        return self._put(meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk))
+
+    def put_aligned(self, meta: TensorMeta, buffer: Any) -> str:
+        """Store ``buffer[:meta.nbytes]`` like :meth:`put_blob`, straight from ``buffer``
+        (NOTE [ Aligned I/O entry points ]).
+
+        For callers that already hold a tensor's bytes in page-aligned memory (a pinned
+        staging buffer a device-to-host copy landed in, or an array from
+        :meth:`get_blob`): ``buffer`` is a writable buffer that starts on a
+        ``BLOCK_BYTES`` (4 KiB) boundary and has at least ``round_up(nbytes, 4096)``
+        bytes; the store may overwrite the bytes after ``nbytes`` up to that length
+        (zero padding). With direct I/O the chunks are written from ``buffer`` itself:
+        no host copy. Otherwise this is :meth:`put_blob`. The buffer is consumed
+        before this returns. Raises :class:`ConfigError` for a misaligned, short or
+        read-only buffer (nothing is written).
+        """
+        n = meta.nbytes
+        region = _aligned_region(buffer, n, "put_aligned")
+        return self._put(
+            meta, lambda paths, chunk: self._codec.write_aligned(self._io, paths, region, n, chunk)
+        )
+
+    def _put(self, meta: TensorMeta, write: Callable[[list[str], int], bytes]) -> str:
+        n = meta.nbytes
         chunk, count = self._alloc.layout(n)
         with self._lock:
             self._check_open()
@@ -315,7 +441,7 @@ class ZarrStore(BlobStore):
             if count and chunk not in self._segments_made:  # the first put of a class
                 with self._lock:
                     self._ensure_segment(chunk)
-            crcs = self._codec.write(self._io, paths, data, chunk) if count else b""
+            crcs = write(paths, chunk) if count else b""
         except Exception as e:
             self._undo_put(run, paths)
             raise self._put_error(key, e) from e
@@ -340,11 +466,16 @@ class ZarrStore(BlobStore):
         return key
 
     def _undo_put(self, run: Run, paths: list[str]) -> None:
-        """A put that failed: delete what it wrote (give the space back), free its run."""
+        """A put that failed: delete what it wrote (give the space back), free its run
+        unless a request on it may still land (NOTE [ Requests that land late ])."""
         with contextlib.suppress(Exception):
             self._io.delete(paths)
+        uncertain = self._io.take_uncertain(paths)
         with self._lock:
-            self._alloc.cancel(run)
+            if uncertain:
+                self._alloc.abandon(run)
+            else:
+                self._alloc.cancel(run)
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
         err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
@@ -363,8 +494,10 @@ class ZarrStore(BlobStore):
             return
         with contextlib.suppress(Exception):
             self._io.delete([p for run in runs for p in self._run_paths(run)])
+        # NOTE [ Requests that land late ]: a run with an uncertain request stays out.
+        settled = [run for run in runs if not self._io.take_uncertain(self._run_paths(run))]
         with self._lock:
-            self._alloc.release(runs)
+            self._alloc.release(settled)
 
     # ------------------------------------------------------------------- gets
     def _entry(self, key: str) -> _Entry:
@@ -381,14 +514,67 @@ class ZarrStore(BlobStore):
         return self._entry(key).meta
 
     def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
+        """The metadata and the payload in a writable, page-aligned uint8 array: from
+        :data:`~tensorstore_hooks._aligned.POOL_MIN_BYTES` up, a pooled buffer that
+        goes back to the pool when the array and everything made from it (a tensor's
+        storage) are gone (NOTE [ Aligned buffers ])."""
         entry = self._entry(key)
-        out = np.empty(entry.meta.nbytes, dtype=np.uint8)
+        n = entry.meta.nbytes
         if not entry.count:
-            return entry.meta, out
-        paths = self._run_paths(entry.run)
+            return entry.meta, np.empty(n, dtype=np.uint8)
+        out, region = self._pool.lend(n)
+        self._read_into(key, entry, region, n, 0, entry.count)
+        return entry.meta, out
+
+    def chunk_class(self, key: str) -> int:
+        """The chunk size of ``key``'s run (0 for an empty payload): the unit of
+        :meth:`read_range`."""
+        return self._entry(key).chunk
+
+    def read_range(self, key: str, start: int, length: int) -> np.ndarray:
+        """Bytes ``[start, start + length)`` of ``key``'s payload, each whole chunk read
+        verified, in an array like :meth:`get_blob`'s (a streamed answer holds one
+        piece at a time). ``start`` must be a multiple of :meth:`chunk_class`, and the
+        range must end at a chunk boundary or at the payload's end. Errors as
+        :meth:`get_blob`."""
+        entry = self._entry(key)
+        chunk, n = entry.chunk, entry.meta.nbytes
+        end = start + length
+        if length == 0:
+            return np.empty(0, dtype=np.uint8)
+        if start < 0 or start % chunk or end > n or (end != n and length % chunk):
+            raise ValueError(f"read_range: [{start}, {end}) is not a run of whole chunks")
+        out, region = self._pool.lend(length)
+        self._read_into(key, entry, region, length, start // chunk, -(-end // chunk))
+        return out
+
+    def get_into(self, key: str, buffer: Any) -> TensorMeta:
+        """Read ``key``'s payload into the first ``nbytes`` of ``buffer`` and return its
+        metadata (NOTE [ Aligned I/O entry points ]).
+
+        ``buffer``: writable, starting on a ``BLOCK_BYTES`` (4 KiB) boundary, at least
+        ``round_up(nbytes, 4096)`` bytes (a direct read fills whole blocks: the bytes
+        after ``nbytes`` up to there are overwritten). With direct I/O the chunks land
+        in it straight from the disk. Raises :class:`ConfigError` for a buffer that is
+        misaligned, short or read-only (nothing is read), and what :meth:`get_blob`
+        raises.
+        """
+        entry = self._entry(key)
+        n = entry.meta.nbytes
+        region = _aligned_region(buffer, n, "get_into")
+        if entry.count:
+            self._read_into(key, entry, region, n, 0, entry.count)
+        return entry.meta
+
+    def _read_into(
+        self, key: str, entry: _Entry, region: memoryview, n: int, first: int, last: int
+    ) -> None:
+        """Chunks ``[first, last)`` of ``key``'s run (``n`` payload bytes) into ``region``."""
+        paths = self._run_paths(entry.run)[first:last]
+        crcs = entry.crc[4 * first : 4 * last]
         what = f"ZarrStore({self._url}): key {key!r}"
         try:
-            self._codec.read(self._io, paths, out, entry.chunk, entry.crc, what)
+            self._codec.read(self._io, paths, region, n, entry.chunk, crcs, what)
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
@@ -408,7 +594,6 @@ class ZarrStore(BlobStore):
         # the bound checksums catch that, and so does this.
         if key not in self._index:
             raise self._missing(key)
-        return entry.meta, out
 
     def _missing(self, key: str) -> KeyNotFoundError:
         return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")
@@ -441,13 +626,27 @@ class ZarrStore(BlobStore):
         if not self._log.needs_compaction(len(self._index)):
             return
         try:
-            self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
-            last = format(self._next_key - 1, "x")
-            if self._next_key and last not in self._index:
-                self._log.record_delete(last)  # keeps the key high-water mark in the journal
+            self._compact()
         except TensorStoreError as e:
             # The journal is untouched and still the truth; try again at the next delete.
             log.warning("ZarrStore(%s): compacting the index failed: %s", self._url, e)
+
+    def _compact(self) -> None:
+        self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
+        last = format(self._next_key - 1, "x")
+        if self._next_key and last not in self._index:
+            self._log.record_delete(last)  # keeps the key high-water mark in the journal
+
+    def compact_index(self) -> None:
+        """Rewrite the index as a snapshot of the live keys now, however short the
+        journal (for a caller that counts the journal's bytes against a quota).
+
+        Raises a TensorStoreError if the snapshot cannot be written; the journal is
+        then untouched and still the truth.
+        """
+        with self._lock:
+            self._check_open()
+            self._compact()
 
     # ------------------------------------------------------------- inventory
     def keys(self) -> Iterator[str]:
@@ -472,6 +671,29 @@ class ZarrStore(BlobStore):
     def temporary(self) -> bool:
         """True if this store made its own temporary directory (removed at close)."""
         return self._temporary
+
+    @property
+    def direct_io(self) -> DirectIOStatus:
+        """Whether chunk files are written and read with ``O_DIRECT``, what was asked
+        (``direct_io=``) and, when off, why (NOTE [ Direct I/O ] in ``_chunkio.py``)."""
+        return self._direct
+
+    @property
+    def buffers(self) -> PoolStats:
+        """The aligned buffers this store holds: idle in its pool, lent as tensor
+        storage, staging writes (NOTE [ Aligned buffers ] in ``_aligned.py``)."""
+        return self._pool.stats
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of aligned buffers this store holds right now (idle + in use): memory
+        beyond the tensors themselves that a caller's budget should count."""
+        return self._pool.stats.held_bytes
+
+    def set_buffer_pool_bytes(self, nbytes: int) -> None:
+        """How many idle aligned bytes to keep from now on (trims at once if lower):
+        for a caller that sizes the pool from its own windows and budgets."""
+        self._pool.set_idle_limit(nbytes)
 
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
@@ -507,35 +729,79 @@ class ZarrStore(BlobStore):
                 self._io.remove_tree(self.namespace)
         self._finalizer()  # releases the namespace lock last, removes a temporary root
         self._io.close()
+        self._pool.close()
+
+
+def _aligned_region(buffer: Any, n: int, what: str) -> memoryview:
+    """``buffer`` as a writable byte view that a direct transfer of ``n`` bytes may use
+    (NOTE [ Aligned I/O entry points ]), or a ConfigError saying what is wrong."""
+    try:
+        region = memoryview(buffer).cast("B")
+    except TypeError as e:
+        raise ConfigError(
+            f"ZarrStore.{what}: expected a buffer, got {type(buffer).__name__}"
+        ) from e
+    need = round_up(n)
+    offset = address_of(region) % BLOCK_BYTES if len(region) else 0
+    if region.readonly or len(region) < need or (n and offset):
+        raise ConfigError(
+            f"ZarrStore.{what}: the buffer must be writable, start on a "
+            f"{BLOCK_BYTES}-byte boundary and hold at least {need} bytes for a "
+            f"{n}-byte payload; got {len(region)} bytes"
+            f"{' (read-only)' if region.readonly else ''} at address offset {offset}; "
+            "use put_blob / get_blob for other buffers"
+        )
+    return region
 
 
 def _check_options(
-    chunk_bytes: int | str, codec: str, spare_bytes: int | str | None
-) -> tuple[int, ChunkCodec, int | None]:
-    """``ZarrStore``'s chunk size, codec and spare limit, checked (``ConfigError``)."""
+    chunk_bytes: int | str,
+    spare_bytes: int | str | None,
+    buffer_pool_bytes: int | str | None,
+    direct_io: str | bool,
+) -> tuple[int, int | None, int, str]:
+    """``ZarrStore``'s chunk size, spare limit, buffer pool size and direct-I/O mode,
+    checked (``ConfigError``)."""
     try:
         spare = (
             None if spare_bytes is None else parse_bytes(spare_bytes, what="ZarrStore spare_bytes")
         )
+        pool_bytes = (
+            DEFAULT_BUFFER_POOL_BYTES
+            if buffer_pool_bytes is None
+            else parse_bytes(buffer_pool_bytes, what="ZarrStore buffer_pool_bytes")
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    try:
+        direct_mode = parse_direct_io(direct_io)
+    except ConfigError as e:
+        raise ConfigError(f"ZarrStore: direct_io: {e}; got {direct_io!r}") from None
     try:
         chunk = check_chunk_bytes(chunk_bytes)
     except ConfigError as e:
         raise ConfigError(f"ZarrStore: chunk_bytes: {e}; got {chunk_bytes!r}") from None
-    try:
-        return chunk, ChunkCodec(codec), spare
-    except ConfigError as e:
-        raise ConfigError(f"ZarrStore: codec: {e}; got {codec!r}") from None
+    return chunk, spare, pool_bytes, direct_mode
 
 
-def _write_layout(io: ChunkIO, namespace: str, chunk_bytes: int, codec: str) -> None:
-    """The root's and the namespace's ``zarr.json`` (group documents), where missing."""
+def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec: str) -> None:
+    """The root's and the namespace's ``zarr.json`` (group documents), where missing; a
+    namespace of another layout format is refused (``ConfigError`` naming it)."""
     if not io.exists("zarr.json"):
         io.write("zarr.json", [root_doc(FORMAT_VERSION)])
     ns_doc = f"{namespace}/zarr.json"
     if not io.exists(ns_doc):
         io.write(ns_doc, [namespace_doc(FORMAT_VERSION, namespace, chunk_bytes, codec)])
+        return
+    found = namespace_format(io.read(ns_doc))
+    if found != FORMAT_VERSION:
+        raise ConfigError(
+            f"ZarrStore({url}): namespace {namespace!r} is in layout format "
+            f"{found} ({ns_doc}), written by another version of tensorstore-hooks; this "
+            f"version reads format {FORMAT_VERSION} only (docs/layout.md, 'Formats'). Its "
+            "tensors cannot be read here: open another namespace, or remove the "
+            f"directory {namespace!r} under the root if its tensors are not needed"
+        )
 
 
 def _replay(

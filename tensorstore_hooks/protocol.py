@@ -15,7 +15,10 @@ Frames::
 A *message* is one frame with a header followed by zero or more *continuation
 frames* (``header_len == 0``) until the message's payload, announced by the header
 field ``size``, is complete. A 64 MiB PUT therefore travels as four frames of at
-most 16 MiB, and a receiver never needs a buffer larger than what it reserved.
+most 16 MiB, and a receiver never needs a buffer larger than what it reserved. A
+sender that fails in the middle of a message (the daemon, when a disk read fails
+after a GET answer started) sends an error header (``ok: false``, no payload) where
+the next continuation frame was due, then closes the connection.
 
 Every size the receiver of untrusted bytes can be made to allocate is bounded here:
 frame payload, header bytes, msgpack strings/arrays/maps (``max_bin_len = 0``: a

@@ -58,16 +58,35 @@ class ChunkIOConformance:
         for i in range(5):
             assert self.get_raw(io, f"d/{i}") == bytes([i]) * (i + 1)
 
-    def test_write_with_trailer(self, io: ChunkIO) -> None:
-        calls: list[int] = []
+    def test_write_sized_pads_a_new_object_with_zeros(self, io: ChunkIO) -> None:
+        io.write_sized("z/new", [b"abc", memoryview(b"de")], 12)
+        assert self.get_raw(io, "z/new") == b"abcde" + bytes(7)
 
-        def trailer() -> bytes:
-            calls.append(1)
-            return b"!"
+    def test_write_sized_sets_the_size_of_an_existing_object(self, io: ChunkIO) -> None:
+        self.set_raw(io, "z/long", b"x" * 100)
+        io.write_sized("z/long", [b"ab"], 10)
+        got = self.get_raw(io, "z/long")
+        assert got is not None and len(got) == 10 and got.startswith(b"ab")
+        self.set_raw(io, "z/short", b"y")
+        io.write_sized("z/short", [b"cd"], 9)
+        got = self.get_raw(io, "z/short")
+        assert got is not None and len(got) == 9 and got.startswith(b"cd")
 
-        io.write_with_trailer("t", [b"abc", b"def"], trailer)
-        assert self.get_raw(io, "t") == b"abcdef!"
-        assert calls == [1]
+    def test_direct_io_status_and_refusal(self, io: ChunkIO) -> None:
+        """NOTE [ Direct I/O ]: every backend answers ``configure_direct_io``; one that
+        cannot do it says why under ``auto`` and refuses ``on`` with a ConfigError."""
+        from tensorstore_hooks import ConfigError
+
+        status = io.configure_direct_io("auto", "ns/direct-probe")
+        assert status.mode == "auto" and io.direct_io is status
+        assert io.uses_direct_io is status.enabled
+        if status.enabled:
+            assert status.reason == "" and status.describe() == "on"
+        else:
+            assert status.reason and status.describe().startswith("off (")
+            with pytest.raises(ConfigError, match="direct_io='on'"):
+                io.configure_direct_io("on", "ns/direct-probe")
+        assert self.get_raw(io, "ns/direct-probe") is None  # the probe leaves nothing
 
     # ------------------------------------------------------------------- read
     def test_read_what_is_there(self, io: ChunkIO) -> None:

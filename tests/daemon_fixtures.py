@@ -29,6 +29,7 @@ __all__ = [
     "daemons",
     "free_port",
     "raw_connect",
+    "raw_heads",
     "raw_hello",
     "recv_frame",
     "send_frame",
@@ -275,3 +276,23 @@ def raw_hello(sock: Any, token: str | None = None, **extra: Any) -> dict[str, An
     got = recv_frame(sock)
     assert got is not None, "daemon closed the connection during HELLO"
     return got[0]
+
+
+def raw_heads(url: str, session: str, keys: list[str]) -> dict[str, str | None]:
+    """Where the daemon says each key of ``session`` is: ``"ram"``, ``"disk"``, or
+    None (NOT_FOUND). Joins the session on a connection of its own (HEAD requests)."""
+    with raw_connect(url) as sock:
+        welcome = raw_hello(sock, session=session)
+        assert welcome.get("ok") is True, welcome
+        out: dict[str, str | None] = {}
+        for i, key in enumerate(keys):
+            send_frame(sock, {"op": "get", "id": 10 + i, "key": key, "head": True})
+            got = recv_frame(sock)
+            assert got is not None, "daemon closed the connection during HEAD"
+            header = got[0]
+            if header.get("ok") is True:
+                out[key] = header["tier"]
+            else:
+                assert header.get("code") == "NOT_FOUND", header
+                out[key] = None
+        return out

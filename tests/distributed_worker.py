@@ -171,10 +171,50 @@ def check_ddp_s3(rank: int, work: Path, options: dict[str, Any]) -> None:
     assert [n.split("-", 1)[0] for n in namespaces] == [f"r{r}" for r in range(len(namespaces))]
 
 
+def check_ddp_capture(rank: int, work: Path, options: dict[str, Any]) -> None:
+    """DDP under tsh.capture into one shared root: each rank writes its own group, the
+    values are those of hand-written hooks, the gradients those of no capture, and a
+    CaptureDataset split over the ranks reads every rank's rows once."""
+    import zarr
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    root = work / "capture-root"
+    base = _model()
+    x = _batch(rank)
+    want = _step(DDP(copy.deepcopy(base)), x, None)
+    ref: list[torch.Tensor] = []  # the tutorial's hooks on an undistributed copy
+
+    def hook(m: nn.Module, a: Any, out: torch.Tensor) -> None:
+        ref.append(out.detach().clone())
+        out.register_hook(lambda g: ref.append(g.clone()))
+
+    plain = copy.deepcopy(base)
+    plain[1].register_forward_hook(hook)
+    _step(plain, x, None)
+    ddp = DDP(copy.deepcopy(base))
+    with tsh.capture(ddp, str(root), modules="module.1", what=("output", "grad_output")):
+        got = _step(ddp, x, None)
+    _assert_same(got, want)
+    dist.barrier()  # every rank's arrays are written
+    group = zarr.open_group(str(root / "capture" / f"rank{rank}"), mode="r")
+    assert group["module.1/output"].attrs["rank"] == rank
+    assert torch.equal(torch.from_numpy(group["module.1/output"][:]), ref[0])
+    assert torch.equal(torch.from_numpy(group["module.1/grad_output"][:]), ref[1])
+    ds = tsh.CaptureDataset(str(root), "module.1/output", batch_size=3, seed=1)
+    assert (ds.rank, ds.world_size, len(ds.arrays)) == (rank, dist.get_world_size(), 2)
+    mine = [tuple(r.flatten().tolist()) for r in torch.cat(list(ds))]
+    seen: list[Any] = [None] * dist.get_world_size()
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    dist.all_gather_object(every, [tuple(r.flatten().tolist()) for r in ref[0]])
+    assert sorted(r for rows in seen for r in rows) == sorted(r for rows in every for r in rows)
+
+
 CHECKS: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {
     "ddp": check_ddp,
     "fsdp2": check_fsdp2,
     "ddp_s3": check_ddp_s3,
+    "ddp_capture": check_ddp_capture,
 }
 
 

@@ -1,61 +1,52 @@
-"""A stand-in accelerator for CPU-only machines: the device stager's seam, driven on CPU.
+"""A stand-in accelerator for CPU-only machines: the real CUDA staging code on a fake runtime.
 
-:class:`CpuAsAccelerator` implements the five methods of
-``tensorstore_hooks._staging.DeviceOps`` but treats *CPU* tensors as if they lived on an
-accelerator: "device-to-host" copies a tensor's storage span into a host buffer and
-"host-to-device" copies it back into a new tensor. With it, everything the CUDA path
-does (staging, the host tier, spills, reads back through the tier, in-place checks,
-buffer recycling) runs for real on a machine without a GPU; only the copies are
-plain ``copy_`` calls instead of CUDA kernels. The ``cuda``-marked tests run the same
-scenarios with real CUDA tensors.
+:class:`CpuAsAccelerator` is the library's own ``CudaOps`` (the device stager's
+``DeviceOps``) over :class:`~tests.fake_cuda.FakeCuda`, which treats *CPU* tensors as
+accelerator tensors. The stager, the host tier and every staging function
+(``copy_to_host``, ``copy_to_device``, ``consume``, ...) run unchanged; only the
+stream, event, copy and allocation primitives under them are the fake's, which
+records their order, checks the rules of NOTE [ Stream ordering ], and poisons what a
+broken rule would corrupt on a GPU (``tests/fake_cuda.py``). What the fake cannot see
+by itself it is told here, at the seam: a tensor handed to the stager at pack was just
+produced on the current stream, and a tensor read from the store is host memory.
 
-``lazy=True`` makes copies behave like asynchronous ones: a copy runs when its event
-is waited for (``synchronize``) or after ``polls`` ``query()`` calls, so code that
-uses a host buffer before its copy has completed reads wrong bytes, as it would on a
-real device.
+``lazy=True`` makes copies land late: an event answers ``query()`` with ``False``
+``polls - 1`` times before its copy lands, or lands it when synchronized or waited
+for, so code that reads a buffer before its copy completed reads NaN, as it would on
+a real device. The ``cuda``-marked tests run the same scenarios with real CUDA tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tensorstore_hooks import OffloadHooks
-from tensorstore_hooks._codec import span_of
+from tensorstore_hooks._staging import CopyEvent, CudaOps, Loaded
 
-__all__ = ["CpuAsAccelerator", "FakeEvent", "on_fake_accelerator"]
+from .fake_cuda import FakeCuda, FakeEvent
 
+__all__ = ["CpuAsAccelerator", "FakeCuda", "broken_rules", "on_fake_accelerator"]
 
-class FakeEvent:
-    """A copy that runs when waited for, or after ``polls`` queries."""
-
-    def __init__(self, copy: Callable[[], None], polls: int) -> None:
-        self._copy: Callable[[], None] | None = copy
-        self._polls = polls
-
-    def _complete(self) -> None:
-        if self._copy is not None:
-            copy, self._copy = self._copy, None
-            copy()
-
-    def query(self) -> bool:
-        self._polls -= 1
-        if self._polls <= 0:
-            self._complete()
-        return self._copy is None
-
-    def synchronize(self) -> None:
-        self._complete()
+_made: list[FakeCuda] = []  # every fake made since the last broken_rules() call
 
 
-class CpuAsAccelerator:
-    """``DeviceOps`` for CPU tensors (see the module docstring); counts what it does."""
+def broken_rules() -> list[str]:
+    """The rules broken in every fake made since the last call (then forgotten): a
+    fixture asserts it is empty after each test."""
+    out = [v for fake in _made for v in fake.violations]
+    _made.clear()
+    return out
 
-    def __init__(self, *, lazy: bool = False, polls: int = 2) -> None:
-        self.lazy = lazy
-        self.polls = polls
+
+class CpuAsAccelerator(CudaOps):
+    """``CudaOps`` over a :class:`FakeCuda` (``fake``), counting what the stager asks."""
+
+    def __init__(self, *, lazy: bool = False, polls: int = 2, fake: FakeCuda | None = None) -> None:
+        self.fake = fake if fake is not None else FakeCuda(polls=polls if lazy else 0)
+        _made.append(self.fake)
+        super().__init__(self.fake)
         self.allocations = 0
         self.allocated_bytes = 0
         self.to_host_calls = 0
@@ -63,14 +54,14 @@ class CpuAsAccelerator:
         self.buffers: list[torch.Tensor] = []
         """Every buffer allocated (to tell tier buffers from pageable memory)."""
 
-    @staticmethod
-    def accelerated(device: torch.device) -> bool:
-        return device.type == "cpu"
+    @property
+    def violations(self) -> list[str]:
+        return self.fake.violations
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         self.allocations += 1
         self.allocated_bytes += nbytes
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = super().allocate(nbytes)
         self.buffers.append(buf)
         return buf
 
@@ -79,34 +70,31 @@ class CpuAsAccelerator:
         ptr = t.untyped_storage().data_ptr()
         return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers)
 
-    def _event(self, copy: Callable[[], None]) -> Any:
-        if not self.lazy:
-            copy()
-            return None
-        return FakeEvent(copy, self.polls)
-
-    def to_host(self, t: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def to_host(self, t: torch.Tensor, buf: torch.Tensor) -> Loaded:
         self.to_host_calls += 1
-        span = span_of(tuple(t.shape), tuple(t.stride()))
-        src = t.detach().as_strided((span,), (1,), t.storage_offset())
-        dst = buf[: span * t.element_size()].view(t.dtype)
-        event = self._event(lambda: dst.copy_(src))
-        return dst.as_strided(t.shape, t.stride(), 0), event
+        self.fake.produced(t)  # pack: the tensor was just made on the current stream
+        return super().to_host(t, buf)
 
     def to_device(
-        self, host: torch.Tensor, device: torch.device, offset: int
-    ) -> tuple[torch.Tensor, Any]:
+        self, host: torch.Tensor, device: torch.device, after: CopyEvent | None = None
+    ) -> Loaded:
         self.to_device_calls += 1
-        span = span_of(tuple(host.shape), tuple(host.stride()))
-        flat = host.as_strided((span,), (1,), host.storage_offset())
-        base = torch.empty(offset + span, dtype=host.dtype, device=device)
-        event = self._event(lambda: base[offset:].copy_(flat))
-        return base.as_strided(host.shape, host.stride(), offset), event
+        self.fake.mark_host(host)  # read from the store: ordinary host memory
+        return super().to_device(host, device, after)
 
-    @staticmethod
-    def finish(t: torch.Tensor, done: Any) -> torch.Tensor:
-        done.synchronize()  # a real device orders the stream; here the copy runs now
-        return t
+    def producer_event(self, t: torch.Tensor) -> CopyEvent:
+        self.fake.produced(t)  # pack: written from the device later
+        return super().producer_event(t)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        self.fake.produced(t)  # pack: a ``host`` rule's copy
+        return super().pin(t)
+
+    def finish(self, t: torch.Tensor, done: CopyEvent) -> torch.Tensor:
+        out = super().finish(t, done)
+        assert isinstance(done, FakeEvent)
+        self.fake.check_consumed(out, done)
+        return out
 
 
 def on_fake_accelerator(hooks: OffloadHooks, ops: CpuAsAccelerator | None = None) -> Any:

@@ -1,6 +1,6 @@
-"""A real S3-compatible server for tests: moto on 127.0.0.1, with injectable faults.
+"""Real S3-compatible servers for tests: moto (with injectable faults) and SeaweedFS.
 
-Tests talk to it through s3fs over real HTTP, the path users take. Import the
+Tests talk to them through s3fs over real HTTP, the path users take. Import the
 fixtures into a test module with ``from .s3_fixtures import *``:
 
 * ``s3_env`` (session): fake credentials in the environment, no AWS config files,
@@ -11,9 +11,17 @@ fixtures into a test module with ``from .s3_fixtures import *``:
 * ``s3_url``: ``s3://<fresh bucket>/acts``; ``s3_options``: the ``storage_options``.
 * ``s3_faults``: the shared server's :class:`FaultPlan`, cleared after the test.
 * ``private_s3_server``: a server of the test's own (to stop mid-test).
+* ``seaweedfs`` (session): one real SeaweedFS cluster (``tests/seaweedfs.py``: the S3
+  gateway, master and filer in one ``weed server`` process, the volume server in
+  another) with one bucket, :data:`SEAWEED_BUCKET`, shared by every test that asks.
+* ``seaweed_url``: ``s3://tsh-weed/<fresh prefix>``, emptied afterwards;
+  ``seaweed_options``: the ``storage_options``.
+* ``seaweed_volume``: the session cluster for a test that stops its volume server;
+  the volume server is running again after the test, whatever it did.
 
 moto keeps buckets in process-global state, so servers in one process see the
-same buckets; tests keep apart by bucket name.
+same buckets; tests keep apart by bucket name. SeaweedFS tests keep apart by prefix
+(a bucket is a SeaweedFS collection whose volumes take a second to create).
 """
 
 from __future__ import annotations
@@ -38,7 +46,10 @@ try:
 except ImportError:  # moto >= 5.2 serves with werkzeug's own handler
     from werkzeug.serving import WSGIRequestHandler as _BaseHandler
 
+from .seaweedfs import SeaweedFS
+
 __all__ = [
+    "SEAWEED_BUCKET",
     "FaultPlan",
     "S3Server",
     "private_s3_server",
@@ -48,7 +59,13 @@ __all__ = [
     "s3_options",
     "s3_server",
     "s3_url",
+    "seaweed_options",
+    "seaweed_url",
+    "seaweed_volume",
+    "seaweedfs",
 ]
+
+SEAWEED_BUCKET = "tsh-weed"
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
@@ -351,3 +368,43 @@ def s3_faults(s3_server: S3Server) -> Iterator[FaultPlan]:
         yield s3_server.faults
     finally:
         s3_server.faults.clear()
+
+
+# ------------------------------------------------------------------- SeaweedFS
+_prefix_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(s3_env: None) -> Iterator[SeaweedFS]:
+    """One SeaweedFS cluster for the session (a few seconds to start, two to stop: its
+    data is thrown away, so SIGKILL follows SIGTERM soon)."""
+    server = SeaweedFS(split_volume=True)
+    server.start(bucket=SEAWEED_BUCKET)
+    try:
+        yield server
+    finally:
+        server.stop(timeout_s=2.0)
+
+
+@pytest.fixture
+def seaweed_url(seaweedfs: SeaweedFS) -> Iterator[str]:
+    prefix = f"t{next(_prefix_ids)}-{random.getrandbits(32):08x}"
+    try:
+        yield f"s3://{SEAWEED_BUCKET}/{prefix}"
+    finally:
+        seaweedfs.start_volume(bucket=SEAWEED_BUCKET)  # a failed fault test may have left it off
+        seaweedfs.remove_prefix(SEAWEED_BUCKET, prefix + "/")
+
+
+@pytest.fixture
+def seaweed_options(seaweedfs: SeaweedFS) -> dict[str, Any]:
+    return seaweedfs.storage_options
+
+
+@pytest.fixture
+def seaweed_volume(seaweedfs: SeaweedFS) -> Iterator[SeaweedFS]:
+    """The session cluster, for a test that stops and starts its volume server."""
+    try:
+        yield seaweedfs
+    finally:
+        seaweedfs.start_volume(bucket=SEAWEED_BUCKET)

@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
+import mmap
 import os
 import uuid
 from collections.abc import Iterator
@@ -14,7 +18,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tensorstore_hooks._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO
+from tensorstore_hooks import ConfigError
+from tensorstore_hooks._aligned import BLOCK_BYTES, AlignedBuffer
+from tensorstore_hooks._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO, probe_direct_io
 
 from .chunkio_conformance import ChunkIOConformance
 
@@ -49,6 +55,126 @@ class TestLocalIO(ChunkIOConformance):
             assert os.fstat(fd).st_nlink == 1  # still linked: not unlinked and recreated
         finally:
             os.close(fd)
+
+
+def _direct_io(root: Path) -> LocalIO:
+    """A LocalIO with O_DIRECT on, or a skip saying why this filesystem refuses it."""
+    root.mkdir(parents=True, exist_ok=True)
+    ok, why = probe_direct_io(str(root))
+    if not ok:
+        pytest.skip(f"no direct I/O under {root}: {why}")
+    io = LocalIO(str(root))
+    assert io.configure_direct_io("on", "probe").enabled
+    return io
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) over a private mapping)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        del anchor
+        return sum(v & 1 for v in vec)
+    finally:
+        mm.close()
+
+
+class TestLocalDirectIO(TestLocalIO):
+    """The whole suite again with O_DIRECT chunk I/O turned on (NOTE [ Direct I/O ])."""
+
+    @pytest.fixture
+    def io(self, tmp_path: Path) -> Iterator[ChunkIO]:
+        io = _direct_io(tmp_path / "root")
+        yield io
+        io.close()
+
+    def test_aligned_round_trip_sets_the_size(self, io: ChunkIO) -> None:
+        out = AlignedBuffer(4 * BLOCK_BYTES)
+        out.view[:] = os.urandom(len(out.view))
+        io.write_aligned(
+            "c/0", [out.view[: 2 * BLOCK_BYTES], out.view[2 * BLOCK_BYTES :]], 16 * BLOCK_BYTES
+        )
+        raw = self.get_raw(io, "c/0")
+        assert raw is not None and len(raw) == 16 * BLOCK_BYTES  # extended to the size asked
+        assert raw[: 4 * BLOCK_BYTES] == bytes(out.view) and raw[4 * BLOCK_BYTES :] == bytes(
+            12 * BLOCK_BYTES
+        )
+        back = AlignedBuffer(4 * BLOCK_BYTES)
+        assert io.read_aligned("c/0", back.view) == (4 * BLOCK_BYTES, 16 * BLOCK_BYTES)
+        assert back.view == out.view
+        # Rewritten shorter than it is: cut back to the size asked.
+        io.write_aligned("c/0", [out.view[:BLOCK_BYTES]], 2 * BLOCK_BYTES)
+        raw = self.get_raw(io, "c/0")
+        assert raw is not None and len(raw) == 2 * BLOCK_BYTES
+        # A read past the end stops there.
+        assert io.read_aligned("c/0", back.view) == (2 * BLOCK_BYTES, 2 * BLOCK_BYTES)
+        with pytest.raises(FileNotFoundError):
+            io.read_aligned("c/missing", back.view)
+
+    def test_a_new_object_is_extended_with_a_hole(self, io: ChunkIO) -> None:
+        buf = AlignedBuffer(BLOCK_BYTES)
+        io.write_aligned("h/0", [buf.view], 1 << 20)
+        st = os.stat(Path(io.url.removeprefix("file://"), "h/0"))
+        assert st.st_size == 1 << 20
+        assert st.st_blocks * 512 < 1 << 20  # no zero-fill of the blocks after the data
+
+    def test_writes_really_bypass_the_page_cache(self, io: ChunkIO) -> None:
+        """What O_DIRECT is for: the bytes written are not left in RAM (a buffered
+        write of the same bytes is, as a control)."""
+        buf = AlignedBuffer(1 << 20)
+        buf.view[:] = b"\x5a" * len(buf.view)
+        io.write_aligned("p/direct", [buf.view], 1 << 20)
+        io.write("p/buffered", [buf.view])
+        root = io.url.removeprefix("file://")
+        assert _resident_pages(os.path.join(root, "p/buffered")) > 0
+        assert _resident_pages(os.path.join(root, "p/direct")) == 0
+
+    def test_misaligned_memory_is_refused_by_the_kernel(self, io: ChunkIO) -> None:
+        """The write really is O_DIRECT: the kernel refuses memory that is not aligned
+        (a buffered write would take it)."""
+        buf = AlignedBuffer(2 * BLOCK_BYTES)
+        with pytest.raises(OSError) as info:
+            io.write_aligned("m/0", [buf.view[64 : 64 + BLOCK_BYTES]], BLOCK_BYTES)
+        assert info.value.errno == errno.EINVAL
+
+
+def test_tmpfs_refuses_direct_io_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """tmpfs accepts O_DIRECT since Linux 6.6 but keeps its files in RAM: buffered,
+    said once per root at INFO; ``on`` is a ConfigError naming the reason and the fix."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm here")
+    root = shm / f"tsh-test-{uuid.uuid4().hex}"
+    root.mkdir()
+    try:
+        with caplog.at_level(logging.INFO, logger="tensorstore_hooks"):
+            first = LocalIO(str(root)).configure_direct_io("auto", "a/probe")
+            second = LocalIO(str(root)).configure_direct_io("auto", "b/probe")
+        assert not first.enabled and "tmpfs" in first.reason and second == first
+        said = [r for r in caplog.records if "direct I/O is off" in r.getMessage()]
+        assert (
+            len(said) == 1 and said[0].levelno == logging.INFO and "tmpfs" in said[0].getMessage()
+        )
+        with pytest.raises(ConfigError, match=r"tmpfs.*direct_io='auto'"):
+            LocalIO(str(root)).configure_direct_io("on", "c/probe")
+        off = LocalIO(str(root)).configure_direct_io("off", "d/probe")
+        assert not off.enabled and off.reason == "direct_io is 'off'"
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_bad_direct_io_mode_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="auto, on, off"):
+        LocalIO(str(tmp_path)).configure_direct_io("yes", "probe")
 
 
 class TestMemoryIO(ChunkIOConformance):
@@ -102,3 +228,28 @@ class TestFsspecMemory(_FsspecBase):
         io.close()
         if fs.exists(root):
             fs.rm(root, recursive=True)
+
+
+def test_a_probe_that_may_change_its_answer_is_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe file that could not be made (a full disk, permissions) says nothing
+    about the filesystem: the next store on that root probes again; a filesystem's own
+    answer (tmpfs, EINVAL) is kept for the process."""
+    from tensorstore_hooks import _chunkio
+
+    answers = [(False, "cannot create a probe file (No space left on device)", False)]
+    answers.append((True, "", True))
+    calls: list[str] = []
+
+    def fake(directory: str, name: str | None) -> tuple[bool, str, bool]:
+        calls.append(directory)
+        return answers[min(len(calls), len(answers)) - 1]
+
+    monkeypatch.setattr(_chunkio, "_probe", fake)
+    root = tmp_path / "root"
+    first = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
+    assert not first.enabled and "No space" in first.reason
+    second = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
+    third = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
+    assert second.enabled and third.enabled and len(calls) == 2

@@ -155,7 +155,8 @@ def test_stats_cli(shared_daemon: Daemon, capsys: pytest.CaptureFixture[str]) ->
         text = out.stdout
         for needle in (
             "daemon tsh://127.0.0.1:", "tier", "ram", "disk", "quota", "spills",
-            "requests/s", "put", "sessions (",
+            "requests/s", "put", "sessions (", "buffers      put 0 B of 256.00 MiB",
+            "32.00 MiB per session",
         ):  # fmt: skip
             assert needle in text, text
         assert store.session_id is not None and store.session_id[:8] in text
@@ -165,6 +166,9 @@ def test_stats_cli(shared_daemon: Daemon, capsys: pytest.CaptureFixture[str]) ->
         snap = json.loads(capsys.readouterr().out)
         assert snap["tiers"]["ram"]["quota"] == 256 << 20
         assert snap["counters"]["put"] >= 1
+        assert snap["buffers"]["get"]["session_limit"] == 32 << 20
+        assert snap["tiers"]["disk"]["writable"] is True
+        assert "takes no writes" not in text
     assert main(["stats", f"tsh://127.0.0.1:{free_port()}"]) == 1
     assert "cannot reach" in capsys.readouterr().err
 
@@ -432,6 +436,9 @@ def test_metrics_endpoint(daemons: DaemonLauncher) -> None:
     assert m['tsh_requests_total{op="put"}'] == 1
     assert m["tsh_sessions"] == 1
     assert m["tsh_received_bytes_total"] >= 1 << 20
+    assert m['tsh_buffer_bytes{kind="get"}'] == 0 and m['tsh_buffer_bytes{kind="put"}'] == 0
+    assert m["tsh_disk_writable"] == 0  # no disk tier
+    assert m["tsh_disk_write_failures_total"] == 0
     assert d.terminate() == 0
 
 

@@ -187,3 +187,50 @@ def test_daemon_survived_the_fuzzing(shared_daemon: Daemon, good_client: DaemonS
     assert snap["connections"] <= 3  # the good client (and this stats call), nothing leaked
     x = torch.randn(2, 1024, 1024)
     assert torch.equal(good_client.get(good_client.put(x)), x)
+
+
+# ------------------------------------------------------------ planted metadata
+def _meta(**changes: Any) -> dict[str, Any]:
+    return {**META, **changes}
+
+
+_PLANTED = [
+    # (metadata, expected code): what a client could plant that a later GET, inspect,
+    # stats or a restart would choke on (NOTE [ Storable metadata ]).
+    (_meta(device="cpu\n"), "BAD_REQUEST"),
+    (_meta(device="nosuchdevice"), "BAD_REQUEST"),
+    (_meta(shape=[1, 4], stride=[2**63, 1]), "BAD_REQUEST"),
+    (_meta(storage_offset=2**48), "TOO_LARGE"),
+    # 64 dimensions whose strides span 2**40 elements: 16 bytes of payload, a 4 TiB rebuild
+    (_meta(shape=[1] * 63 + [2], stride=[1] * 63 + [2**40], compact=True, nbytes=8), "TOO_LARGE"),
+]
+
+
+@pytest.mark.parametrize(("meta", "code"), _PLANTED, ids=lambda v: str(v)[:40])
+def test_planted_metadata_is_refused(
+    shared_daemon: Daemon, meta: dict[str, Any], code: str
+) -> None:
+    payload = b"\x01" * meta["nbytes"]
+    with raw_connect(shared_daemon.url) as sock:
+        sock.sendall(HELLO)
+        welcome = recv_frame(sock)
+        assert welcome is not None and welcome[0]["ok"] is True
+        sock.sendall(
+            message_head({"op": "put", "id": 2, "meta": meta, "size": len(payload)}, len(payload))
+            + payload
+        )
+        answer = recv_frame(sock)
+        assert answer is not None
+        header = answer[0]
+        assert header["ok"] is False and header["code"] == code, header
+        assert "tensor metadata" in header["message"] and header["fatal"] is False
+        # The payload was read and dropped: the connection is in step and usable, and
+        # nothing was stored.
+        sock.sendall(message_head({"op": "list", "id": 3}, 0))
+        listed = recv_frame(sock)
+        assert listed is not None and listed[0]["ok"] is True
+        assert msgpack.unpackb(listed[1]) == []
+        ok_put = message_head({"op": "put", "id": 4, "meta": META, "size": 16}, 16)
+        sock.sendall(ok_put + b"\x02" * 16)
+        stored = recv_frame(sock)
+        assert stored is not None and stored[0]["ok"] is True, stored

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,6 @@ __all__ = ["daemons"]  # the fixture, re-exported for pytest
 MiB = 1 << 20
 SLACK = 64 << 10  # per-tensor overhead + the disk tier's metadata files
 RAM_OVERHEAD = 2048  # NOTE [ What a tensor costs ]
-DISK_RECORD = 512
 
 
 def _mib_tensor(i: int) -> torch.Tensor:
@@ -44,7 +46,7 @@ def test_spill_then_quota_then_fallback(daemons: DaemonLauncher, tmp_path: Path)
         ram, disk = snap["tiers"]["ram"], snap["tiers"]["disk"]
         assert (ram["used"], ram["tensors"]) == (4 * (MiB + RAM_OVERHEAD), 4)
         assert disk["tensors"] == 8
-        assert disk["used"] - disk["metadata"] == 8 * (MiB + 4 + DISK_RECORD)  # chunk + crc32c
+        assert disk["used"] - disk["metadata"] == 8 * MiB  # chunk files: exactly one chunk each
         assert snap["counters"]["spills"] == 8
         assert snap["counters"]["quota_rejected"] == 1
         # The oldest went to disk, the newest stayed in RAM; nothing was lost.
@@ -214,3 +216,80 @@ def test_expired_session_is_replaced_and_reported(daemons: DaemonLauncher) -> No
         key = store.put(torch.arange(3))  # the new session works
         assert torch.equal(store.get(key), torch.arange(3))
     assert "lease of 0.5s expired" in d.log()
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def test_disk_quota_is_exact_under_churn(daemons: DaemonLauncher, tmp_path: Path) -> None:
+    # NOTE [ Exact disk quota ]: the directory never holds more than the quota, journal
+    # records of deleted tensors included, and stats says what it holds.
+    root = tmp_path / "root"
+    quota = 4 * MiB
+    d = daemons.start("--memory-quota", "0", "--root", str(root), "--disk-quota", str(quota))
+    filler = DaemonStore(d.url)
+    kept = []
+    with contextlib.suppress(QuotaExceededError):
+        for i in range(1000):  # fill the disk with live tensors
+            kept.append(filler.put(torch.full((64 * 1024 // 4,), float(i))))
+    filler.delete_many(kept[:4])  # room for a few small ones
+    stop = threading.Event()
+    over: list[str] = []
+    samples = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            held = _dir_bytes(root)
+            snap = fetch_stats(d.url)["tiers"]["disk"]
+            samples[0] += 1
+            if held > quota:
+                over.append(f"directory {held} > quota {quota}")
+            if snap["used"] + snap["reserved"] > quota:
+                over.append(f"stats {snap}")
+
+    churned = [0]
+    errors: list[BaseException] = []
+
+    def churn(w: int) -> None:
+        try:
+            with DaemonStore(d.url) as store:
+                deadline = time.monotonic() + 4.0
+                while time.monotonic() < deadline:
+                    try:
+                        key = store.put(torch.full((1024,), float(w)))  # 4 KiB
+                    except QuotaExceededError:
+                        continue
+                    store.delete(key)
+                    churned[0] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    workers = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join(timeout=60)
+    stop.set()
+    watcher.join(timeout=30)
+    assert not errors, errors
+    assert not over, over[:3]
+    # Records of deleted tensors filled the disk, and were compacted away: churn went on.
+    assert churned[0] > 200 and samples[0] > 10, (churned, samples)
+    assert fetch_stats(d.url)["counters"]["disk_compactions"] >= 1
+
+    # Everything freed: stats says what the directory holds (journals and documents).
+    filler.close()
+
+    def agrees() -> bool:
+        snap = fetch_stats(d.url)["tiers"]["disk"]
+        return snap["tensors"] == 0 and snap["used"] == _dir_bytes(root)
+
+    wait_until(agrees, 10, "stats to say what the directory holds")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +12,16 @@ import torch
 from tensorstore_hooks import KeyNotFoundError, StoreUnavailableError
 from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
 
-from .daemon_fixtures import DaemonLauncher, daemons, free_port, wait_until
+from .daemon_fixtures import (
+    DaemonLauncher,
+    daemons,
+    free_port,
+    raw_connect,
+    raw_hello,
+    recv_frame,
+    send_frame,
+    wait_until,
+)
 
 __all__ = ["daemons"]  # the fixture, re-exported for pytest
 
@@ -110,3 +120,56 @@ def test_dead_daemon_raises_after_the_deadline(daemons: DaemonLauncher) -> None:
     assert d.url in str(info.value) and "unreachable" in str(info.value)
     assert isinstance(info.value, ConnectionError)
     store.close()  # does not raise either
+
+
+def test_two_racing_resumes_of_one_session(daemons: DaemonLauncher, tmp_path: Path) -> None:
+    args = ("--listen", f"127.0.0.1:{free_port()}", "--memory-quota", "0",
+            "--root", str(tmp_path / "root"))  # fmt: skip
+    d = daemons.start(*args)
+    store = DaemonStore(d.url, reconnect_deadline_s=60)
+    t = torch.randn(1000)
+    key = store.put(t)
+    sid = store.session_id
+    assert sid is not None
+    d.kill()
+    d2 = daemons.start(*args)
+
+    socks = [raw_connect(d2.url) for _ in range(2)]
+    barrier = threading.Barrier(2)
+    welcomes: list[dict[str, object]] = []
+
+    def resume(sock: object) -> None:
+        barrier.wait()
+        welcomes.append(raw_hello(sock, session=sid))
+
+    threads = [threading.Thread(target=resume, args=(s,)) for s in socks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    try:
+        assert len(welcomes) == 2
+        for w in welcomes:
+            assert w["ok"] is True and w["resumed"] is True and w["session"] == sid, w
+        snap = fetch_stats(d2.url)
+        assert snap["sessions_total"] == 1 and snap["sessions"][0]["connections"] == 2
+        for i, s in enumerate(socks):  # both see the session's tensor
+            send_frame(s, {"op": "get", "id": 10 + i, "key": key, "head": False})
+            got = recv_frame(s)
+            assert got is not None and got[0]["ok"] is True
+            assert got[1] == t.numpy().tobytes()
+        # One ends the session: the other is told, and the session is gone for everyone.
+        send_frame(socks[0], {"op": "bye", "id": 20})
+        bye = recv_frame(socks[0])
+        assert bye is not None and bye[0]["ok"] is True
+        kicked = recv_frame(socks[1])
+        assert kicked is not None and kicked[0]["code"] == "NOT_FOUND" and kicked[0]["fatal"]
+        with raw_connect(d2.url) as late:
+            assert raw_hello(late, session=sid)["code"] == "NOT_FOUND"
+        assert fetch_stats(d2.url)["sessions_total"] == 0
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(KeyNotFoundError):
+        store.get(key)
+    store.close()

@@ -270,6 +270,33 @@ def test_bad_dtype_record_is_quarantined(daemons: DaemonLauncher, tmp_path: Path
     store.close()
 
 
+def test_record_with_unrebuildable_metadata_is_quarantined(
+    daemons: DaemonLauncher, tmp_path: Path
+) -> None:
+    # A disk-index record whose metadata a GET could not rebuild (a 2**48-element
+    # storage offset: NOTE [ Storable metadata ]) is quarantined at start like a bad dtype.
+    import msgpack
+
+    from tensorstore_hooks._index import frame
+
+    root = tmp_path / "root"
+    port = free_port()
+    d = _disk_daemon(daemons, root, port)
+    store = DaemonStore(d.url, reconnect_deadline_s=60)
+    items = _fill(store, 3)
+    d.kill()
+    index = root / "daemon" / "index" / "journal"
+    off, n = _records(index)[1]
+    _, disk_key, entry = msgpack.unpackb(index.read_bytes()[off + 12 : off + n], raw=False)
+    entry["meta"]["storage_offset"] = 2**48
+    with open(index, "ab") as f:
+        f.write(frame(["put", disk_key, entry]))
+    d2 = _disk_daemon(daemons, root, port)
+    assert _served(store, items) == [True, False, True]
+    assert "quarantined" in d2.log() and "max_tensor" in d2.log(), d2.log()
+    store.close()
+
+
 # ------------------------------------------------------------ quotas
 RAM_OVERHEAD = 2048  # NOTE [ What a tensor costs ]
 
@@ -306,7 +333,7 @@ def test_disk_quota_counts_what_the_directory_holds(
     quota = 256 * KiB
     d = daemons.start("--memory-quota", "0", "--root", str(root), "--disk-quota", str(quota))
     with DaemonStore(d.url) as store:
-        # 4000-byte payloads occupy a 4 KiB chunk + crc32c each, plus journal records.
+        # 4000-byte payloads occupy a 4 KiB chunk each, plus journal records.
         keys = _fill_until_refused(store, lambda i: torch.full((1000,), float(i)), 1000)
         disk = store.stats()["tiers"]["disk"]
         held = _dir_bytes(root)

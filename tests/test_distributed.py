@@ -102,3 +102,9 @@ def test_fsdp2_gradients_identical(verdicts: dict[str, list[str]]) -> None:
 def test_ddp_ranks_share_an_s3_prefix(verdicts: dict[str, list[str]]) -> None:
     """Both ranks offload under one ``s3://`` prefix without colliding."""
     _expect_ok(verdicts, "ddp_s3")
+
+
+def test_ddp_capture_writes_a_group_per_rank(verdicts: dict[str, list[str]]) -> None:
+    """tsh.capture under DDP: ``capture/rank{R}/`` per rank, exact values, gradients
+    unchanged, and a CaptureDataset over the ranks that reads every row once."""
+    _expect_ok(verdicts, "ddp_capture")

@@ -179,6 +179,78 @@ def test_bad_cap() -> None:
         HostTier(-1, Alloc())
 
 
+# ------------------------------------------ an allocator that keeps what it frees
+def pow2(n: int) -> int:
+    return 1 << max(n - 1, 4095).bit_length()
+
+
+def caching_tier(cap: int, alloc: Alloc) -> HostTier[torch.Tensor]:
+    """A tier over an allocator like torch's pinned one: power-of-two blocks, cached."""
+    return HostTier(cap, alloc, block_bytes=pow2, keeps_freed=True)
+
+
+def test_buffers_are_counted_at_the_allocators_size() -> None:
+    # 9 KiB asks take 16 KiB blocks: four fill a 64 KiB cap (not five, as 12 KiB would).
+    alloc = Alloc()
+    tier = caching_tier(64 * KiB, alloc)
+    for k in "abcd":
+        assert hold(tier, k, 9 * KiB) == []
+    assert alloc.calls == [16 * KiB] * 4 and tier.used_bytes == 64 * KiB
+    assert hold(tier, "e", 9 * KiB) == ["a"]
+    assert tier.peak_bytes == 64 * KiB
+
+
+def test_a_caching_allocator_never_gets_buffers_back_and_larger_ones_are_reused() -> None:
+    alloc = Alloc()
+    tier = caching_tier(64 * KiB, alloc)
+    hold(tier, "a", 32 * KiB)
+    hold(tier, "b", 16 * KiB)
+    tier.release("a")
+    tier.release("b")
+    # Another size: the idle 32 KiB buffer serves it; nothing is dropped or allocated.
+    assert hold(tier, "c", 20 * KiB) == [] and tier.buffer("c").numel() == 32 * KiB
+    assert hold(tier, "d", 8 * KiB) == [] and tier.buffer("d").numel() == 16 * KiB
+    assert len(alloc.calls) == 2 and tier.used_bytes == 48 * KiB
+    tier.clear()
+    assert tier.used_bytes == 48 * KiB  # held buffers stay until released
+
+
+def test_room_in_a_spent_cap_comes_only_as_a_buffer_that_fits() -> None:
+    alloc = Alloc()
+    tier = caching_tier(64 * KiB, alloc)
+    for k in "abcd":
+        hold(tier, k, 16 * KiB)
+    # The cap is spent and no held buffer is large enough: rule 4, nothing spills for it.
+    assert tier.make_room("big", 32 * KiB) is None
+    assert tier.held_keys() == list("abcd")
+    tier.release("a")
+    tier.release("b")
+    # Two idle 16 KiB buffers make no 32 KiB one: the allocator would keep them anyway.
+    assert tier.make_room("f", 32 * KiB) is None
+    assert tier.used_bytes == 64 * KiB and len(alloc.calls) == 4
+
+
+def test_the_victim_is_the_oldest_held_buffer_that_fits() -> None:
+    tier = caching_tier(64 * KiB, Alloc())
+    hold(tier, "small", 16 * KiB)
+    hold(tier, "large", 32 * KiB)
+    hold(tier, "small2", 16 * KiB)
+    assert tier.make_room("new", 32 * KiB) == ["large"]
+    tier.release("large")
+    assert tier.can_take("new")
+    tier.take("new", timeout_s=1.0)
+    assert tier.held_keys() == ["small", "small2", "new"] and tier.used_bytes == 64 * KiB
+
+
+def test_can_take_says_whether_take_would_wait() -> None:
+    tier = HostTier(8 * KiB, Alloc())
+    hold(tier, "a", 8 * KiB)
+    assert tier.make_room("b", 8 * KiB) == ["a"]
+    assert not tier.can_take("b")
+    tier.release("a")
+    assert tier.can_take("b")
+
+
 @pytest.mark.cuda
 def test_pinned_buffers_round_trip_a_cuda_tensor() -> None:
     # Real use: pinned buffers; a tensor copied out of the device and back is equal.

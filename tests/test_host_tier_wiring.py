@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from tensorstore_hooks._host_tier import round_up
 from tensorstore_hooks._iopool import shutdown_pool
 from tensorstore_hooks._records import State
 
-from .fake_accelerator import CpuAsAccelerator, on_fake_accelerator
+from .fake_accelerator import CpuAsAccelerator, broken_rules, on_fake_accelerator
 from .store_conformance import WrappedStore
 from .test_pipeline import GatedStore, sin_chain
 from .test_pipeline import chain_grad as reference_grad
@@ -32,6 +33,14 @@ from .test_pipeline import chain_grad as reference_grad
 KiB = 1024
 T = 16 * KiB  # every saved tensor of sin_chain below: 4096 float32
 CAP = 4 * T  # room for four of them
+
+
+@pytest.fixture(autouse=True)
+def _stream_rules_kept() -> Iterator[None]:
+    """Every scenario here keeps the stream and event rules (tests/fake_cuda.py)."""
+    broken_rules()
+    yield
+    assert broken_rules() == []
 
 
 def forward(hooks: tsh.OffloadHooks, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,10 +380,10 @@ def test_a_buffer_being_read_is_not_given_back_until_the_read_ends() -> None:
     entered, gate = threading.Event(), threading.Event()
 
     class SlowCopies(CpuAsAccelerator):
-        def to_device(self, host: torch.Tensor, device: torch.device, offset: int) -> Any:
+        def to_device(self, *args: Any, **kw: Any) -> Any:
             entered.set()
             assert gate.wait(30)
-            return super().to_device(host, device, offset)
+            return super().to_device(*args, **kw)
 
     hooks = offload(ops=SlowCopies())
     x = torch.randn(T // 4, requires_grad=True)

@@ -12,7 +12,6 @@ import gc
 import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -422,14 +421,15 @@ def test_read_ahead_plans_newest_first_within_the_window(owner: Owner) -> None:
     reads = owner.table.reads
     reads.restart()
     planned = reads.plan(2 * N)
-    assert [r.pos for r in planned] == [4, 3] and owner.stats.held_bytes == 2 * N
+    assert [r.pos for r, _ in planned] == [4, 3] and owner.stats.held_bytes == 2 * N
     assert reads.plan(2 * N) == []  # the window is full
-    fut: Future[tuple[torch.Tensor, None]] = Future()
-    assert reads.attach(planned[0], fut)
-    claim = owner.table.claim_for_unpack(planned[0])
-    assert isinstance(claim, Fetch) and claim.read is fut  # a hit: it leaves the window
+    rec, fut = planned[0]
+    claim = owner.table.claim_for_unpack(rec)
+    # A hit: it leaves the window, and unpack waits on the very future the read runs
+    # into (planned and claimed before the read was even submitted: no placeholder).
+    assert isinstance(claim, Fetch) and claim.read is fut
     assert owner.stats.held_bytes == N
-    assert [r.pos for r in reads.plan(2 * N)] == [2]
+    assert [r.pos for r, _ in reads.plan(2 * N)] == [2]
     del handles
 
 
@@ -437,12 +437,29 @@ def test_a_read_planned_for_a_record_freed_meanwhile_is_cancelled(owner: Owner) 
     handles = stored(owner, 2)
     reads = owner.table.reads
     reads.restart()
-    (rec,) = reads.plan(N)
+    ((rec, fut),) = reads.plan(N)
     del handles[1]
     gc.collect()
     assert rec.state == State.FREED and rec.fetch is None
-    assert reads.attach(rec, Future()) is False  # the caller cancels its read
+    assert fut.cancelled()  # the reader sees it and does not run
     assert owner.stats.held_bytes == 0
+
+
+def test_read_ahead_skips_a_held_record_still_holding_its_tensor(owner: Owner) -> None:
+    # Its copy to host has not been seen complete: unpack returns the tensor itself.
+    held = add(owner, held=True)
+    handles = stored(owner, 1)
+    reads = owner.table.reads
+    reads.restart()
+    assert [r.pos for r, _ in reads.plan(4 * N)] == [1]
+    assert isinstance(owner.table.claim_for_unpack(held.rec), Ready)
+    del handles
+
+
+def test_the_read_ahead_window_counts_the_span_a_view_comes_back_with(owner: Owner) -> None:
+    base = torch.arange(64, dtype=torch.float32).view(8, 8)
+    h = owner.table.add(base[:, ::2], 4 * 16, guard=None, key=None, held=False, host_rule=False)
+    assert h.rec.nbytes == 64 and h.rec.device_nbytes == (7 * 8 + 6 + 1) * 4
 
 
 # ------------------------------------------------------------------------- free

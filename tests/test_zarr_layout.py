@@ -112,15 +112,20 @@ def test_truncated_chunk_is_detected(tmp_path: Path, codec: str, cut: int | str)
             store.get(key)
 
 
-@pytest.mark.parametrize("where", ["first", "middle", "last", "padding", "crc", "truncate"])
-def test_large_chunks_checksummed_while_written_and_read(tmp_path: Path, where: str) -> None:
-    """Chunks >= OVERLAP_BYTES take the overlapped path (NOTE [ Overlapped checksums ]):
-    what it writes is what Zarr's crc32c codec reads, and every damage is caught."""
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "padding", "truncate"])
+def test_large_chunks_checksummed_while_written_and_read(
+    tmp_path: Path, where: str, direct_io: str
+) -> None:
+    """Chunks >= OVERLAP_BYTES are checksummed on the helper thread while they are
+    written and read (NOTE [ Overlapped checksums ]), with O_DIRECT and without: every
+    damage to a tensor's bytes is caught, and the padding after them is no tensor's."""
     from tensorstore_hooks._checksum import OVERLAP_BYTES
 
     root = tmp_path / "root"
     gen = torch.Generator().manual_seed(3)
-    with ZarrStore(root, chunk_bytes="8MiB", namespace="ns") as store:
+    with ZarrStore(root, chunk_bytes="8MiB", namespace="ns", direct_io=direct_io) as store:
+        assert store.direct_io.enabled is (direct_io == "on")
         multi = torch.randn(5 << 20, generator=gen)  # 20 MiB: five 4 MiB chunks
         padded = torch.randn(15 << 17, generator=gen)  # 7.5 MiB: two 4 MiB chunks, padded
         keys = {"multi": store.put(multi), "padded": store.put(padded)}
@@ -129,7 +134,7 @@ def test_large_chunks_checksummed_while_written_and_read(tmp_path: Path, where: 
         assert (entries[keys["padded"]]["seg"], entries[keys["padded"]]["count"]) == (4 << 20, 2)
         assert torch.equal(store.get(keys["multi"]), multi)
         assert torch.equal(store.get(keys["padded"]), padded)
-        # Plain zarr checks each chunk's crc32c itself.
+        # Plain zarr reads the same bytes (NOTE [ Chunk objects ]).
         for name, t in (("multi", multi), ("padded", padded)):
             e = entries[keys[name]]
             seg = zarr.open_array(str(root / "ns" / f"seg-{e['seg']}"), mode="r")
@@ -139,21 +144,19 @@ def test_large_chunks_checksummed_while_written_and_read(tmp_path: Path, where: 
         e = entries[keys["padded"]]
         victim = root / "ns" / f"seg-{e['seg']}" / "c" / str(e["start"] + 1)  # the padded one
         data = bytearray(victim.read_bytes())
+        assert len(data) == e["seg"]  # no trailer: exactly the chunk size
         payload = padded.numel() * 4 - e["seg"]  # the payload bytes in that chunk
-        pos = {
-            "first": 10,
-            "middle": payload // 2,
-            "last": payload - 1,
-            "padding": payload + 5,
-            "crc": len(data) - 2,
-        }.get(where)
-        if pos is None:
+        pos = {"first": 10, "middle": payload // 2, "last": payload - 1, "padding": payload + 5}
+        if where == "truncate":
             data = data[: len(data) // 3]
         else:
-            data[pos] ^= 0x01
+            data[pos[where]] ^= 0x01
         victim.write_bytes(bytes(data))
-        with pytest.raises(IntegrityError, match=repr(keys["padded"])):
-            store.get(keys["padded"])
+        if where == "padding":  # no tensor's bytes: the tensor still reads back exactly
+            assert torch.equal(store.get(keys["padded"]), padded)
+        else:
+            with pytest.raises(IntegrityError, match=repr(keys["padded"])):
+                store.get(keys["padded"])
         assert torch.equal(store.get(keys["multi"]), multi)
 
 
@@ -199,8 +202,10 @@ def test_corrupted_memory_store_is_detected() -> None:
 
 
 # ------------------------------------------------------- plain zarr readers
-@pytest.mark.parametrize("codec", ["none", "lz4", "zstd:1"])
-def test_readable_with_plain_zarr(tmp_path: Path, codec: str) -> None:
+@pytest.mark.parametrize(
+    ("codec", "direct_io"), [("none", "on"), ("none", "off"), ("lz4", "auto"), ("zstd:1", "auto")]
+)
+def test_readable_with_plain_zarr(tmp_path: Path, codec: str, direct_io: str) -> None:
     root = tmp_path / "root"
     tensors = {
         "big": torch.randn(20_000),  # spans several chunks, last one padded
@@ -210,14 +215,16 @@ def test_readable_with_plain_zarr(tmp_path: Path, codec: str) -> None:
         "gapped": torch.randn(30, 40)[:, ::3],
         "empty": torch.empty(0, 3),
     }
-    with ZarrStore(root, chunk_bytes="16KiB", codec=codec, namespace="run") as store:
+    with ZarrStore(
+        root, chunk_bytes="16KiB", codec=codec, namespace="run", direct_io=direct_io
+    ) as store:
         keys = {name: store.put(t) for name, t in tensors.items()}
         doomed = store.put(torch.randn(5000))
         store.delete(doomed)
 
         # The hierarchy opens as plain zarr groups.
         group = zarr.open_group(str(root), mode="r")
-        assert group.attrs["tensorstore_hooks"]["format"] == 2
+        assert group.attrs["tensorstore_hooks"]["format"] == 3
         assert "run" in list(group.group_keys())
 
         entries = _journal_entries(root / "run")
@@ -231,6 +238,9 @@ def test_readable_with_plain_zarr(tmp_path: Path, codec: str) -> None:
             else:
                 seg = zarr.open_array(str(root / "run" / f"seg-{e['seg']}"), mode="r")
                 assert seg.dtype == np.uint8 and seg.chunks == (e["seg"],)
+                # Format 3: no crc32c codec, so every chunk object is block-aligned.
+                names = [type(c).__name__ for c in seg.metadata.codecs]
+                assert "Crc32cCodec" not in names and names[0] == "BytesCodec"
                 lo = e["start"] * e["seg"]
                 raw = seg[lo : lo + meta.nbytes]
             assert raw.nbytes == meta.nbytes
@@ -350,24 +360,28 @@ def test_bad_spare_bytes(tmp_path: Path) -> None:
         ZarrStore(tmp_path, spare_bytes="lots")
 
 
-def test_read_of_a_key_deleted_and_rewritten_meanwhile_misses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+def test_read_of_a_key_deleted_and_rewritten_meanwhile_misses(
+    tmp_path: Path, direct_io: str
+) -> None:
     """Spares are rewritten in place: a read racing its key's delete must not return
     the next tensor's bytes, even when they pass their checksum."""
-    store = ZarrStore(tmp_path, chunk_bytes="16KiB", namespace="ns")
-    key = store.put(torch.zeros(4096))
-    real_readinto = store._io.readinto
+    store = ZarrStore(tmp_path, chunk_bytes="1MiB", namespace="ns", direct_io=direct_io)
+    key = store.put(torch.zeros(1 << 18))  # one 1 MiB chunk: direct I/O when it is on
+    name = "read_aligned" if store.direct_io.enabled else "readinto"
+    real = getattr(store._io, name)
 
-    def racing_readinto(path: str, views: Any, filled: Any = None) -> int:
+    def racing(*args: Any) -> Any:
         store.delete(key)
-        store.put(torch.ones(4096))  # reuses the spare run: same file, new bytes
-        return real_readinto(path, views, filled)
+        store.put(torch.ones(1 << 18))  # reuses the spare run: same file, new bytes
+        return real(*args)
 
-    store._io.readinto = racing_readinto  # type: ignore[method-assign]
+    setattr(store._io, name, racing)
     try:
         with pytest.raises(KeyNotFoundError, match="deleted while being read"):
             store.get(key)
     finally:
-        store._io.readinto = real_readinto  # type: ignore[method-assign]
+        setattr(store._io, name, real)
         store.close()
 
 

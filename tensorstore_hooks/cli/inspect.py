@@ -1,10 +1,14 @@
-"""``tensorstore-hooks inspect URL``: list what a ZarrStore root holds, without changing it.
+"""``tensorstore-hooks inspect URL [URL ...]``: list what ZarrStore roots hold, read-only.
 
 Reads the root's ``zarr.json``, finds the namespaces (one per writer) and replays each
 namespace's index (``index/snapshot`` + ``index/journal``) to list every key with its
 dtype, shape and size. Nothing is written: the store is not opened as a
 :class:`~tensorstore_hooks.ZarrStore` (which would create its layout and a namespace
 of its own); the index is read through the same I/O layer instead.
+
+Several URLs (or ``--config FILE`` with ``store.tiers``) are the tiers of a chain,
+fastest first: each tier is listed, and a namespace found in several tiers (the Zarr
+tiers of one chain share its name) is shown with what each tier holds of it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["inspect_root", "register", "run"]
+__all__ = ["inspect_chain", "inspect_root", "register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,18 +29,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "List every namespace of a ZarrStore root (a local path, file://, or an fsspec "
             "URL such as s3://bucket/prefix) and every key in it with dtype, shape and "
-            "bytes, with totals. Read-only. For the storage daemon (tsh://) use "
+            "bytes, with totals, and the arrays tsh.capture wrote. Several URLs are the "
+            "tiers of a chain, fastest first (or --config FILE with store.tiers): each "
+            "tier is listed, and what each holds of the chain's namespaces. Read-only. "
+            "For the storage daemon (tsh://) use "
             "`tensorstore-hooks stats URL`."
         ),
     )
     parser.add_argument(
-        "url", metavar="URL", help="store root: PATH, file://PATH, s3://bucket/prefix, ..."
+        "url",
+        metavar="URL",
+        nargs="*",
+        help="store root: PATH, file://PATH, s3://bucket/prefix, ...; several: a tier chain",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="take the URL (store.url) or the chain (store.tiers, with budgets and each "
+        "tier's storage_options) from this YAML config instead",
     )
     parser.add_argument("--json", action="store_true", help="print the listing as JSON")
     parser.add_argument(
         "--storage-options",
         metavar="JSON",
-        help="fsspec storage options as JSON, e.g. '{\"anon\": true}'",
+        help="fsspec storage options as JSON, e.g. '{\"anon\": true}'; for a chain one "
+        "object for every tier or a list, one per tier",
     )
     parser.set_defaults(func=run)
 
@@ -44,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Describe the ZarrStore root at ``url`` without writing to it.
 
-    Returns ``{"url", "format", "namespaces": [{"name", "chunk_bytes", "codec",
+    Returns ``{"url", "format", "direct_io", "capture": [{"name", "shape", "dtype",
+    "chunk_rows", "bytes"}], "namespaces": [{"name", "format", "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
     "device", "framework", "nbytes", "stored_bytes"}], "damage": [str], "error": str |
     None}], "totals": {...}, "problems": [str]}``. ``stored_bytes`` counts whole chunks
@@ -61,6 +79,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     try:
         fmt = _root_format(io)
         namespaces = [ns for name in io.listdir("") if (ns := _namespace(io, name)) is not None]
+        captured = _captured(io)
     finally:
         io.close()
     totals: dict[str, int] = {
@@ -74,10 +93,74 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     return {
         "url": io.url,
         "format": fmt,
+        "direct_io": _direct_io_here(io),
         "namespaces": namespaces,
+        "capture": captured,
         "totals": totals,
         "problems": problems,
     }
+
+
+def _captured(io: Any) -> list[dict[str, Any]]:
+    """The arrays ``tsh.capture`` wrote under ``ROOT/capture`` (NOTE [ Capture layout ])."""
+    from .._capture_layout import list_arrays
+
+    return [
+        {
+            "name": a.name,
+            "shape": [a.rows, *a.row_shape],
+            "dtype": a.dtype,
+            "chunk_rows": a.chunk_rows,
+            "bytes": a.nbytes,
+        }
+        for a in list_arrays(io)
+    ]
+
+
+def _direct_io_here(io: Any) -> str | None:
+    """Whether the root's filesystem takes O_DIRECT, found without writing: ``None``
+    for roots that are not local directories (NOTE [ Direct I/O ] in ``_chunkio.py``)."""
+    from .._chunkio import LocalIO, direct_io_readonly_check
+
+    if not isinstance(io, LocalIO):
+        return None
+    return direct_io_readonly_check(io.root)
+
+
+def inspect_chain(
+    urls: list[str],
+    storage_options: list[dict[str, Any] | None],
+    budgets: list[int | None] | None = None,
+) -> dict[str, Any]:
+    """Describe the tiers of a chain (fastest first) without writing to them.
+
+    Returns ``{"tiers": [inspect_root(url) + {"tier", "budget"}], "namespaces": [{"name",
+    "tensors": [per tier], "bytes": [per tier]}], "totals": {...}, "problems": [str]}``.
+    A namespace is listed once with what each tier holds of it (a chain gives its Zarr
+    tiers one namespace name). ``budgets``: shown beside each tier (from a config).
+    """
+    budgets = budgets or [None] * len(urls)
+    tiers = []
+    for i, (url, so, budget) in enumerate(zip(urls, storage_options, budgets, strict=True)):
+        listing = inspect_root(url, so)
+        listing.update(tier=i, budget=budget, url=url)
+        tiers.append(listing)
+    names = sorted({ns["name"] for t in tiers for ns in t["namespaces"]})
+    namespaces = []
+    for name in names:
+        found = [next((n for n in t["namespaces"] if n["name"] == name), None) for t in tiers]
+        namespaces.append(
+            {
+                "name": name,
+                "tensors": [n["tensors"] if n else 0 for n in found],
+                "bytes": [n["bytes"] if n else 0 for n in found],
+            }
+        )
+    totals = {
+        k: sum(t["totals"][k] for t in tiers) for k in ("tensors", "bytes", "stored_bytes")
+    }
+    problems = [f"tier {t['tier']} ({t['url']}): {p}" for t in tiers for p in t["problems"]]
+    return {"tiers": tiers, "namespaces": namespaces, "totals": totals, "problems": problems}
 
 
 def _not_a_root(io: Any, why: str) -> Exception:
@@ -127,6 +210,7 @@ def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     attrs = attrs or {}
     ns: dict[str, Any] = {
         "name": name,
+        "format": attrs.get("format"),
         "chunk_bytes": attrs.get("chunk_bytes"),
         "codec": attrs.get("codec"),
         "tensors": 0,
@@ -192,13 +276,19 @@ def _count(n: int, noun: str) -> str:
 
 def _format(listing: dict[str, Any]) -> str:
     from .._units import format_bytes as fb
+    from .._zarr_store import FORMAT_VERSION
 
     lines = [f"store {listing['url']}  (tensorstore-hooks format {listing['format']})"]
+    if listing.get("direct_io") is not None:
+        lines.append(f"direct I/O: {listing['direct_io']}")
     for ns in listing["namespaces"]:
         chunk = fb(ns["chunk_bytes"]) if isinstance(ns["chunk_bytes"], int) else "?"
         lines.append("")
+        fmt = ns.get("format")
+        old = "" if fmt in (None, FORMAT_VERSION) else ", not readable by this version"
         lines.append(
-            f"namespace {ns['name']}  (chunk {chunk}, codec {ns['codec'] or '?'}): "
+            f"namespace {ns['name']}  (format {fmt if fmt is not None else '?'}{old}, "
+            f"chunk {chunk}, codec {ns['codec'] or '?'}): "
             f"{_count(ns['tensors'], 'tensor')}, {fb(ns['bytes'])}"
         )
         if ns["error"]:
@@ -218,6 +308,12 @@ def _format(listing: dict[str, Any]) -> str:
                 f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  "
                 f"{r[3]:>{widths[3]}}  {r[4]}"
             )
+    if listing["capture"]:
+        lines += ["", f"captured arrays (capture/): {len(listing['capture'])}"]
+        lines += [
+            f"  {a['name']}  {a['dtype']}  {tuple(a['shape'])}  {fb(a['bytes'])}"
+            for a in listing["capture"]
+        ]
     t = listing["totals"]
     lines.append("")
     lines.append(
@@ -228,47 +324,112 @@ def _format(listing: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    """List the store at ``args.url``; exit 0, or 1 with the reason on stderr (one line
-    per problem: the root cannot be read, or an index is damaged; never a traceback)."""
-    url: str = args.url
-    from .._urls import DAEMON_SCHEMES, scheme_of
+def _format_chain(listing: dict[str, Any]) -> str:
+    from .._units import format_bytes as fb
 
-    scheme = scheme_of(url)
-    if scheme in DAEMON_SCHEMES:
-        print(
-            f"inspect: {url} is a storage daemon; its sessions and tiers are shown by "
-            f"`tensorstore-hooks stats {url}`",
-            file=sys.stderr,
+    tiers = listing["tiers"]
+    lines = [f"tier chain of {len(tiers)} stores, fastest first"]
+    for t in tiers:
+        budget = f", budget {fb(t['budget'])}" if t["budget"] is not None else ""
+        lines.append(
+            f"  tier {t['tier']}: {t['url']}{budget}: {_count(t['totals']['tensors'], 'tensor')}, "
+            f"{fb(t['totals']['bytes'])}"
         )
-        return 1
-    if scheme == "memory":
-        print(
-            "inspect: a memory:// store is private to the process that opened it; "
-            "there is nothing to inspect from outside",
-            file=sys.stderr,
+    for ns in listing["namespaces"]:
+        where = ", ".join(
+            f"tier {i} {n} ({fb(b)})"
+            for i, (n, b) in enumerate(zip(ns["tensors"], ns["bytes"], strict=True))
         )
-        return 1
+        lines.append(f"  namespace {ns['name']}: {where}")
+    for t in tiers:
+        lines += ["", f"--- tier {t['tier']} ---", _format(t)]
+    return "\n".join(lines)
+
+
+def _targets(
+    args: argparse.Namespace,
+) -> tuple[list[str], list[dict[str, Any] | None], list[int | None] | None] | str:
+    """The URLs to list, their storage options and budgets; or why there are none."""
+    urls: list[str] = list(args.url)
+    if args.config is not None:
+        if urls:
+            return "give URLs or --config, not both"
+        from .._config import load_config
+
+        store = load_config(args.config).store  # a ConfigError names the file and field
+        if store.tiers:
+            return (
+                [t.url for t in store.tiers],
+                [
+                    t.storage_options if t.storage_options is not None else store.storage_options
+                    for t in store.tiers
+                ],
+                [t.budget for t in store.tiers],
+            )
+        if store.url is None:
+            return f"{args.config} names no store (store.url or store.tiers)"
+        return [store.url], [store.storage_options], None
+    if not urls:
+        return "give a store URL (several: a tier chain), or --config FILE"
     try:
         options = json.loads(args.storage_options) if args.storage_options else None
     except json.JSONDecodeError as e:
-        print(f"inspect: --storage-options is not valid JSON: {e}", file=sys.stderr)
-        return 1
+        return f"--storage-options is not valid JSON: {e}"
+    if isinstance(options, list):
+        if len(options) != len(urls):
+            return f"--storage-options has {len(options)} entries for {len(urls)} URLs"
+        return urls, options, None
+    return urls, [options] * len(urls), None
+
+
+def run(args: argparse.Namespace) -> int:
+    """List the store at ``args.url`` (several: a chain); exit 0, or 1 with the reason on
+    stderr (one line per problem: a root cannot be read, or an index is damaged; never
+    a traceback)."""
+    from .._urls import DAEMON_SCHEMES, scheme_of
     from ..errors import TensorStoreError
 
     try:
-        listing = inspect_root(url, options)
+        targets = _targets(args)
+    except TensorStoreError as e:
+        print(f"inspect: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    if isinstance(targets, str):
+        print(f"inspect: {targets}", file=sys.stderr)
+        return 1
+    urls, options, budgets = targets
+    for url in urls:
+        scheme = scheme_of(url)
+        if scheme in DAEMON_SCHEMES:
+            print(
+                f"inspect: {url} is a storage daemon; its sessions and tiers are shown by "
+                f"`tensorstore-hooks stats {url}`",
+                file=sys.stderr,
+            )
+            return 1
+        if scheme == "memory":
+            print(
+                f"inspect: {url}: a memory:// store is private to the process that opened it; "
+                "there is nothing to inspect from outside",
+                file=sys.stderr,
+            )
+            return 1
+    try:
+        if len(urls) == 1:
+            listing = inspect_root(urls[0], options[0])
+        else:
+            listing = inspect_chain(urls, options, budgets)
     except TensorStoreError as e:
         print(f"inspect: {_one_line(str(e))}", file=sys.stderr)
         return 1
     except Exception as e:  # never a traceback for a store we cannot read
         why = f"{type(e).__name__}: {_one_line(str(e))}"
-        print(f"inspect: cannot read {url}: {why}", file=sys.stderr)
+        print(f"inspect: cannot read {' '.join(urls)}: {why}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(listing, indent=1))
     else:
-        print(_format(listing))
+        print(_format(listing) if len(urls) == 1 else _format_chain(listing))
     for problem in listing["problems"]:
         print(f"inspect: damaged: {_one_line(problem)}", file=sys.stderr)
     return 1 if listing["problems"] else 0

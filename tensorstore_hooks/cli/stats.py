@@ -84,6 +84,20 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"connections {snap['connections']} of {snap['max_connections']} "
         f"(accepted {c['connections']}, refused {c['refused']})",
     ]
+    buffers = snap.get("buffers") or {}
+    put, get = buffers.get("put"), buffers.get("get")
+    if put and get:
+        lines.append(
+            f"buffers      put {fb(put['used'])} of {fb(put['limit'])}   "
+            f"get {fb(get['used'])} of {fb(get['limit'])} "
+            f"({fb(get['session_limit'])} per session, {get['waits']} waits)"
+        )
+    disk = tiers["disk"]
+    if disk.get("enabled") and disk.get("writable") is False:
+        lines.append(
+            f"disk tier    takes no writes now ({c.get('disk_write_failures', 0)} failed "
+            "writes; the daemon's log says why)"
+        )
     rates = snap.get("rates") or {}
     ops = ("put", "get", "delete", "list", "ping", "stats")
     lines.append("requests/s   " + "  ".join(f"{op} {rates.get(op, 0.0):.1f}" for op in ops))

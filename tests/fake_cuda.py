@@ -1,0 +1,656 @@
+"""A fake ``torch.cuda`` under the real staging functions: recorded, ordered, poisoned.
+
+:class:`FakeCuda` implements ``tensorstore_hooks._staging.Runtime`` over CPU tensors, so
+the library's own :func:`copy_to_host`, :func:`copy_to_device` and :func:`consume` run
+unchanged on a machine without a GPU, and every stream, event, copy, wait and
+``record_stream`` call they make is logged (:attr:`FakeCuda.log`) and checked against
+the rules of NOTE [ Stream ordering ] (``docs/life-of-a-saved-tensor.md`` states
+them). A broken rule is appended to :attr:`FakeCuda.violations` *and* corrupts data
+the way a GPU would, so gradients come out wrong (NaN) rather than by luck right:
+
+* Copies are asynchronous. A copy queued on a side (copy) stream lands only when its
+  stream runs: when an event after it is synchronized, queried ``polls`` times, or
+  waited on by a compute stream, or a blocking copy runs there. ``polls=0`` runs
+  each stream as soon as work is queued on it (still after any fix-up torch does on
+  the host, see below). Compute streams are the host's eager CPU ops: work queued
+  there with a device destination lands at once; a copy to host memory waits like a
+  side stream's.
+* Destinations are filled with NaN (all bits set) when the copy is queued: a host
+  buffer read, or a device tensor used, before its copy landed reads NaN.
+* Rule 1: a copy on a stream that never waited for the producer of the device tensor
+  it reads (an event recorded on that stream after :meth:`produced`) leaves NaN.
+* Rule 2: the device tensor a copy reads is held only weakly; if nothing else keeps
+  it until the copy lands, its memory counts as reused and the copy leaves NaN.
+* Rule 3: a host buffer another stream's pending copy uses, reused before that copy
+  completed, is reported; a pinned source whose bytes change before its copy lands
+  is reported (and the copy takes the changed bytes, as DMA would).
+* Rule 4/5: device memory allocated while a copy stream is current, written by a
+  stream that did not wait for its allocation, or used by a stream that neither
+  waited for its copy nor ``record_stream``-ed it, is reported.
+* Rule 6: ``copy(dst, src)`` across conj/neg bits does torch's fix-up
+  (``conj_physical_``/``neg_``) on a host destination *before* the bytes land
+  (pytorch#146286), on a device destination after them, in stream order.
+* Rule 10: while :meth:`capture` is active, ``query``, ``synchronize`` and blocking
+  copies raise, from any thread, as CUDA's global capture mode does.
+
+The pinned allocator is modelled as torch's caching host allocator: each request is
+rounded up to a power of two, and a freed block stays held (cached) for a later
+request of the same size; :attr:`pinned_held_bytes` / :attr:`pinned_peak_bytes` are
+what it really holds. Device allocations round to 512 bytes
+(:attr:`device_held_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tensorstore_hooks._codec import span_of
+
+__all__ = ["FakeCuda", "FakeEvent", "FakeStream"]
+
+PINNED, PAGEABLE, DEVICE = "pinned", "pageable", "device"
+
+
+class FakeStream:
+    """A stream: a FIFO of queued work, a stamp per operation, what it waited for."""
+
+    def __init__(self, name: str, side: bool) -> None:
+        self.name = name
+        self.side = side
+        """A copy stream the staging code made (not one compute runs on)."""
+        self.stamp = 0  # advances with every operation queued or tensor produced here
+        self.queue: deque[_Op] = deque()
+        self.seen: dict[FakeStream, int] = {}  # stream -> stamp this stream waited for
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class FakeEvent:
+    """An event: recorded on a stream at a stamp; complete once that stream ran to it."""
+
+    def __init__(self, fake: FakeCuda, n: int) -> None:
+        self._fake = fake
+        self.name = f"event{n}"
+        self.stream: FakeStream | None = None
+        self.stamp = 0
+        self.seen: dict[FakeStream, int] = {}
+        self.polls_left = 0
+
+    def query(self) -> bool:
+        return self._fake._query(self)
+
+    def synchronize(self) -> None:
+        self._fake._synchronize(self)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(eq=False)
+class _Op:
+    stream: FakeStream
+    stamp: int
+    name: str
+
+    def run(self, fake: FakeCuda) -> None:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class _Wait(_Op):
+    event: FakeEvent
+
+    def run(self, fake: FakeCuda) -> None:
+        if self.event.stream is not None and self.event.stream is not self.stream:
+            fake._run(self.event.stream, self.event.stamp)
+
+
+@dataclass(eq=False)
+class _Copy(_Op):
+    dst: torch.Tensor | None = None  # host destinations: held (torch's host allocator does)
+    dst_weak: tuple[StorageWeakRef, _View] | None = None  # device destinations
+    dst_memory: _Memory | None = None  # what the fake knows of a device destination
+    src: torch.Tensor | None = None  # host sources: held
+    src_weak: tuple[StorageWeakRef, _View] | None = None  # device sources
+    snapshot: torch.Tensor | None = None  # a host source's bytes when queued
+    host_range: tuple[int, int, bool] | None = None  # (lo, hi, written) of host memory
+    leave_poison: str | None = None  # a broken rule: the copy lands garbage (NaN)
+    device_fixup: tuple[bool, bool] = (False, False)  # (conj, neg) after landing
+    # Copies into host memory this one reads that must land first (stream order or a
+    # wait): its source's expected bytes are known only once they have.
+    writers: set[int] = field(default_factory=set)
+    readers: list[_Copy] = field(default_factory=list)
+
+    def run(self, fake: FakeCuda) -> None:
+        try:
+            self._land(fake)
+        finally:
+            for reader in self.readers:
+                reader.writers.discard(id(self))
+                if not reader.writers and reader.src is not None and reader.snapshot is None:
+                    reader.snapshot = reader.src.clone()
+
+    def _land(self, fake: FakeCuda) -> None:
+        dst = self.dst if self.dst is not None else _materialize(self.dst_weak)
+        if dst is None:
+            mem = self.dst_memory
+            if mem is None or self.stream not in mem.record_streams:
+                fake._violate(
+                    f"rule 5: {self.name} on {self.stream} lands in device memory freed "
+                    "before the copy completed (no record_stream on the copy stream)"
+                )
+            return
+        if self.leave_poison is not None:
+            return  # the destination keeps its NaN
+        if self.src_weak is not None:  # device memory: it must still be there
+            src = _materialize(self.src_weak)
+            if src is None:
+                fake._violate(
+                    f"rule 2: {self.name} on {self.stream} reads a device tensor dropped "
+                    "before the copy completed (its memory may already hold another tensor)"
+                )
+                return
+        elif self.src is not None:  # pinned: read when the copy runs
+            src = self.src
+            if self.snapshot is not None and not _same_bytes(src, self.snapshot):
+                fake._violate(
+                    f"rule 3: the pinned source of {self.name} on {self.stream} changed "
+                    "before the copy completed (a buffer given back and reused too early)"
+                )
+        else:  # pageable: torch staged its bytes when the copy was queued
+            assert self.snapshot is not None
+            src = self.snapshot
+        dst.copy_(src)
+        conj, neg = self.device_fixup
+        if conj:
+            dst.conj_physical_()  # physical view: conj of the bytes themselves
+        if neg:
+            dst.neg_()
+
+
+@dataclass(frozen=True)
+class _View:
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _weak(t: torch.Tensor) -> tuple[StorageWeakRef, _View]:
+    return StorageWeakRef(t.untyped_storage()), _View(
+        t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+    )
+
+
+def _materialize(ref: tuple[StorageWeakRef, _View] | None) -> torch.Tensor | None:
+    if ref is None:
+        return None
+    weak, v = ref
+    if weak.expired():
+        return None
+    storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+    out = torch.empty(0, dtype=v.dtype)
+    return out.set_(storage, v.offset, v.shape, v.stride)
+
+
+def _physical(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as they are in memory: conj and neg bits off (a view)."""
+    if t.is_conj():
+        t = t.conj()
+    if t.is_neg():
+        t = torch._neg_view(t)
+    return t
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    span = span_of(tuple(t.shape), tuple(t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset())
+    return flat.view(torch.uint8) if span else torch.empty(0, dtype=torch.uint8)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_flat_bytes(a), _flat_bytes(b))
+
+
+def _poison(t: torch.Tensor) -> None:
+    """All bits set: NaN for every float and complex dtype, -1 for integers."""
+    if t.numel():
+        _flat_bytes(_physical(t)).fill_(255)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _behind(stream: FakeStream, other: FakeStream | None, stamp: int) -> bool:
+    """Whether work on ``stream`` may run before ``other`` reached ``stamp``."""
+    return other is not None and other is not stream and stream.seen.get(other, 0) < stamp
+
+
+def _pow2(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+@dataclass
+class _Memory:
+    """What the fake knows of one storage."""
+
+    weak: StorageWeakRef
+    kind: str
+    stream: FakeStream | None = None  # device memory: the stream it was allocated for
+    stamp: int = 0  # ... and when (or, for a produced tensor, when it was produced)
+    nbytes: int = 0
+    record_streams: set[FakeStream] = field(default_factory=set)
+
+
+class FakeCuda:
+    """The staging :class:`~tensorstore_hooks._staging.Runtime` on CPU tensors (see the
+    module docstring). ``polls``: queries an event answers ``False`` before its stream
+    runs (0: streams run as soon as work is queued)."""
+
+    def __init__(self, *, polls: int = 0) -> None:
+        self.polls = polls
+        self.log: list[str] = []
+        """Every call, in order: stream, event, copy, wait, record_stream, allocation."""
+        self.violations: list[str] = []
+        """Rules of NOTE [ Stream ordering ] broken, in order (each also corrupts data)."""
+        self.on_block: Callable[[str], None] | None = None
+        """Called (with what blocks) on every host-blocking wait: synchronize, blocking copy."""
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._ids = itertools.count(1)
+        self._all_streams: list[FakeStream] = []
+        self.default = self._stream("default", side=False)
+        self._memory: dict[int, _Memory] = {}
+        self._capturing: set[int] = set()
+        self._copies = 0
+        # the pinned allocator: live blocks, and freed blocks it keeps cached, by size
+        self._blocks: list[tuple[StorageWeakRef, int]] = []
+        self._cached: Counter[int] = Counter()
+        self.pinned_held_bytes = 0
+        self.pinned_peak_bytes = 0
+        self.pinned_blocks_made = 0
+        self._device: list[tuple[StorageWeakRef, int]] = []
+        self.device_held_bytes = 0
+
+    # ----------------------------------------------------------- test helpers
+    def user_stream(self, name: str) -> FakeStream:
+        """A compute stream of the user's (``torch.cuda.Stream()`` in a model)."""
+        return self._stream(name, side=False)
+
+    def produced(self, t: torch.Tensor) -> None:
+        """``t`` was just made by work on the current stream (a kernel's output)."""
+        with self._lock:
+            stream = self.current_stream(t.device)
+            known = self._known(t)
+            if known is not None and known.kind == DEVICE and known.stream is stream:
+                return  # another view of memory made earlier: made then, not now
+            stream.stamp += 1
+            self._memory[_ptr(t)] = _Memory(
+                StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp
+            )
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """``t`` is in ordinary host memory (read from a store), unless known otherwise."""
+        with self._lock:
+            if self._known(t) is None:
+                self._memory[_ptr(t)] = _Memory(StorageWeakRef(t.untyped_storage()), PAGEABLE)
+
+    def kind(self, t: torch.Tensor) -> str:
+        """``"pinned"``, ``"pageable"`` or ``"device"`` (anything not made as host memory)."""
+        with self._lock:
+            mem = self._known(t)
+            return DEVICE if mem is None else mem.kind
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Graph capture on this thread (``torch.cuda.graph``), in global mode."""
+        me = threading.get_ident()
+        self._capturing.add(me)
+        self._note("begin capture")
+        try:
+            yield
+        finally:
+            self._capturing.discard(me)
+            self._note("end capture")
+
+    def run_all(self) -> None:
+        """Let every queued copy land (the device catches up)."""
+        with self._lock:
+            for stream in list(self._all_streams):
+                self._run(stream, None)
+
+    def check_consumed(self, t: torch.Tensor, done: FakeEvent) -> None:
+        """Rule 4: the current stream waited for ``done`` and may use ``t``'s memory."""
+        with self._lock:
+            consumer = self.current_stream(t.device)
+            if done.stream is not None and consumer.seen.get(done.stream, 0) < done.stamp:
+                self._violate(
+                    f"rule 4: {consumer} uses a tensor copied on {done.stream} without "
+                    f"waiting for {done}"
+                )
+            mem = self._known(t)
+            if (
+                mem is not None
+                and mem.stream is not None
+                and mem.stream is not consumer
+                and consumer not in mem.record_streams
+            ):
+                self._violate(
+                    f"rule 4: {consumer} uses a tensor allocated for {mem.stream} with no "
+                    "record_stream (the allocator may reuse it under the consumer)"
+                )
+
+    # ------------------------------------------------------------- Runtime
+    @staticmethod
+    def accelerated(device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def capturing(self, device: torch.device) -> bool:
+        return threading.get_ident() in self._capturing
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        stack: list[FakeStream] = getattr(self._tls, "stack", [])
+        return stack[-1] if stack else self.default
+
+    def new_stream(self, device: torch.device) -> FakeStream:
+        stream = self._stream(f"copy{next(self._ids)}", side=True)
+        self._note(f"new_stream -> {stream}")
+        return stream
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: object) -> Iterator[None]:
+        assert isinstance(stream, FakeStream)
+        stack: list[FakeStream] = self._tls.__dict__.setdefault("stack", [])
+        stack.append(stream)
+        self._note(f"enter {stream}")
+        try:
+            yield
+        finally:
+            stack.pop()
+            self._note(f"exit {stream}")
+
+    def new_event(self) -> FakeEvent:
+        event = FakeEvent(self, next(self._ids))
+        self._note(f"new_event -> {event}")
+        return event
+
+    def record(self, event: object, stream: object) -> None:
+        assert isinstance(event, FakeEvent) and isinstance(stream, FakeStream)
+        with self._lock:
+            event.stream, event.stamp = stream, stream.stamp
+            event.seen = dict(stream.seen)
+            event.polls_left = self.polls
+            self._note(f"record {event} on {stream}@{stream.stamp}")
+
+    def wait(self, stream: object, event: object) -> None:
+        assert isinstance(event, FakeEvent) and isinstance(stream, FakeStream)
+        with self._lock:
+            self._note(f"{stream} waits {event}")
+            source = event.stream
+            if source is None:
+                return  # an event never recorded: CUDA treats it as complete
+            for s, stamp in [*event.seen.items(), (source, event.stamp)]:
+                if stream.seen.get(s, 0) < stamp:
+                    stream.seen[s] = stamp
+            if source is stream:
+                return
+            if stream.side:
+                stream.stamp += 1
+                stream.queue.append(_Wait(stream, stream.stamp, f"wait {event}", event))
+                self._flush(stream)
+            else:
+                self._run(source, event.stamp)  # compute is eager: it waits now
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
+        with self._lock:
+            self._copy(dst, src, non_blocking)
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            stream = self.current_stream(device)
+            if stream.side:
+                self._violate(
+                    f"rule 5: device memory allocated while copy stream {stream} is current "
+                    "(the caching allocator keeps its blocks for that stream)"
+                )
+            stream.stamp += 1
+            t = torch.empty(numel, dtype=dtype)
+            _poison(t)
+            nbytes = -(-max(numel * t.element_size(), 1) // 512) * 512
+            self._memory[_ptr(t)] = _Memory(
+                StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp, nbytes
+            )
+            self._sweep_device()
+            self._device.append((StorageWeakRef(t.untyped_storage()), nbytes))
+            self.device_held_bytes += nbytes
+            self._note(f"empty {numel} x {dtype} on {stream}")
+            return t
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            self._sweep_pinned()
+            block = _pow2(nbytes)
+            if self._cached[block]:
+                self._cached[block] -= 1  # a cached block: no new pinned memory
+            else:
+                self.pinned_held_bytes += block
+                self.pinned_blocks_made += 1
+                self.pinned_peak_bytes = max(self.pinned_peak_bytes, self.pinned_held_bytes)
+            t = torch.empty(nbytes, dtype=torch.uint8)
+            _poison(t)
+            weak = StorageWeakRef(t.untyped_storage())
+            self._blocks.append((weak, block))
+            self._memory[_ptr(t)] = _Memory(weak, PINNED, nbytes=block)
+            self._note(f"pinned {nbytes} B (block {block})")
+            return t
+
+    @staticmethod
+    def pinned_bytes(nbytes: int) -> int:
+        return _pow2(nbytes)
+
+    def pageable(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            t = torch.empty(numel, dtype=dtype)
+            _poison(t)
+            self._memory[_ptr(t)] = _Memory(StorageWeakRef(t.untyped_storage()), PAGEABLE)
+            return t
+
+    def record_stream(self, t: torch.Tensor, stream: object) -> None:
+        assert isinstance(stream, FakeStream)
+        with self._lock:
+            self._note(f"record_stream on {stream}")
+            mem = self._known(t)
+            if mem is not None:
+                mem.record_streams.add(stream)
+
+    # ------------------------------------------------------------ internals
+    def _note(self, line: str) -> None:
+        self.log.append(line)
+
+    def _violate(self, message: str) -> None:
+        self.violations.append(message)
+        self._note(f"VIOLATION {message}")
+
+    def _known(self, t: torch.Tensor) -> _Memory | None:
+        mem = self._memory.get(_ptr(t))
+        if mem is None or mem.weak.expired():
+            return None
+        return mem
+
+    def _check_capture(self, what: str) -> None:
+        if self._capturing:
+            self._note(f"{what} during capture")
+            raise RuntimeError(
+                f"CUDA error: operation not permitted when stream is capturing ({what})"
+            )
+
+    def _query(self, event: FakeEvent) -> bool:
+        with self._lock:
+            self._check_capture(f"query {event}")
+            stream = event.stream
+            if stream is None or self._complete(event):
+                self._note(f"query {event} -> True")
+                return True
+            event.polls_left -= 1
+            if event.polls_left > 0:
+                self._note(f"query {event} -> False")
+                return False
+            self._run(stream, event.stamp)
+            self._note(f"query {event} -> True")
+            return True
+
+    def _synchronize(self, event: FakeEvent) -> None:
+        with self._lock:
+            self._check_capture(f"synchronize {event}")
+            self._note(f"synchronize {event}")
+            if self.on_block is not None:
+                self.on_block(f"synchronize {event}")
+            if event.stream is not None:
+                self._run(event.stream, event.stamp)
+
+    @staticmethod
+    def _complete(event: FakeEvent) -> bool:
+        stream = event.stream
+        return stream is None or not stream.queue or stream.queue[0].stamp > event.stamp
+
+    def _run(self, stream: FakeStream, upto: int | None) -> None:
+        """Run ``stream``'s queued work up to stamp ``upto`` (``None``: all of it)."""
+        while stream.queue and (upto is None or stream.queue[0].stamp <= upto):
+            op = stream.queue.popleft()
+            op.run(self)
+
+    def _flush(self, stream: FakeStream) -> None:
+        if self.polls == 0:
+            self._run(stream, None)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        stream = self.current_stream(dst.device)
+        src_kind, dst_kind = self.kind(src), self.kind(dst)
+        self._copies += 1
+        name = f"copy#{self._copies}"
+        nbytes = src.numel() * src.element_size()
+        self._note(f"{name} on {stream}: {src_kind} -> {dst_kind}, {nbytes} B")
+        if not non_blocking:
+            self._check_capture(f"blocking {name}")
+        stream.stamp += 1
+        op = _Copy(stream, stream.stamp, name)
+        self._order_device_side(op, src, dst, src_kind, dst_kind)
+        host = dst if dst_kind != DEVICE else (src if src_kind != DEVICE else None)
+        if host is not None:
+            lo = int(_physical(host).data_ptr())
+            span = max(span_of(tuple(host.shape), tuple(host.stride())), 1)
+            op.host_range = (lo, lo + span * host.element_size(), host is dst)
+            self._order_host_side(op, stream)
+        pdst, psrc = _physical(dst), _physical(src)
+        _poison(pdst)
+        conj = dst.is_conj() != src.is_conj()
+        neg = dst.is_neg() != src.is_neg()
+        if dst_kind == DEVICE:
+            op.dst_weak = _weak(pdst)
+            op.dst_memory = self._known(dst)
+            op.device_fixup = (conj, neg)
+        else:
+            op.dst = pdst
+            # torch's fix-up of a copy into host memory runs on the host as soon as the
+            # copy is queued, before its bytes land (pytorch#146286).
+            if conj:
+                pdst.conj_physical_()
+            if neg:
+                pdst.neg_()
+        src_memory = self._known(src)
+        if src_kind == DEVICE and src_memory is not None and src_memory.stream is not stream:
+            # Read on another stream than the one that made it: freed, its memory is
+            # reusable at once. (On its own stream, reuse is ordered after the copy.)
+            op.src_weak = _weak(psrc)
+        elif src_kind == DEVICE:
+            op.src = psrc
+        elif src_kind == PINNED:
+            op.src = psrc
+            op.snapshot = None if op.writers else psrc.clone()
+        else:
+            op.snapshot = psrc.clone()  # pageable: copied out when queued
+        stream.queue.append(op)
+        if not non_blocking:
+            if self.on_block is not None:
+                self.on_block(f"blocking {name}")
+            self._run(stream, None)
+        elif stream.side or dst_kind != DEVICE:
+            self._flush(stream)
+        else:
+            self._run(stream, None)  # eager compute uses the result right away
+
+    def _order_device_side(
+        self, op: _Copy, src: torch.Tensor, dst: torch.Tensor, src_kind: str, dst_kind: str
+    ) -> None:
+        stream = op.stream
+        if src_kind == DEVICE:
+            mem = self._known(src)
+            if mem is not None and _behind(stream, mem.stream, mem.stamp):
+                op.leave_poison = "rule 1"
+                self._violate(
+                    f"rule 1: {op.name} on {stream} reads a device tensor made on "
+                    f"{mem.stream} without waiting for an event recorded there after it "
+                    "was made (producer stream captured inside the copy stream's context?)"
+                )
+        if dst_kind == DEVICE:
+            mem = self._known(dst)
+            if mem is not None and _behind(stream, mem.stream, mem.stamp):
+                self._violate(
+                    f"rule 5: {op.name} on {stream} writes device memory allocated for "
+                    f"{mem.stream} without waiting for that stream after the allocation"
+                )
+
+    def _order_host_side(self, op: _Copy, stream: FakeStream) -> None:
+        assert op.host_range is not None
+        lo, hi, written = op.host_range
+        for other in self._all_streams:
+            for pending in other.queue:
+                if not isinstance(pending, _Copy) or pending.host_range is None:
+                    continue
+                plo, phi, pwritten = pending.host_range
+                if not (plo < hi and lo < phi and (written or pwritten)):
+                    continue
+                if not _behind(stream, other, pending.stamp):  # ordered after it
+                    if pwritten and not written:
+                        op.writers.add(id(pending))
+                        pending.readers.append(op)
+                else:
+                    self._violate(
+                        f"rule 3: {op.name} on {stream} uses a host buffer that "
+                        f"{pending.name} on {other} still uses (reused before that copy "
+                        "completed)"
+                    )
+
+    def _stream(self, name: str, side: bool) -> FakeStream:
+        with self._lock:
+            stream = FakeStream(name, side)
+            self._all_streams.append(stream)
+            return stream
+
+    def _sweep_pinned(self) -> None:
+        live = []
+        for weak, block in self._blocks:
+            if weak.expired():
+                self._cached[block] += 1  # freed: the allocator keeps the block cached
+            else:
+                live.append((weak, block))
+        self._blocks = live
+
+    def _sweep_device(self) -> None:
+        live = []
+        for weak, nbytes in self._device:
+            if weak.expired():
+                self.device_held_bytes -= nbytes
+            else:
+                live.append((weak, nbytes))
+        self._device = live

@@ -1,0 +1,156 @@
+"""Page-aligned pooled buffers (NOTE [ Aligned buffers ] in ``_aligned.py``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tensorstore_hooks._aligned import (
+    BLOCK_BYTES,
+    PAGE_BYTES,
+    POOL_MIN_BYTES,
+    AlignedBuffer,
+    BufferPool,
+    address_of,
+    aligned_empty,
+    round_up,
+)
+
+MiB = 1 << 20
+
+
+def test_round_up_and_alignment_helpers() -> None:
+    assert [round_up(n) for n in (0, 1, 4095, 4096, 4097)] == [0, 4096, 4096, 4096, 8192]
+    assert round_up(5, 8) == 8
+    for n in (1, 100, 4096, 70_001):
+        a = aligned_empty(n)
+        assert address_of(a) % PAGE_BYTES == 0 and a.nbytes == round_up(n, PAGE_BYTES)
+
+
+def test_buffers_are_page_aligned_and_private() -> None:
+    buf = AlignedBuffer(3 * PAGE_BYTES)
+    assert address_of(buf.view) % PAGE_BYTES == 0 and len(buf.view) == 3 * PAGE_BYTES
+    buf.view[:4] = b"abcd"
+    pid = os.fork()
+    if pid == 0:  # a child writing its copy must not change the parent's (MAP_PRIVATE)
+        buf.view[:4] = b"XXXX"
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert bytes(buf.view[:4]) == b"abcd"
+    with pytest.raises(ValueError, match="capacity"):
+        AlignedBuffer(0)
+
+
+def test_acquire_reuses_exact_capacities_within_the_idle_limit() -> None:
+    pool = BufferPool(idle_limit_bytes=8 * MiB)
+    a = pool.acquire(MiB + 1)
+    assert a.capacity == MiB + PAGE_BYTES
+    pool.release(a)
+    assert pool.acquire(MiB + 100) is a  # same capacity: reused
+    pool.release(a)
+    b = pool.acquire(2 * MiB)  # another capacity: a new one
+    assert b is not a
+    stats = pool.stats
+    assert (stats.allocations, stats.reuses) == (2, 1)
+    assert stats.in_use_bytes == 2 * MiB and stats.idle_bytes == MiB + PAGE_BYTES
+    assert stats.held_bytes == stats.in_use_bytes + stats.idle_bytes
+    pool.release(b)
+    assert pool.stats.in_use_bytes == 0
+
+
+def test_idle_buffers_beyond_the_limit_are_unmapped_oldest_first() -> None:
+    pool = BufferPool(idle_limit_bytes=3 * MiB)
+    bufs = [pool.acquire(MiB) for _ in range(4)]
+    for b in bufs:
+        pool.release(b)
+    assert pool.stats.idle_bytes == 3 * MiB  # the first one returned went
+    assert pool.acquire(MiB) is bufs[3]  # newest first
+    big = pool.acquire(4 * MiB)
+    pool.release(big)  # larger than the whole limit: never kept
+    assert pool.stats.idle_bytes == 2 * MiB
+    pool.set_idle_limit(MiB)
+    assert pool.stats.idle_bytes == MiB
+    with pytest.raises(ValueError):
+        pool.set_idle_limit(-1)
+    with pytest.raises(ValueError):
+        BufferPool(-1)
+
+
+def test_a_lent_buffer_comes_back_only_when_nothing_can_reach_it() -> None:
+    """Rule 3: views, reshapes and tensors made from a lent array keep its buffer."""
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    arr, region = pool.lend(4 * MiB)
+    assert arr.nbytes == 4 * MiB and address_of(arr) % PAGE_BYTES == 0
+    assert len(region) == 4 * MiB and address_of(region) == address_of(arr)
+    assert pool.stats.in_use_bytes == 4 * MiB
+    t = torch.from_numpy(arr).view(torch.float32)[16:].reshape(-1, 4).t()
+    view = arr[100:200]
+    del arr, region
+    gc.collect()
+    assert pool.stats.in_use_bytes == 4 * MiB  # the tensor and the view still use it
+    del view
+    gc.collect()
+    assert pool.stats.in_use_bytes == 4 * MiB
+    t.fill_(1.0)  # still its own memory, writable
+    del t
+    assert pool.stats.in_use_bytes == 0 and pool.stats.idle_bytes == 4 * MiB
+    again, again_region = pool.lend(4 * MiB)
+    assert pool.stats.reuses == 1 and pool.stats.allocations == 1
+    del again, again_region
+
+
+def test_small_loans_come_from_the_heap_and_are_not_pooled() -> None:
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    arr, region = pool.lend(POOL_MIN_BYTES - 1)
+    assert address_of(arr) % PAGE_BYTES == 0 and len(region) == round_up(POOL_MIN_BYTES - 1)
+    assert pool.stats.held_bytes == 0
+    empty, region0 = pool.lend(0)
+    assert empty.nbytes == 0 and len(region0) == BLOCK_BYTES
+
+
+def test_closed_pool_drops_what_comes_back() -> None:
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    kept = pool.acquire(MiB)
+    lent, region = pool.lend(MiB)
+    pool.close()
+    assert pool.stats.idle_bytes == 0
+    pool.release(kept)
+    del lent, region
+    assert pool.stats.idle_bytes == 0 and pool.stats.in_use_bytes == 0
+
+
+def test_pool_is_thread_safe() -> None:
+    pool = BufferPool(idle_limit_bytes=16 * MiB)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(200):
+                n = int(rng.integers(POOL_MIN_BYTES, 2 * MiB))
+                if rng.random() < 0.5:
+                    b = pool.acquire(n)
+                    b.view[:1] = b"x"
+                    pool.release(b)
+                else:
+                    arr, region = pool.lend(n)
+                    arr[:1] = 1
+                    del arr, region
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    gc.collect()
+    assert not errors, errors[:1]
+    stats = pool.stats
+    assert stats.in_use_bytes == 0 and stats.idle_bytes <= 16 * MiB
+    assert stats.allocations + stats.reuses == 800
