@@ -11,16 +11,20 @@ The rules: NOTE [ Tier chain ] in ``_chain_core.py``.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ._chain_core import ChainStats, Core, Tier
+from ._chain_core import Core
+from ._chain_ledger import Tier
+from ._chain_stats import ChainStats
+from ._forks import foreign
 from ._store import TensorStore
 from ._units import format_bytes, parse_bytes
-from .errors import ConfigError
+from .errors import ConfigError, StoreUnavailableError
 
 __all__ = ["ChainStats", "TierChain", "check_budgets"]
 
@@ -82,61 +86,77 @@ class TierChain(TensorStore):
             close_timeout_s=float(close_timeout_s),
             plan=bool(plan),
         )
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: the movers are this process's
         # Dropped without close(): the movers stop and the owned tiers close.
-        self._finalizer = weakref.finalize(self, self._core.close)
+        self._finalizer = weakref.finalize(self, _close, self._core, self._pid)
 
     # ------------------------------------------------------------ TensorStore
     def put(self, tensor: torch.Tensor) -> str:
+        self._check_writer("put")
         return self._core.put(tensor)
 
     def get(self, key: str, *, device: torch.device | str | None = None) -> torch.Tensor:
         return self._core.get(key, device)
 
     def delete(self, key: str) -> None:
+        self._check_writer("delete")
         self._core.delete_many([key], strict=True)
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        self._check_writer("delete")
         self._core.delete_many(list(keys), strict=False)
 
+    def _check_writer(self, what: str) -> None:
+        # A forked child has none of the movers' threads and may inherit the chain's
+        # lock held: it must not touch the parent's tiers (NOTE [ Fork safety ]).
+        if foreign(self._pid):
+            raise StoreUnavailableError(
+                f"TierChain({self.url}): cannot {what} here: this chain was opened by "
+                f"process {self._pid} and this process ({os.getpid()}) is a fork of it, "
+                "which must leave the parent's tiers alone (NOTE [ Fork safety ]); "
+                "open a store of this process's own with tsh.open_store(...)"
+            )
+
     def keys(self) -> Iterator[str]:
-        with self._core.cond:
-            return iter(list(self._core.map))
+        with self._core.ledger.cond:
+            return iter(list(self._core.ledger.map))
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._core.map
+        return isinstance(key, str) and key in self._core.ledger.map
 
     def __len__(self) -> int:
-        return len(self._core.map)
+        return len(self._core.ledger.map)
 
     @property
     def nbytes(self) -> int:
-        return self._core.nbytes
+        return self._core.ledger.nbytes
 
     @property
     def url(self) -> str:
         """The tiers' URLs, fastest first, joined by ``" -> "``."""
-        return self._core.url
+        return self._core.ledger.url
 
     @property
     def temporary(self) -> bool:
         """True if every tier is a temporary store (all removed at close)."""
-        return all(getattr(t.store, "temporary", False) for t in self._core.tiers)
+        return all(getattr(t.store, "temporary", False) for t in self._core.ledger.tiers)
 
     def close(self) -> None:
         """Stop the movers (waiting for moves in flight), then close the owned tiers.
-        Idempotent (NOTE [ Tier chain ] Rule 7)."""
+        Idempotent (NOTE [ Tier chain ] Rule 7). In a forked child of the process that
+        opened it, nothing: the tiers and the movers are the parent's."""
         self._finalizer()
 
     # ------------------------------------------------------------------ chain
     @property
     def tiers(self) -> tuple[TensorStore, ...]:
         """The stores, fastest first."""
-        return tuple(t.store for t in self._core.tiers)
+        return tuple(t.store for t in self._core.ledger.tiers)
 
     @property
     def budgets(self) -> tuple[int, ...]:
         """Bytes each tier but the last may hold."""
-        return tuple(t.budget for t in self._core.tiers if t.budget is not None)
+        return tuple(self._core.ledger.budgets())
 
     @property
     def stats(self) -> ChainStats:
@@ -146,20 +166,21 @@ class TierChain(TensorStore):
 
     def tier_of(self, key: str) -> int:
         """Index of the tier holding ``key`` now (it may move right after)."""
-        with self._core.cond:
-            p = self._core.map.get(key)
+        ledger = self._core.ledger
+        with ledger.cond:
+            p = ledger.map.get(key)
             if p is None:
-                raise self._core.missing(key)
+                raise ledger.missing(key)
             return p.tier
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Block until no tier is over its budget and no move is in flight; False if
         that did not happen within ``timeout_s`` (e.g. moves keep failing)."""
-        return self._core.wait_idle(timeout_s)
+        return self._core.movers.wait_idle(timeout_s)
 
     def flush(self) -> None:
         """Persist each tier's index where it needs it (object stores)."""
-        for t in self._core.tiers:
+        for t in self._core.ledger.tiers:
             flush = getattr(t.store, "flush", None)
             if callable(flush):
                 flush()
@@ -188,3 +209,8 @@ def check_budgets(budgets: Any, tiers: int) -> list[int]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return out
+
+
+def _close(core: Core, pid: int) -> None:
+    if not foreign(pid):  # a forked child's close or exit: NOTE [ Fork safety ]
+        core.close()
