@@ -254,9 +254,7 @@ class Router:
         """:meth:`decide`, the budget's plan, then :meth:`account`: the action for ``t``."""
         route = self.decide(t, nbytes, parameter=parameter)
         budget = self.budget
-        if budget is not None and budget.keep(
-            route.action, device_bytes(t), accelerator=t.device.type != "cpu"
-        ):
+        if budget is not None and budget.keep(route.action, device_bytes(t), device=t.device):
             route = Route("keep", BUDGET_LABEL, nbytes)
         return self.account(route)
 
