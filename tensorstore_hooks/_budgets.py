@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from ._planner import BudgetPlanner
+from ._planner import BudgetPlanner, plan_keep
 from ._windows import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, Windows, derive_windows
 
 if TYPE_CHECKING:
@@ -21,7 +21,13 @@ if TYPE_CHECKING:
     from ._policy import Policy
     from ._stats import OffloadStats
 
-__all__ = ["BUDGET_LABEL", "BudgetControl", "pinned_idle_cap"]
+__all__ = [
+    "BUDGET_LABEL",
+    "BudgetControl",
+    "derive_windows",
+    "pinned_idle_cap",
+    "plan_keep",
+]
 
 BUDGET_LABEL = "device_budget"
 """The stats label (``stats.per_rule``) of tensors the plan kept."""

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 
+from ._caller import names_caller
 from ._compose import checkpoint_decides
 from ._diagnose import after_forward, glob_matches, sample_names
 from ._hooks import OffloadHooks, make_pipeline
@@ -226,6 +227,7 @@ def _select(names: dict[str, torch.nn.Module], globs: list[str] | None) -> set[s
     return {n for n in chosen if not nested(n)}
 
 
+@names_caller("tsh.wrap")
 def wrap(
     module: torch.nn.Module,
     store: str | os.PathLike[str] | TensorStore | None = None,
@@ -271,10 +273,9 @@ def wrap(
                     "call tsh.unwrap(model) (or hooks.remove()) first"
                 )
     pipeline = make_pipeline(store, config, overrides)
-    rules = getattr(pipeline.policy, "rules", ())
-    scope = ModuleScope() if any(r.module is not None for r in rules) else None
-    if scope is not None:
-        pipeline.scope = scope
+    # Module paths for ``module`` rules and for hooks.report() (NOTE [ Report ledger ]).
+    scope = ModuleScope()
+    pipeline.scope = scope
     hooks = WrapHooks(pipeline)
     hooks._wrap_root = weakref.ref(module)
     state = _Wrap(hooks, scope, type(module).__name__)

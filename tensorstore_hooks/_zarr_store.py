@@ -323,6 +323,7 @@ class ZarrStore(BlobStore):
             chunk, keep_spares=self._io.supports_rewrite_in_place, spare_limit=spare
         )
         self._segments_made: set[int] = set()
+        self._root_doc_written = False  # the root's zarr.json: made at the first put
         self._unlock: Callable[[], None] | None = None
         self.damage: list[Damage] = []
         """What replaying this namespace's index found damaged (empty when all was well)."""
@@ -382,6 +383,14 @@ class ZarrStore(BlobStore):
             if entry.count:
                 self._segments_made.add(entry.chunk)
 
+    def _ensure_root_doc(self) -> None:
+        """The root's ``zarr.json``, where missing: written at the first put, so a store
+        that never stored anything leaves no file at its root."""
+        if not self._root_doc_written:
+            if not self._io.exists("zarr.json"):
+                self._io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+            self._root_doc_written = True
+
     def _segment_path(self, chunk: int) -> str:
         return f"{self.namespace}/seg-{chunk}"
 
@@ -438,6 +447,9 @@ class ZarrStore(BlobStore):
                 raise StoreUnavailableError(f"ZarrStore({self._url}): {e}") from None
         paths = self._run_paths(run)
         try:
+            if not self._root_doc_written:
+                with self._lock:
+                    self._ensure_root_doc()
             if count and chunk not in self._segments_made:  # the first put of a class
                 with self._lock:
                     self._ensure_segment(chunk)
@@ -785,10 +797,9 @@ def _check_options(
 
 
 def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec: str) -> None:
-    """The root's and the namespace's ``zarr.json`` (group documents), where missing; a
-    namespace of another layout format is refused (``ConfigError`` naming it)."""
-    if not io.exists("zarr.json"):
-        io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+    """The namespace's ``zarr.json`` (a group document), where missing; a namespace of
+    another layout format is refused (``ConfigError`` naming it). The root's is written
+    at the first put (``ZarrStore._ensure_root_doc``)."""
     ns_doc = f"{namespace}/zarr.json"
     if not io.exists(ns_doc):
         io.write(ns_doc, [namespace_doc(FORMAT_VERSION, namespace, chunk_bytes, codec)])

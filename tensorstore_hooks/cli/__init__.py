@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = ("demo", "inspect", "check_config", "serve", "stats", "clean")
+_SUBCOMMANDS = ("demo", "plan", "inspect", "check_config", "serve", "stats", "clean")
 
 
 def build_parser() -> argparse.ArgumentParser:
