@@ -201,14 +201,14 @@ class Report:
         if not self.moved_tensors:
             lines.append("device budget: the rules move nothing here; no budget would change it")
             return "\n".join(lines)
+        lines.append("device_budget -> what stays on the device and what moves per step.")
         lines.append(
-            f"device_budget -> what stays on the device, what moves per step (the rules move "
-            f"{self.moved_tensors} tensors: {format_bytes(self.moved_bytes)} of payload, "
-            f"{format_bytes(self.moved_device_bytes)} held on the device;"
+            f"  The rules move {self.moved_tensors} tensors ({format_bytes(self.moved_bytes)} "
+            f"of payload, {format_bytes(self.moved_device_bytes)} held on the device); the plan"
         )
         lines.append(
-            "  the plan keeps the newest of them within the budget minus the prefetch and "
-            "max_inflight windows):"
+            "  keeps the newest of them within the budget minus the prefetch and max_inflight "
+            "windows:"
         )
         curve: list[tuple[str, ...]] = [
             ("device_budget", "plan spends", "kept", "moved", "moved bytes")

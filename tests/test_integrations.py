@@ -330,6 +330,9 @@ def test_lightning_figures_reach_the_modules_logger(
     header = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "tsh/bytes_offloaded" in header and "tsh/unpack_stall_s" in header
     assert any(m.startswith("OffloadCallback: saved ") for m in caplog.messages), caplog.messages
+    renamed = LightningOffload(store="memory://", min_bytes=0, log_prefix="offload/")
+    metrics = _pl_fit(_LitMLP(), [renamed]).callback_metrics
+    assert "offload/bytes_offloaded" in metrics and "tsh/bytes_offloaded" not in metrics
 
 
 # ------------------------------------------------------------------------ errors

@@ -125,6 +125,24 @@ def test_report_refuses_bad_arguments() -> None:
     hooks.close()
 
 
+def test_step_figures_for_trainer_logs() -> None:
+    from tensorstore_hooks._report import step_figures
+
+    stats = tsh.OffloadStats(bytes_offloaded=10, bytes_read=7, fallbacks=1, pack_stall_s=0.5)
+    stats.per_rule["device_budget"] = tsh.RouteStats(2, 300)
+    figures = step_figures(stats, "offload/")
+    assert figures["offload/bytes_offloaded"] == 10 and figures["offload/fallbacks"] == 1
+    assert figures["offload/budget_kept_bytes"] == 300
+    assert figures["offload/pack_stall_s"] == 0.5
+    assert "offload/effective_device_budget" not in figures
+
+    class Derived:  # stats that carry a budget derived from the memory there is
+        bytes_offloaded = 1
+        effective_device_budget = 4096
+
+    assert step_figures(Derived())["tsh/effective_device_budget"] == 4096
+
+
 # ----------------------------------------------------------------------- the CLI
 def _plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -137,7 +155,7 @@ def _plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     )
 
 
-ENTRY = '''
+ENTRY = """
 import torch
 from torch import nn
 
@@ -148,7 +166,7 @@ def make():
 
 def not_a_pair():
     return 3
-'''
+"""
 
 
 def test_plan_cli_from_a_file_entry_and_a_config(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ user callbacks after them, the console printer last. So:
 
 from __future__ import annotations
 
-import logging
 import sys
+from types import FrameType
 from typing import Any
 
 from . import missing_framework
@@ -91,7 +91,7 @@ class OffloadCallback(TrainerCallback):
 
     def _log_first(self) -> None:
         """Rule 2 of NOTE [ Trainer log order ]: run before the ``report_to`` callbacks."""
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         for _ in range(8):  # on_train_begin (or a subclass's) <- CallbackHandler.call_event
             if frame is None:
                 return
@@ -132,6 +132,6 @@ class OffloadCallback(TrainerCallback):
         return state
 
 
-def _trainer_log() -> logging.Logger:
+def _trainer_log() -> Any:
     """The ``Trainer``'s own logger: its handler, level and replica settings apply."""
     return hf_logging.get_logger("transformers.trainer")
