@@ -82,6 +82,22 @@ def test_report_describes_the_last_forward_not_a_sum() -> None:
     hooks.close()
 
 
+@pytest.mark.parametrize("budget", [200 * KIB, 512 * KIB, 1 << 20])
+def test_budget_curve_with_derived_windows_matches_the_pipeline(budget: int) -> None:
+    model, x = _mlp(), torch.randn(128, 64)
+    hooks = tsh.offload("memory://", model=model, min_bytes=0, device_budget=budget)
+    for _ in range(3):
+        before = hooks.stats.snapshot()
+        _step(hooks, model, x)
+    step = hooks.stats - before
+    [point] = hooks.report([budget]).curve
+    kept = step.per_rule.get("device_budget", tsh.RouteStats())
+    assert (point.kept_tensors, point.kept_bytes) == (kept.tensors, kept.bytes)
+    assert point.moved_bytes == step.bytes_offloaded
+    assert point.plan_bytes < budget  # the derived windows take their share
+    hooks.close()
+
+
 def test_budget_curve_matches_what_the_plan_kept() -> None:
     model, x = _mlp(), torch.randn(128, 64)
     budget = 512 * KIB
