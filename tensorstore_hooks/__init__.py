@@ -49,7 +49,7 @@ from ._capture import Capture, capture
 from ._capture_dataset import CaptureDataset
 from ._capture_writer import CaptureStats
 from ._chain import TierChain
-from ._chain_core import ChainStats, TierStats
+from ._chain_stats import ChainStats, TierStats
 from ._codec import TensorMeta
 from ._config import EffectiveConfig, load_config
 from ._hooks import OffloadHooks, offload

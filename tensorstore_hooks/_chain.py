@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from ._chain_core import ChainStats, Core, Tier
+from ._chain_core import Core
+from ._chain_ledger import Tier
+from ._chain_stats import ChainStats
 from ._store import TensorStore
 from ._units import format_bytes, parse_bytes
 from .errors import ConfigError
@@ -99,28 +101,28 @@ class TierChain(TensorStore):
         self._core.delete_many(list(keys), strict=False)
 
     def keys(self) -> Iterator[str]:
-        with self._core.cond:
-            return iter(list(self._core.map))
+        with self._core.ledger.cond:
+            return iter(list(self._core.ledger.map))
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._core.map
+        return isinstance(key, str) and key in self._core.ledger.map
 
     def __len__(self) -> int:
-        return len(self._core.map)
+        return len(self._core.ledger.map)
 
     @property
     def nbytes(self) -> int:
-        return self._core.nbytes
+        return self._core.ledger.nbytes
 
     @property
     def url(self) -> str:
         """The tiers' URLs, fastest first, joined by ``" -> "``."""
-        return self._core.url
+        return self._core.ledger.url
 
     @property
     def temporary(self) -> bool:
         """True if every tier is a temporary store (all removed at close)."""
-        return all(getattr(t.store, "temporary", False) for t in self._core.tiers)
+        return all(getattr(t.store, "temporary", False) for t in self._core.ledger.tiers)
 
     def close(self) -> None:
         """Stop the movers (waiting for moves in flight), then close the owned tiers.
@@ -131,12 +133,12 @@ class TierChain(TensorStore):
     @property
     def tiers(self) -> tuple[TensorStore, ...]:
         """The stores, fastest first."""
-        return tuple(t.store for t in self._core.tiers)
+        return tuple(t.store for t in self._core.ledger.tiers)
 
     @property
     def budgets(self) -> tuple[int, ...]:
         """Bytes each tier but the last may hold."""
-        return tuple(t.budget for t in self._core.tiers if t.budget is not None)
+        return tuple(self._core.ledger.budgets())
 
     @property
     def stats(self) -> ChainStats:
@@ -146,20 +148,21 @@ class TierChain(TensorStore):
 
     def tier_of(self, key: str) -> int:
         """Index of the tier holding ``key`` now (it may move right after)."""
-        with self._core.cond:
-            p = self._core.map.get(key)
+        ledger = self._core.ledger
+        with ledger.cond:
+            p = ledger.map.get(key)
             if p is None:
-                raise self._core.missing(key)
+                raise ledger.missing(key)
             return p.tier
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Block until no tier is over its budget and no move is in flight; False if
         that did not happen within ``timeout_s`` (e.g. moves keep failing)."""
-        return self._core.wait_idle(timeout_s)
+        return self._core.movers.wait_idle(timeout_s)
 
     def flush(self) -> None:
         """Persist each tier's index where it needs it (object stores)."""
-        for t in self._core.tiers:
+        for t in self._core.ledger.tiers:
             flush = getattr(t.store, "flush", None)
             if callable(flush):
                 flush()

@@ -31,6 +31,7 @@ READ_PIECE_BYTES = 1 << 20
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+_executor_pid = os.getpid()
 
 
 def crc(data: Any, value: int = 0) -> int:
@@ -43,22 +44,15 @@ def crc(data: Any, value: int = 0) -> int:
 
 
 def _helper() -> ThreadPoolExecutor:
-    global _executor
+    global _executor, _executor_lock, _executor_pid
+    if _executor_pid != os.getpid():
+        # A forked child has the executor object (and maybe a held lock) but not its
+        # thread: start over (NOTE [ Fork safety ]; no at-fork handler is registered).
+        _executor, _executor_lock, _executor_pid = None, threading.Lock(), os.getpid()
     with _executor_lock:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsh-crc")
         return _executor
-
-
-def _forget_helper_in_child() -> None:
-    # A forked child has the executor object but not its thread.
-    global _executor, _executor_lock
-    _executor = None
-    _executor_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helper_in_child)
 
 
 class RunningCrc:

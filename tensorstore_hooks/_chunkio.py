@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._aligned import BLOCK_BYTES, AlignedBuffer
+from ._forks import foreign
 from ._retry import (
     Failure,
     Retrier,
@@ -245,6 +246,9 @@ class LocalIO(ChunkIO):
     def __init__(self, root: str) -> None:
         super().__init__("file://" + os.path.abspath(root))
         self.root = os.path.abspath(root)
+        self.root_made = False
+        """Set once the store's layout is written: from then on a missing root is an
+        error (removed or renamed), never made again under the writes' feet."""
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -261,6 +265,8 @@ class LocalIO(ChunkIO):
         try:
             return os.open(full, flags, 0o644)
         except FileNotFoundError:
+            if self.root_made and not os.path.isdir(self.root):
+                raise FileNotFoundError(errno.ENOENT, "the store root is gone", self.root) from None
             os.makedirs(os.path.dirname(full), exist_ok=True)
             return os.open(full, flags, 0o644)
 
@@ -407,14 +413,18 @@ class LocalIO(ChunkIO):
             os.pwrite(fd, me, 0)
 
         held = [fd]
+        owner = os.getpid()
 
         def release() -> None:
             if not held:
                 return  # idempotent: never close a descriptor number twice
             fd = held.pop()
-            with contextlib.suppress(OSError):
-                # Unlock explicitly: a forked child may share this open file.
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            # A forked child shares this open file, and with it the lock: only the
+            # process that took it unlocks (explicitly: the child may still hold a
+            # copy of the descriptor). Closing the child's copy leaves the lock be.
+            if not foreign(owner):  # NOTE [ Fork safety ]
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             with contextlib.suppress(OSError):
                 os.close(fd)
 

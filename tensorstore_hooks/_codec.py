@@ -12,8 +12,10 @@ A tensor is stored as the raw bytes of the part of its storage it covers, plus a
   gaps (``x[:, ::2]``, one chunk of a split) where ``span > numel``.
 
 Either way the stored byte count is ``min(numel, span) * itemsize`` and ``decode``
-rebuilds the same shape, strides and storage offset (the bytes before the offset are
-allocated but never written, so untouched pages cost no RSS on CPU). Keeping strides
+rebuilds the same shape and strides on a storage of the view's span, never more: a
+small view of a huge storage comes back with a storage of its own (its storage
+offset is then 0), not a new storage the size of the one it was cut from (on CPU
+that was address space; on an accelerator it would be real memory). Keeping strides
 matters beyond aesthetics: a transposed operand sends a matmul down a different BLAS
 path, and a different summation order would break bit-identical gradients.
 
@@ -102,7 +104,8 @@ class TensorMeta:
     stride: tuple[int, ...]
     """Strides in elements, as the original tensor had them."""
     storage_offset: int
-    """Storage offset in elements, as the original tensor had it."""
+    """Storage offset in elements, as the original tensor had it (recorded only: a view
+    comes back at offset 0, on a storage of its own span)."""
     compact: bool
     """True: payload is the elements in row-major order; False: the storage span."""
     device: str
@@ -297,7 +300,7 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
     region = t.contiguous().view(-1) if compact else t.as_strided((span,), (1,), offset)
     if region.device.type != "cpu":
         region = region.cpu()
-    payload = region.view(torch.uint8).numpy()
+    payload = _bytes_of(region.view(torch.uint8))
     meta = TensorMeta(
         dtype=_NAME_OF[t.dtype],
         shape=shape,
@@ -309,6 +312,33 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
         nbytes=payload.nbytes,
     )
     return meta, payload
+
+
+class _Bytes:
+    """A 1-D uint8 CPU tensor's bytes as numpy sees them, the tensor kept alive.
+
+    Not ``tensor.numpy()``: that marks the caller's storage as not resizable, for
+    good (FSDP2 frees unsharded parameters with ``storage.resize_(0)``); DLPack
+    would do too, at twice this cost.
+    """
+
+    __slots__ = ("__array_interface__", "_tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._tensor = t
+        self.__array_interface__ = {
+            "shape": (t.numel(),),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of contiguous 1-D uint8 CPU tensor ``t``, zero-copy, writable."""
+    if not t.numel():
+        return np.empty(0, dtype=np.uint8)
+    return np.asarray(_Bytes(t))
 
 
 def _as_uint8(payload: Any) -> torch.Tensor:
@@ -355,16 +385,14 @@ def decode(
     dtype = meta.torch_dtype
     target = torch.device(device if device is not None else meta.device)
     flat = raw.view(dtype) if meta.nbytes else torch.empty(0, dtype=dtype)
-    offset = meta.storage_offset
     with torch.no_grad():
-        if not meta.compact and offset == 0:
-            base = flat.to(target)
+        # A storage of the view's span (module docstring): the payload itself when it
+        # is that span, else a new one the compact elements are spread into.
+        if meta.compact:
+            base = torch.empty(meta.span, dtype=dtype, device=target)
         else:
-            span = meta.span
-            base = torch.empty(offset + span, dtype=dtype, device=target)
-            if not meta.compact:
-                base[offset:].copy_(flat)
-        out = base.as_strided(meta.shape, meta.stride, offset)
+            base = flat.to(target)
+        out = base.as_strided(meta.shape, meta.stride, 0)
         if meta.compact and meta.numel:
             out.copy_(flat.view(meta.shape))
     want_grad = meta.requires_grad if requires_grad is None else requires_grad

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import ssl
 import stat
 import threading
 import time
@@ -44,6 +45,7 @@ from ._daemon_conn import (
     parse_daemon_url,
 )
 from ._daemon_session import DaemonSession
+from ._forks import foreign
 from ._retry import Failure, Retrier, RetriesExhausted, RetryPolicy
 from ._store import BlobStore
 from ._units import format_bytes
@@ -127,6 +129,22 @@ def _keepalive(
         del store
 
 
+
+def _tls_context(
+    addr: DaemonAddress, who: str, given: dict[str, str | os.PathLike[str] | None]
+) -> ssl.SSLContext | None:
+    """The TLS context for ``addr`` from the ``tls_*`` options (``None``: no TLS);
+    a ``tls_*`` option given for a URL without TLS is a :class:`ConfigError`."""
+    if addr.tls:
+        paths = (os.fspath(v) if v is not None else None for v in given.values())
+        return TlsOptions(*paths).context(addr.url)
+    if any(v is not None for v in given.values()):
+        raise ConfigError(
+            f"{who}: {', '.join(k for k, v in given.items() if v is not None)} "
+            "apply only to tsh+tls:// URLs; use tsh+tls://HOST:PORT for a TLS daemon"
+        )
+    return None
+
 class DaemonStore(BlobStore):
     """A :class:`TensorStore` kept by a ``tensorstore-hooks serve`` daemon.
 
@@ -180,17 +198,9 @@ class DaemonStore(BlobStore):
             token = env_token()
         if connections < 1:
             raise ConfigError(f"DaemonStore: connections must be >= 1, got {connections}")
-        given_tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
-        self._tls = None
-        if self._addr.tls:
-            self._tls = TlsOptions(
-                *(os.fspath(v) if v is not None else None for v in given_tls.values())
-            ).context(self._addr.url)
-        elif any(v is not None for v in given_tls.values()):
-            raise ConfigError(
-                f"{who}: {', '.join(k for k, v in given_tls.items() if v is not None)} "
-                "apply only to tsh+tls:// URLs; use tsh+tls://HOST:PORT for a TLS daemon"
-            )
+        self._tls = _tls_context(
+            self._addr, who, {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+        )
         self._sess = DaemonSession(
             self._addr,
             token,
@@ -206,7 +216,8 @@ class DaemonStore(BlobStore):
         self._pool = ConnectionPool(connections)
         self._last_activity = time.monotonic()
         self._keepalive_thread: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, ConnectionPool.finish, self._pool)
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: only this process ends the session
+        self._finalizer = weakref.finalize(self, _finish, self._pool, self._pid)
         if check:
             self._check_reachable()
 
@@ -353,7 +364,18 @@ class DaemonStore(BlobStore):
         return KeyNotFoundError(f"DaemonStore({url}): no key {key!r} (not a key this store issues)")
 
     # ------------------------------------------------------------- the store
+    def _check_writer(self, what: str) -> None:
+        if foreign(self._pid):  # NOTE [ Fork safety ] (tensorstore_hooks/_forks.py)
+            raise StoreUnavailableError(
+                self._fail(
+                    f"cannot {what} here: this process is a fork of the one that opened "
+                    "the store, whose daemon session it must leave alone; open a store of "
+                    "this process's own with tsh.open_store(...)"
+                )
+            )
+
     def put_blob(self, meta: TensorMeta, payload: Any) -> str:
+        self._check_writer("write")
         n = meta.nbytes
         limit = self._sess.limits.get("max_tensor_bytes")
         if isinstance(limit, int) and n > limit:
@@ -392,6 +414,7 @@ class DaemonStore(BlobStore):
         return TensorMeta.from_dict(answer.get("meta"))
 
     def delete(self, key: str) -> None:
+        self._check_writer("delete")
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
         answer, _ = self._call(Delete(id=0, keys=(key,)))
@@ -399,6 +422,7 @@ class DaemonStore(BlobStore):
             raise KeyNotFoundError(self._fail(f"no key {key!r} to delete"))
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        self._check_writer("delete")
         valid = [k for k in keys if is_valid_key(k)]
         for i in range(0, len(valid), MAX_KEYS_PER_REQUEST):
             self._call(Delete(id=0, keys=tuple(valid[i : i + MAX_KEYS_PER_REQUEST])))
@@ -440,6 +464,10 @@ class DaemonStore(BlobStore):
         Idempotent; never raises because the daemon is unreachable.
         """
         pool = self._pool
+        if foreign(self._pid):  # a forked child: close its copies of the sockets, no BYE
+            self._finalizer.detach()
+            pool.close_all()
+            return
         with pool.cond:
             if pool.closed:
                 return
@@ -463,6 +491,15 @@ class DaemonStore(BlobStore):
             conn.close()
         pool.close_all()
         self._finalizer.detach()
+
+
+def _finish(pool: ConnectionPool, pid: int) -> None:
+    """The store was dropped without ``close()``: :meth:`ConnectionPool.finish`, which
+    ends the session; in a forked child only its own sockets close (no BYE)."""
+    if foreign(pid):
+        pool.close_all()
+    else:
+        pool.finish()
 
 
 def fetch_stats(

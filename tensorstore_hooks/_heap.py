@@ -24,7 +24,7 @@ import ctypes.util
 import logging
 from collections.abc import Callable
 
-__all__ = ["HeapReleaser", "malloc_trim", "set_mmap_threshold"]
+__all__ = ["GLIBC_MMAP_THRESHOLD", "HeapReleaser", "malloc_trim", "set_mmap_threshold"]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -57,9 +57,13 @@ malloc_trim = _find_malloc_trim()
 # benchmark (reduced: batch 2, honest whole-run memory, benchmarks/notes-cpu.md):
 # tsh-disk 46% of no offloading without it, 29% with 1 MiB. The price is page faults
 # on every such allocation (the kernel zeroes fresh pages), in torch's own kernels
-# too. It is process-wide and stays after the session (glibc has no per-thread or
-# per-call setting): ``pipeline.mmap_threshold``, ``null`` leaves glibc alone.
+# too. It is process-wide (glibc has no per-thread or per-call setting), so it lasts
+# only while sessions live and is set back to glibc's initial value after the last
+# (NOTE [ Process-wide effects ] in _effects.py); ``pipeline.mmap_threshold: null``
+# leaves glibc alone.
 _M_MMAP_THRESHOLD = -3
+GLIBC_MMAP_THRESHOLD = 128 << 10
+"""glibc's initial ``M_MMAP_THRESHOLD`` (``DEFAULT_MMAP_THRESHOLD_MIN``)."""
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc: HEAP_MAX_SIZE / 2 on 64-bit
 
 
@@ -101,6 +105,11 @@ class HeapReleaser:
         self._on_release = on_release  # told after each release (the session's counter)
         self._moved = 0
         self.releases = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this releaser calls ``malloc_trim`` at all."""
+        return bool(self._every)
 
     def note(self, nbytes: int) -> None:
         """Count ``nbytes`` moved by an I/O thread; release the heap when due."""

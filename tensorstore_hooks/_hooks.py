@@ -21,10 +21,10 @@ from ._caller import names_caller
 from ._compose import block_abort, block_enter, block_exit
 from ._config import EffectiveConfig, StoreSettings
 from ._diagnose import after_forward, before_forward
+from ._effects import shield_signals
 from ._pipeline import Pipeline
 from ._registry import chain_from_settings, open_store, options_from_config
 from ._report import Report
-from ._signals import install as install_signal_shield
 from ._store import TensorStore
 from ._trace import Timeline, describe_pipeline, forward_begin, forward_end
 from .errors import ConfigError
@@ -144,17 +144,24 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
         self._models: list[torch.nn.Module] = []
         self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
         self._depth_lock = threading.Lock()
+        self._refused: str | None = None  # NOTE [ torch.compile ], rule 2
         torch.autograd.graph.saved_tensors_hooks.__init__(
             self, pipeline.router.pack, pipeline.router.unpack
         )
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:  # type: ignore[override]
+        if torch.compiler.is_compiling():  # entered in traced code: NOTE [ torch.compile ]
+            from ._compile import offload_block_traced
+
+            offload_block_traced(self)
+        if self._refused is not None:
+            raise ConfigError(self._refused)
         if self._pipeline.closed:
             raise RuntimeError(
                 "these OffloadHooks were closed; make new ones with tsh.offload(...)"
             )
-        install_signal_shield()  # NOTE [ Signals and finalizers ]
+        shield_signals()  # NOTE [ Signals and finalizers ], NOTE [ Process-wide effects ]
         if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
             return self
         pushed = counted = outermost = False
@@ -197,7 +204,7 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
         forward_end(self._pipeline)
         if self._scope is not None:
             self._scope.detach()
-            after_forward(self, self.policy, self._scope.seen)
+            after_forward(self, self.policy, self._scope.visible_paths())
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:

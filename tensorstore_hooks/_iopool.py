@@ -2,8 +2,9 @@
 
 A small priority pool: reads (backward is waiting) go before writes. Threads start on
 first use and stop on :meth:`IOPool.shutdown`, which runs when the owning store is
-closed and at interpreter exit. A task's exception is delivered through its Future,
-never lost in the thread.
+closed and at interpreter exit (an ``atexit`` handler registered only while a pool
+exists: NOTE [ Process-wide effects ] in ``_effects.py``). A task's exception is
+delivered through its Future, never lost in the thread.
 
 One pool serves every pipeline on a store, sized by the first pipeline that asks
 (``writer_threads + 2``); see :func:`pool_for` for what a later pipeline with another
@@ -15,6 +16,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -25,7 +27,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._store import TensorStore
 
-__all__ = ["READ", "WRITE", "IOPool", "StorePool", "on_io_thread", "pool_for", "shutdown_pool"]
+from ._forks import foreign
+
+__all__ = [
+    "READ",
+    "WRITE",
+    "IOPool",
+    "StorePool",
+    "at_exit_registered",
+    "on_io_thread",
+    "pool_for",
+    "shutdown_pool",
+]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -52,17 +65,20 @@ class IOPool:
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child has none of its threads
+        self.retired = False  # counted out of the pools that keep the exit handler
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`shutdown` ran; a closed pool takes no more tasks."""
-        return self._closed
+        """True once :meth:`shutdown` ran, or in a forked child of the process that made
+        the pool (its threads do not exist there); a closed pool takes no more tasks."""
+        return self._closed or foreign(self._pid)
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on a pool thread; lower ``priority`` runs first."""
         fut: Future[Any] = Future()
         with self._lock:
-            if self._closed:
+            if self.closed:
                 raise RuntimeError("tensorstore-hooks I/O pool is shut down")
             if len(self._workers) < self.threads:
                 self._start_worker()
@@ -98,9 +114,11 @@ class IOPool:
             del fut, fn, args, item  # drop references to tensors promptly
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Finish queued tasks, then stop the threads (waits up to ``timeout_s``)."""
+        """Finish queued tasks, then stop the threads (waits up to ``timeout_s``).
+
+        A no-op in a forked child (the threads are its parent's)."""
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return
             self._closed = True
             workers = list(self._workers)
@@ -116,7 +134,7 @@ class IOPool:
 
 
 _POOLS: weakref.WeakKeyDictionary[Any, IOPool] = weakref.WeakKeyDictionary()
-_POOLS_LOCK = threading.Lock()
+_POOLS_LOCK = threading.RLock()  # re-entered by _count_pool from pool_for
 
 
 def pool_for(store: Any, threads: int) -> IOPool:
@@ -130,9 +148,10 @@ def pool_for(store: Any, threads: int) -> IOPool:
         pool = _POOLS.get(store)
         if pool is None or pool.closed:
             pool = _POOLS[store] = IOPool(threads)
+            _count_pool(+1)  # NOTE [ Process-wide effects ] (effect 5)
             # Idle workers hold no reference to the store: once it is collected, stop
             # them (without joining: a finalizer may run on any thread, even a worker).
-            weakref.finalize(store, pool.shutdown, 0.0).atexit = False
+            weakref.finalize(store, _collected, pool).atexit = False
         elif pool.threads != max(1, threads):
             log.warning(
                 "tensorstore-hooks: the store %s already has an I/O pool of %d threads; "
@@ -172,10 +191,46 @@ def shutdown_pool(store: Any) -> None:
     with _POOLS_LOCK:
         pool = _POOLS.pop(store, None)
     if pool is not None:
+        _retire(pool)
         pool.shutdown()
 
 
-@atexit.register
+def _collected(pool: IOPool) -> None:
+    # The store was collected (its entry leaves _POOLS with it): stop the pool's threads.
+    _retire(pool)
+    pool.shutdown(0.0)
+
+
+_pools = 0  # pools made and not yet retired; guarded by _POOLS_LOCK
+_exit_registered = False
+
+
+def _retire(pool: IOPool) -> None:
+    with _POOLS_LOCK:
+        if pool.retired:
+            return
+        pool.retired = True
+    _count_pool(-1)
+
+
+def _count_pool(delta: int) -> None:
+    """Register :func:`_shutdown_all` at exit while pools exist, unregister after."""
+    global _pools, _exit_registered
+    with _POOLS_LOCK:
+        _pools += delta
+        if _pools > 0 and not _exit_registered:
+            atexit.register(_shutdown_all)
+            _exit_registered = True
+        elif _pools <= 0 and _exit_registered:
+            atexit.unregister(_shutdown_all)
+            _exit_registered = False
+
+
+def at_exit_registered() -> bool:
+    """Whether the exit handler that stops the I/O threads is registered now."""
+    return _exit_registered
+
+
 def _shutdown_all() -> None:  # pragma: no cover - exercised by subprocess tests
     with _POOLS_LOCK:
         pools = list(_POOLS.values())

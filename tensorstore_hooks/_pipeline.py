@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 
 from ._budgets import BudgetControl, pinned_idle_cap
 from ._config import PipelineSettings
 from ._device import DeviceStager
-from ._heap import HeapReleaser, set_mmap_threshold
+from ._effects import SessionEffects
+from ._forks import foreign
+from ._heap import HeapReleaser
 from ._iopool import StorePool, on_io_thread, shutdown_pool
 from ._policy import Policy
 from ._prefetch import Prefetcher
@@ -64,13 +67,12 @@ class Pipeline:
         self.policy = policy
         self.settings = settings
         self.owns_store = owns_store
+        self._pid = os.getpid()  # NOTE [ Fork safety ]
         self.stats = stats = OffloadStats()
         # Counters bump ``stats`` directly: a bound method of ours would be a cycle.
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
             settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
         )
-        if settings.mmap_threshold is not None:
-            set_mmap_threshold(settings.mmap_threshold)  # NOTE [ Mmap threshold ]
         io = StorePool(store, settings.writer_threads + 2)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -103,6 +105,11 @@ class Pipeline:
             scope=scope,
             budget=budget,
         )
+        # Last, once nothing can fail: both are given back by _close_now. NOTE [ Closed
+        # while in use ] (_zarr_store.py), NOTE [ Process-wide effects ] (_effects.py).
+        self._unuse = store._use()
+        trim_every = settings.release_heap_every if self.heap.enabled else 0
+        self._effects = SessionEffects(settings.mmap_threshold, trim_every)
 
     @property
     def scope(self) -> ModuleScope | None:
@@ -159,6 +166,8 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop taking tensors; close the store (if owned) once every record is freed."""
+        if foreign(self._pid):  # a forked child: no lock, no store (NOTE [ Fork safety ])
+            return  # (its router keeps every tensor it packs)
         if self.table.close():
             self._close_now()
 
@@ -168,6 +177,8 @@ class Pipeline:
                 return
             self._closed = True
         self.stager.clear()
+        self._unuse()
+        self._effects.end()
         if self.owns_store:
             shutdown_pool(self.store)
             with contextlib.suppress(Exception):

@@ -59,6 +59,7 @@ Unpack returns it as is; autograd re-attaches the history it saved itself.
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import time
 import weakref
@@ -69,6 +70,8 @@ from typing import Protocol, TypeAlias
 
 import torch
 
+from ._eager import never_compiled
+from ._forks import foreign
 from ._signals import shielded
 from ._staging import CopyEvent, Loaded, returned_bytes
 from ._stats import OffloadStats
@@ -383,7 +386,8 @@ class _Finalizer(weakref.ref[Handle]):
     its registry), which holds ``release`` strongly and the table not at all.
     """
 
-    __slots__ = ("rec", "release")
+    __slots__ = ("pid", "rec", "release")
+    pid: int
     rec: Record
     release: Callable[[Record], None]
 
@@ -391,6 +395,7 @@ class _Finalizer(weakref.ref[Handle]):
         self = super().__new__(cls, handle, _handle_died)
         self.rec = rec
         self.release = release
+        self.pid = os.getpid()  # NOTE [ Fork safety ]: a forked child's copy frees nothing
         return self
 
     def __init__(self, handle: Handle, rec: Record, release: Callable[[Record], None]) -> None:
@@ -401,10 +406,12 @@ _finalizers: set[_Finalizer] = set()
 """The finalizers of live handles (set operations are atomic under the GIL)."""
 
 
+@never_compiled  # may run inside compiled code: NOTE [ torch.compile ], rule 3
 @shielded  # NOTE [ Signals and finalizers ]: a signal must not cut this in half
 def _handle_died(ref: _Finalizer) -> None:
     _finalizers.discard(ref)
-    ref.release(ref.rec)
+    if not foreign(ref.pid):
+        ref.release(ref.rec)
 
 
 # ----------------------------------------------------------- the table's parts

@@ -14,6 +14,7 @@ stored tensor's record is the record table's to decide (NOTE [ Record lifecycle 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeAlias, TypeVar
@@ -23,6 +24,8 @@ import torch
 from ._budgets import BUDGET_LABEL, BudgetControl
 from ._codec import unsupported_reason
 from ._device import DeviceStager
+from ._eager import never_compiled
+from ._forks import foreign
 from ._policy import Policy
 from ._prefetch import Prefetcher
 from ._records import (
@@ -141,6 +144,7 @@ class Router:
         self._prefetcher = prefetcher
         self._stager = stager
         self._warned: set[str] = set()
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child keeps what it packs
         self.budget = budget
         """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
         self.ledger = Ledger()
@@ -153,6 +157,7 @@ class Router:
         return self._table.closing
 
     # ------------------------------------------------------------ torch hooks
+    @never_compiled  # called from compiled graphs: NOTE [ torch.compile ], rule 3
     def pack(self, t: torch.Tensor) -> Packed:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
         with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
@@ -165,6 +170,9 @@ class Router:
             self.keep_unsupported(reason)
             return Kept(t)
         nbytes = t.numel() * t.element_size()
+        if foreign(self._pid):  # a forked child: NOTE [ Fork safety ], rule 2
+            self.account(Route("keep", "forked child", nbytes))
+            return Kept(t)
         if _in_backward():
             # Saved while backward runs (a reentrant checkpoint's recompute, a
             # create_graph backward): needed at once, so stored bytes would only be
@@ -178,6 +186,8 @@ class Router:
             return Kept(t)
         action = self.route(t, nbytes)
         if action == "store":
+            if _parameter(t):  # NOTE [ Parameters are copied at pack ]
+                return self.store(t.detach().clone(), nbytes, guard=t)
             return self.store(t, nbytes)
         if action == "host":
             if not self._stager.accelerated(t.device):
@@ -188,6 +198,7 @@ class Router:
             return Host(self._stager.pin(t), t.device)
         return Kept(t)
 
+    @never_compiled
     def unpack(self, packed: Packed) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
         if isinstance(packed, Handle):
@@ -393,6 +404,17 @@ class Router:
 def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` where it was saved (a fallback after a spill keeps a host copy)."""
     return t if t.device == device else t.to(device)
+
+
+# NOTE [ Parameters are copied at pack ]
+# A parameter stored (``skip_parameters: false``) is copied on the forward thread and
+# written from the copy; its own version counter still guards it (in-place checks).
+# Wrappers free and re-gather parameter storage after forward: FSDP2 calls
+# ``storage.resize_(0)`` on each unsharded parameter. A write-behind reading the
+# parameter itself could run after that free (a failed write) or during it (freed
+# memory read, or a crash). Activations are never freed under a saved tensor.
+def _parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def _in_backward() -> bool:

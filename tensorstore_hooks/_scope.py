@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._eager import never_compiled
+
 __all__ = ["ModuleScope"]
 
 
@@ -48,6 +50,7 @@ class ModuleScope:
         # Every path that ran forward, for the "glob matched nothing" check
         # (tensorstore_hooks._diagnose); a set add per module call, bounded.
         self.seen: set[str] = set()
+        self.compiled_warned = False  # said that compiled code hides its modules
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook every submodule of ``model``; paths are relative to ``model`` (root ``""``)."""
@@ -94,6 +97,11 @@ class ModuleScope:
         paths = self._local.paths
         return paths[-1] if paths else None
 
+    def visible_paths(self) -> set[str] | None:
+        """The paths that ran, for the "module rule matched nothing" check; ``None`` once
+        compiled code ran modules this scope could not see (NOTE [ torch.compile ])."""
+        return None if self.compiled_warned else self.seen
+
     @property
     def attached(self) -> int:
         """Number of modules currently hooked."""
@@ -101,8 +109,15 @@ class ModuleScope:
 
     def _make_pre(self, path: str) -> Any:
         enter = self.enter
+        scope = self
 
+        @never_compiled  # NOTE [ torch.compile ], rule 3 (one code object for all)
         def pre_hook(module: Any, args: Any) -> None:
+            if torch.compiler.is_compiling():  # NOTE [ torch.compile ], rule 4
+                from ._compile import scope_traced
+
+                scope_traced(scope)
+                return
             enter(path)
 
         return pre_hook
@@ -112,7 +127,10 @@ class ModuleScope:
         # when a global pre-hook raised before ours pushed anything.
         exit_ = self.exit
 
+        @never_compiled
         def post_hook(module: Any, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():  # rule 4: tracks nothing in traced code
+                return
             exit_(path)
 
         return post_hook

@@ -21,7 +21,9 @@ backward, which stops), and every finalizer runs to the end: nothing leaks.
 
 Only the main thread runs signal handlers, so finalizers on other threads need
 nothing. A handler installed by the user after ours replaces it (theirs wins);
-the next ``with hooks:`` wraps theirs in turn.
+the next ``with hooks:`` wraps theirs in turn. The wrapping lasts only while
+sessions live and can be turned off (NOTE [ Process-wide effects ] in
+``_effects.py``): :func:`restore` puts the wrapped handlers back.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-__all__ = ["install", "shielded"]
+__all__ = ["install", "restore", "restore_if_pending", "shielded"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -96,14 +98,18 @@ def _deliver() -> None:
         _thread.interrupt_main(signal.Signals(signum))
 
 
-def install() -> None:
+def install() -> bool:
     """Wrap the Python-level handlers of SIGINT/SIGTERM once; call on the main thread.
 
     A no-op elsewhere, for signals Python does not handle (``SIG_DFL``, ``SIG_IGN``),
-    and for handlers already wrapped. Cheap enough for every ``__enter__``.
+    and for handlers already wrapped. Cheap enough for every ``__enter__``. Returns
+    whether a handler was wrapped now.
     """
+    global _restore_pending
     if threading.current_thread() is not threading.main_thread():
-        return
+        return False
+    _restore_pending = False
+    wrapped = False
     for signum in _SIGNALS:
         current = signal.getsignal(signum)
         if isinstance(current, _DeferringHandler) or not callable(current):
@@ -111,4 +117,36 @@ def install() -> None:
         try:
             signal.signal(signum, _DeferringHandler(current))
         except (ValueError, OSError):  # pragma: no cover - not the main interpreter
-            return
+            return wrapped
+        wrapped = True
+    return wrapped
+
+
+_restore_pending = False
+
+
+def restore() -> None:
+    """Put back the handlers :func:`install` wrapped, where they are still ours.
+
+    Only the main thread may set handlers: called on another one, this is done at
+    the next call on the main thread (meanwhile the wrapper defers nothing, since no
+    shielded code of a live session can run, and acts as the handler it wraps).
+    """
+    global _restore_pending
+    if threading.current_thread() is not threading.main_thread():
+        _restore_pending = True
+        return
+    _restore_pending = False
+    for signum in _SIGNALS:
+        current = signal.getsignal(signum)
+        if isinstance(current, _DeferringHandler):
+            try:
+                signal.signal(signum, current.wrapped)
+            except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+                return
+
+
+def restore_if_pending() -> None:
+    """Finish a :func:`restore` asked for on another thread (call on the main thread)."""
+    if _restore_pending:
+        restore()

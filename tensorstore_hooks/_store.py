@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -68,6 +68,14 @@ class TensorStore(ABC):
         """A human-readable location, used in messages."""
         return f"<{type(self).__name__}>"
 
+    def _use(self) -> Callable[[], None]:
+        """Internal: an offload session writes here until it calls the result.
+
+        A store may keep what deleting the session's keys needs after ``close()``
+        until then (``ZarrStore``: NOTE [ Closed while in use ]); this default does
+        nothing."""
+        return _nothing
+
     def delete_many(self, keys: Iterable[str]) -> None:
         """Delete several keys; missing ones are ignored. Stores may batch this."""
         for key in keys:
@@ -87,6 +95,10 @@ class TensorStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def _nothing() -> None:
+    pass
 
 
 class BlobStore(TensorStore):

@@ -42,6 +42,7 @@ from ._records import Record, RecordTable, WriteJob
 from ._staging import CopyEvent
 from ._stats import OffloadStats
 from ._trace import WRITE_RANGE, Timeline, span
+from .errors import StoreClosedError
 
 __all__ = ["WriteBehind"]
 
@@ -189,6 +190,8 @@ class WriteBehind:
             self._store.delete(key)
         except KeyError:
             pass
+        except StoreClosedError:  # closed by its owner: a daemon session's keys went with it
+            log.debug("not deleting %r: %s is closed", key, self._store.url)
         except Exception as e:
             log.warning("could not delete %r from %s: %r", key, self._store.url, e)
 

@@ -75,6 +75,15 @@ delete that failed keeps its run out of the free list. The objects are orphans, 
 most a few per outage, and go with the namespace. (The checksums bound to each
 chunk's key and position would catch such an overwrite as an ``IntegrityError``;
 this keeps it from happening.)
+
+NOTE [ Closed while in use ]
+An offload session deletes its keys when autograd frees their graph, which may be
+after the store was closed (a graph held by a reference cycle, freed by the
+collector). So a session marks its use of the store (``_use()``); ``close()`` then
+refuses puts and gets at once but keeps the journal and the namespace lock for the
+sessions' deletes, and finishes (spares unlinked, an empty namespace removed, the
+lock released) when the last session is done, or as soon as no key is left. Nothing
+is left behind, and no delete fails. Keys put by hand stay, as after any close.
 """
 
 from __future__ import annotations
@@ -99,6 +108,7 @@ from ._allocator import SEGMENT_CHUNKS, ChunkAllocator, Run, SegmentFullError
 from ._chunkcodec import ChunkCodec
 from ._chunkio import ChunkIO, DirectIOStatus, FsspecIO, LocalIO, MemoryIO
 from ._codec import TensorMeta
+from ._forks import foreign
 from ._housekeeping import make_temp_root, sweep_at_open
 from ._index import HEADER_BYTES, Damage, IndexLog, os_error
 from ._retry import RetryPolicy
@@ -310,6 +320,7 @@ class ZarrStore(BlobStore):
         ):
             raise ConfigError(f"ZarrStore: namespace {namespace!r} must be 1-128 of [A-Za-z0-9._-]")
         self._temporary = url is None
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: only this process changes the store
         # NOTE [ Stale namespaces ]: a temporary root sweeps its dead siblings.
         location = make_temp_root() if self._temporary else None
         self._io = make_io(location or url, storage_options, retry_deadline_s)
@@ -324,6 +335,9 @@ class ZarrStore(BlobStore):
         )
         self._segments_made: set[int] = set()
         self._root_doc_written = False  # the root's zarr.json: made at the first put
+        self._users = 0  # offload sessions writing here: NOTE [ Closed while in use ]
+        self._close_pending = False
+        self._finished = False  # _close_now ran
         self._unlock: Callable[[], None] | None = None
         self.damage: list[Damage] = []
         """What replaying this namespace's index found damaged (empty when all was well)."""
@@ -332,6 +346,8 @@ class ZarrStore(BlobStore):
             self._unlock = self._take_namespace()
             _write_layout(self._io, self._url, self.namespace, self.chunk_bytes, self.codec)
             self._configure_direct_io(direct_mode)
+            if isinstance(self._io, LocalIO):
+                self._io.root_made = True  # a vanished root is an error from now on
             if not self._temporary:
                 kind, root = split_url(url)
                 if kind == "local":
@@ -354,7 +370,7 @@ class ZarrStore(BlobStore):
         # Collected without close(): close the journal quietly, release the namespace
         # (and remove a temporary directory).
         self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
-            self, _finalize, self._log, self._unlock, location
+            self, _finalize, self._pid, self._log, self._unlock, location
         )
 
     # ------------------------------------------------------------------ setup
@@ -437,6 +453,7 @@ class ZarrStore(BlobStore):
     def _put(self, meta: TensorMeta, write: Callable[[list[str], int], bytes]) -> str:
         n = meta.nbytes
         chunk, count = self._alloc.layout(n)
+        self._check_writer("write")
         with self._lock:
             self._check_open()
             key = format(self._next_key, "x")
@@ -490,7 +507,11 @@ class ZarrStore(BlobStore):
                 self._alloc.cancel(run)
 
     def _put_error(self, key: str, e: BaseException) -> TensorStoreError:
-        err = _write_failure(f"ZarrStore({self._url}): writing key {key!r}", e)
+        where = f"ZarrStore({self._url}): writing key {key!r}"
+        gone = self._gone() if isinstance(e, FileNotFoundError) else None
+        if gone is not None:
+            return StoreUnavailableError(f"{where} failed: {gone}; the tensor was not stored")
+        err = _write_failure(where, e)
         if isinstance(err, QuotaExceededError):
             self._drop_spares()  # the disk is full: spare chunk files are free space
         return type(err)(f"{err}; the tensor was not stored")
@@ -512,8 +533,8 @@ class ZarrStore(BlobStore):
             self._alloc.release(settled)
 
     # ------------------------------------------------------------------- gets
-    def _entry(self, key: str) -> _Entry:
-        self._check_open()
+    def _entry(self, key: str, *, deleting: bool = False) -> _Entry:
+        self._check_open(deleting)
         entry = self._index.get(key) if isinstance(key, str) else None
         if entry is None:
             raise KeyNotFoundError(
@@ -590,6 +611,9 @@ class ZarrStore(BlobStore):
         except FileNotFoundError as e:
             if key not in self._index:
                 raise self._missing(key) from e
+            gone = self._gone()
+            if gone is not None:
+                raise StoreUnavailableError(f"{what} cannot be read: {gone}") from e
             raise IntegrityError(f"{what}: chunk {e.filename or e} is missing") from e
         except TensorStoreError:
             if key not in self._index:
@@ -607,23 +631,54 @@ class ZarrStore(BlobStore):
         if key not in self._index:
             raise self._missing(key)
 
+    def _gone(self) -> str | None:
+        """Why the store's root or namespace is no longer there (``None`` if it is)."""
+        try:
+            # Before the first put the root has no zarr.json: only the namespace tells.
+            if self._root_doc_written and not self._io.exists("zarr.json"):
+                return (
+                    f"the store's root {self._url} is gone (removed or renamed while the "
+                    "store was open)"
+                )
+            if not self._io.exists(f"{self.namespace}/zarr.json"):
+                return (
+                    f"namespace {self.namespace!r} of {self._url} is gone (removed or "
+                    "renamed while the store was open)"
+                )
+        except Exception:  # cannot even look: say so rather than guess
+            return f"the store's root {self._url} cannot be reached"
+        return None
+
     def _missing(self, key: str) -> KeyNotFoundError:
         return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")
 
     # ---------------------------------------------------------------- deletes
     def delete(self, key: str) -> None:
+        self._check_writer("delete")
         with self._lock:
-            entry = self._entry(key)
+            entry = self._entry(key, deleting=True)
             unlink = self._forget([key], [entry])
         self._unlink(unlink)
+        self._finish_if_drained()
 
     def delete_many(self, keys: Any) -> None:
+        self._check_writer("delete")
         with self._lock:
-            self._check_open()
+            self._check_open(deleting=True)
             found = [(k, self._index.get(k)) for k in keys if isinstance(k, str)]
             pairs = [(k, e) for k, e in found if e is not None]
             unlink = self._forget([k for k, _ in pairs], [e for _, e in pairs])
         self._unlink(unlink)
+        self._finish_if_drained()
+
+    def _finish_if_drained(self) -> None:
+        """A close waiting for sessions' deletes finishes once no key is left."""
+        with self._lock:
+            drained = self._close_pending and not self._index
+            if drained:
+                self._close_pending = False
+        if drained:
+            self._close_now()
 
     def _forget(self, keys: list[str], entries: list[_Entry]) -> list[Run]:
         """Under the lock: drop keys from the index and journal; returns runs to unlink."""
@@ -709,24 +764,73 @@ class ZarrStore(BlobStore):
 
     def flush(self) -> None:
         """Persist the index where the backend cannot append (object stores)."""
+        self._check_writer("write")
         with self._lock:
             self._check_open()
             if not self._io.supports_append:
                 self._log.snapshot({k: e.to_record() for k, e in self._index.items()})
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def _check_open(self, deleting: bool = False) -> None:
+        if self._closed and not (deleting and self._close_pending):
             raise StoreClosedError(
                 f"ZarrStore({self._url}) is closed; open a new store with tsh.open_store(...)"
             )
 
+    def _check_writer(self, what: str) -> None:
+        if foreign(self._pid):
+            raise StoreUnavailableError(
+                f"ZarrStore({self._url}): cannot {what} here: this store was opened by "
+                f"process {self._pid} and this process ({os.getpid()}) is a fork of it, "
+                "which must leave the parent's namespace alone (NOTE [ Fork safety ]); "
+                "open a store of this process's own with tsh.open_store(...)"
+            )
+
     def close(self) -> None:
         """Close the store. A temporary store deletes its directory; a namespace that
-        holds no keys is removed so shared roots do not fill with empty writers."""
+        holds no keys is removed so shared roots do not fill with empty writers.
+
+        In a forked child of the process that opened it, only this object is closed:
+        nothing on disk, and the namespace lock stays with the parent."""
+        if foreign(self._pid):
+            self._closed = True
+            self._finalizer.detach()
+            return
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # no put or get from now on
+            if self._users:
+                # NOTE [ Closed while in use ]: the sessions' deletes still come.
+                self._close_pending = True
+                return
+        self._close_now()
+
+    def _use(self) -> Callable[[], None]:
+        """Internal (NOTE [ Closed while in use ]): an offload session writes here; call
+        the result once it has deleted what it wrote (idempotent)."""
+        with self._lock:
+            self._check_open()
+            self._users += 1
+        done: list[bool] = []
+
+        def unuse() -> None:
+            with self._lock:
+                if done:
+                    return
+                done.append(True)
+                self._users -= 1
+                last = self._users == 0 and self._close_pending
+                self._close_pending = self._close_pending and not last
+            if last:
+                self._close_now()
+
+        return unuse
+
+    def _close_now(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
             empty = not self._index
             spares = [p for run in self._alloc.drain_spares() for p in self._run_paths(run)]
             with contextlib.suppress(Exception):
@@ -859,7 +963,11 @@ def _write_failure(where: str, e: BaseException) -> TensorStoreError:
     return StoreUnavailableError(f"{where} failed: {e}")
 
 
-def _finalize(index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None) -> None:
+def _finalize(
+    pid: int, index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None
+) -> None:
+    if foreign(pid):  # a forked child's exit: the store is its parent's (NOTE [ Fork safety ])
+        return
     index_log.close()
     if unlock is not None:
         unlock()

@@ -149,6 +149,100 @@ def check_fsdp2(rank: int, work: Path, options: dict[str, Any]) -> None:
     assert stats.tensors_offloaded > 0 and stats.fallbacks == 0, stats
 
 
+def check_fsdp2_parameters(rank: int, work: Path, options: dict[str, Any]) -> None:
+    """FSDP2 with ``skip_parameters=False``: FSDP frees each unsharded parameter with
+    ``storage.resize_(0)`` after forward; packing must leave that storage resizable
+    and the write must not race the free (NOTE [ Parameters are copied at pack ])."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def train(hooks: tsh.OffloadHooks | None) -> list[dict[str, torch.Tensor]]:
+        model = _model()
+        for module in model.children():
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for step in range(3):
+            opt.zero_grad()
+            grads.append(_step(model, _batch(rank + 10 * step), hooks))
+            opt.step()
+        return grads
+
+    want = train(None)
+    hooks = tsh.offload(f"file://{work / 'fsdp-params'}", min_bytes=0, skip_parameters=False)
+    got = train(hooks)
+    stats = hooks.stats
+    hooks.close()
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert stats.per_rule.get("parameter") is None, stats.per_rule  # parameters stored
+    assert stats.tensors_offloaded > 0 and stats.fallbacks == 0, stats
+
+
+class _RunsABlock(torch.utils.data.Dataset[torch.Tensor]):
+    """A Dataset whose ``__getitem__`` runs a wrapped block in grad mode (a forgotten
+    ``no_grad``), and with ``backward`` a backward through it too."""
+
+    def __init__(self, block: nn.Module, backward: bool, rank: int) -> None:
+        self.block, self.backward, self.rank = block, backward, rank
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.randn(12, 16, generator=torch.Generator().manual_seed(1000 * self.rank + i))
+        y = self.block[0](x)  # the first Linear, then the wrapped block
+        out = self.block[1](y)
+        if self.backward:
+            out.pow(2).sum().backward()
+        return x + 0.0 * out.detach().sum()
+
+
+def check_ddp_loader_workers(rank: int, work: Path, options: dict[str, Any]) -> None:
+    """DDP with ``tsh.wrap(modules=...)`` and DataLoader fork workers (persistent) whose
+    Dataset runs the wrapped block: the workers' hooks must neither write into this
+    rank's namespace nor delete from it (NOTE [ Fork safety ])."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(wrap: bool, backward: bool) -> list[dict[str, torch.Tensor]]:
+        base = _model()
+        hooks = None
+        if wrap:
+            root = f"file://{work / 'loader-root'}"
+            hooks = tsh.wrap(base, root, modules=["1", "2"], min_bytes=0)
+        ddp = DDP(base)
+        loader = torch.utils.data.DataLoader(
+            _RunsABlock(base, backward, rank),
+            batch_size=4,
+            num_workers=2,
+            multiprocessing_context="fork",
+            persistent_workers=True,
+        )
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        grads = []
+        for _ in range(2):  # two epochs: the persistent workers fork once
+            for x in loader:
+                opt.zero_grad()
+                grads.append(_step(ddp, x, None))
+                opt.step()
+        if hooks is not None:
+            stats = hooks.stats
+            hooks.remove()
+            assert stats.tensors_offloaded > 0 and stats.fallbacks == 0, stats
+            assert hooks.live_records == 0
+        return grads
+
+    for backward in (False, True):
+        want = train(False, backward)
+        got = train(True, backward)
+        assert len(got) == len(want) == 8
+        for g, w in zip(got, want, strict=True):
+            _assert_same(g, w)
+
+
 def check_ddp_s3(rank: int, work: Path, options: dict[str, Any]) -> None:
     """DDP with both ranks offloading under one S3 prefix (the parent's moto server)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -213,6 +307,8 @@ def check_ddp_capture(rank: int, work: Path, options: dict[str, Any]) -> None:
 CHECKS: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {
     "ddp": check_ddp,
     "fsdp2": check_fsdp2,
+    "fsdp2_parameters": check_fsdp2_parameters,
+    "ddp_loader_workers": check_ddp_loader_workers,
     "ddp_s3": check_ddp_s3,
     "ddp_capture": check_ddp_capture,
 }

@@ -33,7 +33,7 @@ from tensorstore_hooks import (
     TensorStoreError,
     UnsupportedTensorError,
 )
-from tensorstore_hooks._codec import DTYPES
+from tensorstore_hooks._codec import DTYPES, span_of
 
 __all__ = [
     "ALL_DTYPES",
@@ -74,12 +74,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def assert_same_tensor(
     got: torch.Tensor, want: torch.Tensor, *, device: torch.device | None = None
 ) -> None:
-    """``got`` is ``want`` bit for bit: dtype, shape, strides, offset, grad flag, bits."""
+    """``got`` is ``want`` bit for bit: dtype, shape, strides, grad flag, bits; on a
+    storage of its own span (offset 0), never one the size of ``want``'s base."""
     assert type(got) is torch.Tensor
     assert got.dtype == want.dtype
     assert got.shape == want.shape
     assert got.stride() == want.stride(), (got.stride(), want.stride())
-    assert got.storage_offset() == want.storage_offset()
+    assert got.storage_offset() == 0
+    span = span_of(tuple(want.shape), want.stride())
+    assert got.untyped_storage().nbytes() == span * want.element_size()
     assert got.requires_grad == want.requires_grad
     assert got.device == (device if device is not None else want.device)
     assert torch.equal(_bits(got), _bits(want))

@@ -594,15 +594,15 @@ def test_options_go_to_the_tiers_that_take_them(tmp_path: Path) -> None:
     # One namespace name for the chain's Zarr tiers (inspect pairs them by it).
     assert upper.namespace == lower.namespace  # type: ignore[attr-defined]
     # The documented defaults (docs/config.md): two movers, puts wait up to 60 s.
-    assert chain._core.move_threads == 2 and chain._core.put_wait_s == 60.0
+    assert chain._core.movers.threads == 2 and chain._core.put_wait_s == 60.0
     chain.close()
     chain = tsh.open_store(
         ["memory://", str(tmp_path / "disk2")],
         budgets=["1MiB"], move_threads=4, put_wait_s=5, plan=False,
     )  # fmt: skip
     assert isinstance(chain, TierChain)
-    assert chain._core.move_threads == 4 and chain._core.put_wait_s == 5.0
-    assert chain._core.plan is False
+    assert chain._core.movers.threads == 4 and chain._core.put_wait_s == 5.0
+    assert chain._core.plan.enabled is False
     chain.close()
 
 

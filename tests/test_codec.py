@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import gc
 import math
 import pickle
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import tensorstore_hooks
+import tensorstore_hooks as tsh
 from tensorstore_hooks import IntegrityError, TensorMeta, UnsupportedTensorError
 from tensorstore_hooks._codec import DTYPES, decode, encode, span_of
 
@@ -123,7 +126,7 @@ def test_sliced_costs_only_its_span() -> None:
     meta, payload, back = _round_trip(t)
     assert not meta.compact
     assert payload.nbytes == 10 * 100 * 4
-    assert back.storage_offset() == 500 * 100
+    assert back.untyped_storage().nbytes() == 10 * 100 * 4  # not the base's 400 KB
     assert_same_tensor(back, t)
 
 
@@ -335,3 +338,65 @@ def test_span_of() -> None:
     assert span_of((4, 3), (6, 2)) == 3 * 6 + 2 * 2 + 1
     t = torch.randn(6, 7)[1:, ::3]
     assert span_of(tuple(t.shape), t.stride()) == math.prod([1]) + (5 - 1) * 7 + (3 - 1) * 3
+
+
+def test_a_small_view_of_a_huge_storage_comes_back_with_its_own_span() -> None:
+    # The case: 40 bytes at offset 3e8 of a 1.2 GB storage (never touched:
+    # torch.empty maps it lazily). Each get allocated a new 1.2 GB storage before.
+    offset = 300_000_000
+    big = torch.empty(offset + 10)
+    view = big[offset:]
+    view.copy_(torch.arange(10.0))
+    store = tsh.open_store("memory://")
+    key = store.put(view)
+    del big, view
+    for _ in range(2):
+        back = store.get(key)
+        assert back.untyped_storage().nbytes() == 40 and back.storage_offset() == 0
+        assert torch.equal(back, torch.arange(10.0))
+    store.close()
+
+
+def test_unpack_of_a_small_view_comes_back_with_its_own_span() -> None:
+    offset = 300_000_000
+    big = torch.empty(offset + 10)
+    big[offset:] = torch.arange(10.0)
+    w = torch.randn(10, requires_grad=True)
+    with tsh.offload("memory://", min_bytes=0) as hooks:
+        y = w * big[offset:]  # mul saves the view for w's gradient
+    hooks.flush()
+    assert hooks.stats.tensors_offloaded == 1
+    saved = y.grad_fn._saved_other  # type: ignore[union-attr]  # runs the unpack hook
+    assert saved.untyped_storage().nbytes() == 40 and torch.equal(saved, torch.arange(10.0))
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.arange(10.0))
+    hooks.close()
+
+
+def test_packing_leaves_the_callers_tensors_as_they_were() -> None:
+    # .numpy() of a storage marks it not resizable for good; FSDP2 then failed to
+    # free its unsharded parameters (storage.resize_(0)).
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    with tsh.offload("memory://", min_bytes=0, skip_parameters=False) as hooks:
+        out = (x @ w).tanh()  # mm saves x and w; tanh saves its output
+        loss = out.sum()
+    hooks.flush()
+    assert hooks.stats.tensors_offloaded >= 3
+    for t in (x, w):
+        assert t.untyped_storage().resizable()
+    watch = weakref.ref(out)
+    del out
+    loss.backward()
+    del loss
+    gc.collect()
+    assert watch() is None  # nothing of ours keeps a saved tensor alive once freed
+    for t in (x, w):
+        assert t.untyped_storage().resizable()
+    w.untyped_storage().resize_(0)  # what FSDP2 does after forward
+    hooks.close()
+    store = tsh.open_store("memory://")
+    t = torch.randn(10)
+    store.get(store.put(t))
+    assert t.untyped_storage().resizable()
+    store.close()

@@ -105,7 +105,7 @@ def test_read_failure_mid_answer_is_reported(daemons: DaemonLauncher, tmp_path: 
             b = f.read(1)
             f.seek(100)
             f.write(bytes([b[0] ^ 0xFF]))
-        with pytest.raises(StoreUnavailableError, match=r"checksum mismatch.*cut off"):
+        with pytest.raises(StoreUnavailableError, match=r"crc32c differs.*cut off"):
             store.get(key)
         assert torch.equal(store.get(small), torch.ones(10))  # the session goes on
     assert "GET answer cut off" in d.log()

@@ -99,6 +99,22 @@ def test_fsdp2_gradients_identical(verdicts: dict[str, list[str]]) -> None:
     _expect_ok(verdicts, "fsdp2")
 
 
+def test_fsdp2_without_skip_parameters_gradients_identical(
+    verdicts: dict[str, list[str]],
+) -> None:
+    """FSDP2 with ``skip_parameters=False``: stored parameters leave FSDP free to
+    ``resize_(0)`` their storage; the same gradient shards over several steps."""
+    _expect_ok(verdicts, "fsdp2_parameters")
+
+
+def test_ddp_with_dataloader_fork_workers_running_a_wrapped_block(
+    verdicts: dict[str, list[str]],
+) -> None:
+    """DDP, ``tsh.wrap(modules=...)``, DataLoader fork workers (persistent) whose Dataset
+    runs the wrapped block with and without backward: the same gradients."""
+    _expect_ok(verdicts, "ddp_loader_workers")
+
+
 def test_ddp_ranks_share_an_s3_prefix(verdicts: dict[str, list[str]]) -> None:
     """Both ranks offload under one ``s3://`` prefix without colliding."""
     _expect_ok(verdicts, "ddp_s3")

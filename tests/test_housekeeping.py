@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import torch
+import zarr
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import _housekeeping
-from tensorstore_hooks._housekeeping import find_stale, host_tag
+from tensorstore_hooks._housekeeping import TEMP_MARKER, find_stale, host_tag
+from tensorstore_hooks._zarr_docs import namespace_doc, root_doc
 from tensorstore_hooks.cli import main as cli_main
 
 _CHILD = """
@@ -39,10 +44,24 @@ def _dead_pid() -> int:
 
 
 def _namespace(root: Path, pid: int, host: str | None = None) -> Path:
+    """A namespace as the library leaves it: its own zarr.json, its lock, a segment."""
     ns = root / f"{host or host_tag()}-{pid}-0badcafe"
     ns.mkdir(parents=True)
-    (ns / "zarr.json").write_text("{}")
+    (ns / "zarr.json").write_bytes(namespace_doc(2, ns.name, 1 << 20, "none"))
+    (ns / "lock").write_text(f"pid {pid} on {host or host_tag()}")
+    (ns / "seg-4096" / "c").mkdir(parents=True)
+    (ns / "seg-4096" / "c" / "0").write_bytes(b"x" * 4096)
     return ns
+
+
+def _temp_root(parent: Path, pid: int, name: str = "tensorstore-hooks-abc123") -> Path:
+    """A temporary root as the library makes it, left by process ``pid``."""
+    root = parent / name
+    root.mkdir(parents=True)
+    (root / "zarr.json").write_bytes(root_doc(2))
+    (root / TEMP_MARKER).write_text(json.dumps({"pid": pid, "host": host_tag()}))
+    _namespace(root, pid)
+    return root
 
 
 def test_a_killed_run_is_swept_by_the_next_store_and_by_clean(
@@ -91,13 +110,13 @@ def test_clean_removes_dead_namespaces_only(
     other_host = _namespace(tmp_path, _dead_pid(), host="elsewhere-host")
     named = tmp_path / "daemon"
     named.mkdir()
-    (named / "zarr.json").write_text("{}")
+    (named / "zarr.json").write_bytes(namespace_doc(2, "daemon", 1 << 20, "none"))
     not_ours = tmp_path / f"{host_tag()}-{_dead_pid()}-0badcafe-x"
     not_ours.mkdir()
 
     assert cli_main(["clean", f"file://{tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert f"removed namespace {dead}" in out and "removed 1 stale item(s)" in out
+    assert f"removed namespace {dead} (pid " in out and "removed 1 stale item(s), 4.31 KiB" in out
     assert not dead.exists()
     assert live.is_dir() and other_host.is_dir() and named.is_dir() and not_ours.is_dir()
     assert cli_main(["clean", str(tmp_path / "missing")]) == 2
@@ -141,3 +160,117 @@ def test_a_temporary_store_on_tmpfs_warns_once_naming_the_fix(
             torch.ones(1, requires_grad=True).exp()
         assert hooks.store.url.startswith(f"file://{tmp_path / 'chosen'}")
         hooks.close()
+
+
+# ------------------------------------------------- only what the library made
+def _foreign_lookalikes(root: Path) -> dict[str, Path]:
+    """Files of other programs that look like ours: none may ever be removed."""
+    dead = _dead_pid()
+    made: dict[str, Path] = {}
+    # The issue's user folder: named like a temporary root, with results and one empty
+    # subfolder named like a dead namespace.
+    experiments = root / "tensorstore-hooks-experiments"
+    (experiments / f"{host_tag()}-{dead}-0badcafe").mkdir(parents=True)
+    (experiments / "results.csv").write_text("step,loss\n1,6.2\n")
+    made["experiments"] = experiments
+    # A plain zarr group in a folder named like a dead namespace (no attributes of ours).
+    plain = root / f"{host_tag()}-{dead}-0badc0de"
+    zarr.open_group(str(plain), mode="w", zarr_format=3).attrs["owner"] = "someone else"
+    (plain / "lock").write_text("theirs")
+    made["plain zarr"] = plain
+    # Our attributes, but naming another namespace (copied from elsewhere).
+    copied = root / f"{host_tag()}-{dead}-0badf00d"
+    copied.mkdir()
+    (copied / "zarr.json").write_bytes(namespace_doc(2, "somewhere-else", 1 << 20, "none"))
+    (copied / "lock").write_text("")
+    made["copied doc"] = copied
+    # Ours in every way but the lock file (every namespace of ours has one).
+    lockless = _namespace(root / "lockless-parent", dead)
+    (lockless / "lock").unlink()
+    made["no lock"] = lockless
+    # A temporary root named like ours, with our layout but no marker of ours.
+    unmarked = _temp_root(root, dead, name="tensorstore-hooks-unmarked")
+    (unmarked / TEMP_MARKER).unlink()
+    made["unmarked temp root"] = unmarked
+    # A marked temporary root that also holds someone's file.
+    shared = _temp_root(root, dead, name="tensorstore-hooks-shared")
+    (shared / "notes.txt").write_text("mine")
+    made["temp root with a foreign file"] = shared
+    return made
+
+
+def test_clean_and_the_open_time_sweep_remove_only_what_the_library_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    foreign = _foreign_lookalikes(root)
+    dead_ns = _namespace(root, _dead_pid())
+    dead_temp = _temp_root(root, _dead_pid(), name="tensorstore-hooks-deadbeef")
+    before = {name: sorted(p.rglob("*")) for name, p in foreign.items()}
+
+    assert cli_main(["clean", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert not dead_ns.exists() and not dead_temp.exists()
+    assert f"removed namespace {dead_ns} " in out
+    assert f"removed temporary root {dead_temp} " in out
+    assert "removed 2 stale item(s)" in out
+    for name, path in foreign.items():
+        assert sorted(path.rglob("*")) == before[name], f"{name} was touched"
+        assert str(path) not in out, f"{name} reported"
+    # The sweep a store does when it opens, on the root and on the temporary parent:
+    monkeypatch.setenv("TSH_TMPDIR", str(root))
+    with tsh.open_store(str(root)), tsh.open_store(None):
+        pass
+    for name, path in foreign.items():
+        assert sorted(path.rglob("*")) == before[name], f"{name} was touched by a sweep"
+
+
+def test_symlinks_are_never_followed_nor_reported_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    target = _namespace(elsewhere, _dead_pid())  # a real dead namespace of ours
+    link = root / target.name
+    link.symlink_to(target, target_is_directory=True)
+    temp_target = _temp_root(elsewhere, _dead_pid(), name="tensorstore-hooks-target")
+    temp_link = root / "tensorstore-hooks-link"
+    temp_link.symlink_to(temp_target, target_is_directory=True)
+    inner = _namespace(root / "inner-parent", _dead_pid())
+    (inner / "data-link").symlink_to(elsewhere)  # a link inside a namespace of ours
+
+    assert find_stale(str(root)) == []
+    assert cli_main(["clean", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "removed 0 stale item(s)" in out
+    assert str(link) not in out and str(temp_link) not in out
+    assert link.is_symlink() and target.is_dir() and temp_link.is_symlink() and temp_target.is_dir()
+    # Removing a namespace of ours unlinks links inside it, never what they point at.
+    assert [s.path for s in find_stale(str(root / "inner-parent"))] == [str(inner)]
+    assert cli_main(["clean", str(root / "inner-parent")]) == 0
+    assert not inner.exists() and target.is_dir() and temp_target.is_dir()
+
+
+def test_clean_reports_exactly_what_it_could_not_remove(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gone, stuck = _namespace(tmp_path, _dead_pid()), _namespace(tmp_path / "b", _dead_pid())
+    stuck = tmp_path / (stuck.name.replace("0badcafe", "0badcaff"))
+    (tmp_path / "b" / gone.name).rename(stuck)
+    (stuck / "zarr.json").write_bytes(namespace_doc(2, stuck.name, 1 << 20, "none"))
+    real_rmtree = shutil.rmtree
+
+    def refuse_one(path: str, onerror: Any = None, **kw: Any) -> None:
+        if os.fspath(path) == str(stuck):
+            denied = PermissionError(13, "denied")
+            onerror(os.unlink, str(stuck / "lock"), (PermissionError, denied, None))
+            return
+        real_rmtree(path, onerror=onerror, **kw)
+
+    monkeypatch.setattr(_housekeeping.shutil, "rmtree", refuse_one)
+    assert cli_main(["clean", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert f"removed namespace {gone} " in out and str(stuck) not in out
+    assert "removed 1 stale item(s)" in out
+    assert f"clean: left namespace {stuck}: " in err and "denied" in err
+    assert stuck.is_dir() and not gone.exists()

@@ -235,7 +235,7 @@ def test_plan_cli_entry_errors(
     monkeypatch.delitem(sys.modules, "plan_entry_bad", raising=False)
     assert main(["plan", entry]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("tensorstore-hooks: plan: ") and message in err, err
+    assert err.startswith("tensorstore-hooks plan: ") and message in err, err
 
 
 def test_docs_plan_output_is_a_real_run() -> None:

@@ -14,9 +14,29 @@ import logging
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["error_line", "main"]
 
 _SUBCOMMANDS = ("demo", "plan", "inspect", "check_config", "serve", "stats", "clean")
+
+
+def error_line(prefix: str, message: object) -> str:
+    """``PREFIX: message`` on one line, without repeating a prefix the message has.
+
+    Library errors name their component (``inspect: ...``, ``stats: ...``); the CLI
+    adds the command's own prefix, which would otherwise read ``inspect: inspect:``.
+    """
+    text = " ".join(str(message).split())
+    command = prefix.removeprefix("tensorstore-hooks").strip()
+    known = [f"{prefix}: ", "tensorstore-hooks: "]
+    if command:
+        known += [f"tensorstore-hooks {command}: ", f"{command}: "]
+    stripped = True
+    while stripped:
+        stripped = False
+        for p in known:
+            if text.startswith(p):
+                text, stripped = text[len(p) :], True
+    return f"{prefix}: {text}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..errors import TensorStoreError
 
         if isinstance(e, TensorStoreError):
-            print(f"tensorstore-hooks: {e}", file=sys.stderr)
+            print(error_line(f"tensorstore-hooks {args.command}", e), file=sys.stderr)
             return 1
         raise
 

@@ -3,8 +3,11 @@
 A run killed with SIGKILL (or by the OOM killer) cannot close its store: its
 namespace under a shared root, or its whole temporary store, stays on disk. This
 removes the namespaces of dead processes on this host and their temporary roots
-(NOTE [ Stale namespaces ] in ``tensorstore_hooks._housekeeping``); a live
-process's namespace is never touched. Stores also sweep their root when they open.
+(NOTE [ Stale namespaces ] in ``tensorstore_hooks._housekeeping``): only what the
+library made (its own attributes, its lock, its temporary-root marker); a live
+process's namespace, another program's files and symbolic links are never touched.
+It prints exactly what it removed, and what it had to leave and why. Stores also
+sweep their root when they open.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "clean",
         help="remove namespaces and temporary stores of dead processes on this host",
         description=(
-            "Remove the store namespaces (ROOT/[rN-]HOST-PID-RANDOM) of processes that no "
-            "longer run on this host, and temporary stores (ROOT/tensorstore-hooks-*) "
-            "holding only such namespaces. ROOT: a local store root (a path or file:// "
-            "URL); default: where temporary stores go ($TSH_TMPDIR, else the system's "
-            "temporary directory)."
+            "Remove the store namespaces (ROOT/[rN-]HOST-PID-RANDOM, made by "
+            "tensorstore-hooks: its attributes in zarr.json and its lock file) of "
+            "processes that no longer run on this host, and temporary stores "
+            "(ROOT/tensorstore-hooks-*, with the library's marker) holding only such "
+            "namespaces. Nothing else is removed, and symbolic links are never followed. "
+            "ROOT: a local store root (a path or file:// URL); default: where temporary "
+            "stores go ($TSH_TMPDIR, else the system's temporary directory)."
         ),
     )
     parser.add_argument("root", nargs="?", metavar="ROOT", help="local store root")
@@ -38,8 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """List (and unless ``--dry-run`` remove) stale namespaces; 2 if ROOT is not a directory."""
-    from .._housekeeping import find_stale, remove, temp_parent
+    """List (and unless ``--dry-run`` remove) stale namespaces; 2 if ROOT is not a
+    directory, 1 if something stale could not be removed."""
+    from .._housekeeping import Stale, find_stale, remove, temp_parent
     from .._units import format_bytes
 
     root = args.root or temp_parent()
@@ -52,14 +58,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"clean: {root!r} is not a directory", file=sys.stderr)
         return 2
     found = find_stale(root)
-    sizes = [_tree_bytes(item.path) for item in found]
-    if not args.dry_run:
-        remove(found)
-    verb = "would remove" if args.dry_run else "removed"
-    for item, nbytes in zip(found, sizes, strict=True):
-        print(f"{verb} {item.kind} {item.path} (pid {item.pid}, {format_bytes(nbytes)})")
-    print(f"{verb} {len(found)} stale item(s), {format_bytes(sum(sizes))} under {root}")
-    return 0
+    sizes = {item.path: _tree_bytes(item.path) for item in found}
+    if args.dry_run:
+        done: list[tuple[Stale, str | None]] = [(item, None) for item in found]
+        verb = "would remove"
+    else:
+        done = [(r.item, r.error) for r in remove(found)]
+        verb = "removed"
+    removed = [item for item, error in done if error is None]
+    for item in removed:
+        size = format_bytes(sizes[item.path])
+        print(f"{verb} {item.kind} {item.path} (pid {item.pid}, {size})")
+    for item, error in done:
+        if error is not None:
+            print(f"clean: left {item.kind} {item.path}: {error}", file=sys.stderr)
+    total = format_bytes(sum(sizes[item.path] for item in removed))
+    print(f"{verb} {len(removed)} stale item(s), {total} under {root}")
+    return 1 if len(removed) != len(done) else 0
 
 
 def _tree_bytes(path: str) -> int:

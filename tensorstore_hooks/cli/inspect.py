@@ -388,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
     a traceback)."""
     from .._urls import DAEMON_SCHEMES, scheme_of
     from ..errors import TensorStoreError
+    from . import error_line
 
     try:
         targets = _targets(args)
@@ -420,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             listing = inspect_chain(urls, options, budgets)
     except TensorStoreError as e:
-        print(f"inspect: {_one_line(str(e))}", file=sys.stderr)
+        print(error_line("inspect", e), file=sys.stderr)
         return 1
     except Exception as e:  # never a traceback for a store we cannot read
         why = f"{type(e).__name__}: {_one_line(str(e))}"

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the settings, start the daemon, print the listening line; exit 0 after a drain."""
     from ..errors import ConfigError
     from ..server import load_config, serve
+    from . import error_line
 
     try:
         config = load_config(
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if args.check:
             return _check(config)
     except ConfigError as e:
-        print(f"tensorstore-hooks serve: {e}", file=sys.stderr)
+        print(error_line("tensorstore-hooks serve", e), file=sys.stderr)
         return 2
     server_log = logging.getLogger("tensorstore_hooks.server")
     level = logging.getLevelName(config.log_level.upper())
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return serve(config, on_ready=ready)
     except ConfigError as e:
-        print(f"tensorstore-hooks serve: {e}", file=sys.stderr)
+        print(error_line("tensorstore-hooks serve", e), file=sys.stderr)
         return 2
     except OSError as e:
         where = config.unix or config.listen

@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     """Fetch and print the statistics; exit 1 with a message if the daemon is unreachable."""
     from .._daemon_client import fetch_stats
     from ..errors import ConfigError, StoreUnavailableError
+    from . import error_line
 
     token = None
     if args.token_file:
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             tls_key=args.tls_key,
         )
     except (StoreUnavailableError, ConfigError) as e:
-        print(f"tensorstore-hooks stats: {e}", file=sys.stderr)
+        print(error_line("tensorstore-hooks stats", e), file=sys.stderr)
         return 1
     if args.json:
         json.dump(snap, sys.stdout, indent=2, sort_keys=True)

@@ -112,10 +112,16 @@ class OffloadCallback(Callback):
         pl_module.log_dict({k: float(v) for k, v in figures.items()}, on_step=True, on_epoch=False)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._leave()
+        # Lightning calls no teardown after an exception: undo setup here (a later fit
+        # sets up afresh), so the module is not left wrapped nor the session open.
+        self._finish()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit" or not self._open:
+        if stage == "fit":
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self._open:
             return
         self._leave()
         self._open = False
