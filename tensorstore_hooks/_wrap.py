@@ -81,6 +81,7 @@ class _Wrap:
         "first_forward",
         "hooks",
         "local",
+        "module_rules",
         "ran_selected",
         "refused",
         "root_name",
@@ -98,6 +99,9 @@ class _Wrap:
         self.refused: str | None = None  # Rule 6: why forward must raise, once dynamo said so
         # Rule 7: the root's first forward checks that a selected submodule ran.
         self.first_forward = blocks
+        # The policy has `module` rules: only then does a module path traced by dynamo
+        # (where the scope sees nothing) change a decision, and warn.
+        self.module_rules = False
         self.ran_selected = False
 
 
@@ -155,7 +159,7 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
             from ._compile import wrap_hook_traced
 
             wrap_hook_traced(key, module, enter_module, refuse_traced)
-        elif key in _SCOPED:
+        elif key in _SCOPED and _SCOPED[key].wrap.module_rules:
             from ._compile import scope_traced
 
             scope_traced(_SCOPED[key].wrap.scope)
@@ -436,6 +440,7 @@ def wrap(
     hooks = WrapHooks(pipeline)
     hooks._wrap_root = weakref.ref(module)
     state = _Wrap(hooks, scope, type(module).__name__, blocks=selected != {""})
+    state.module_rules = any(r.module is not None for r in getattr(pipeline.policy, "rules", ()))
     with _LOCK:
         if any(_entry(sub) is not None for sub in names.values()):  # lost a race
             pipeline.close()
