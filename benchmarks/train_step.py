@@ -18,7 +18,8 @@ Modes (CPU)::
     tsh-disk-buffered  the same through the page cache (direct_io="off")
     tsh-memory    tsh.offload("memory://")
     tsh-disk@SIZE tsh.offload(device_budget=SIZE), e.g. tsh-disk@512MiB
-                  (``--budget-sweep 256MiB,512MiB`` adds one such mode per size)
+                  (``--budget-sweep 256MiB,512MiB`` adds one such mode per size);
+                  SIZE may be ``auto`` (the memory there is) or a share, ``60%``
 
 With a remote store (``--store s3://bucket/prefix [--storage-options JSON]``, or
 ``--seaweedfs``: the benchmark starts SeaweedFS on 127.0.0.1 itself, a fresh cluster
@@ -82,6 +83,15 @@ by parameter, step by step.
         --memory-limit 0.3 --rounds 2 --steps 1 --plot bench-out/limit.png
     python benchmarks/train_step.py --seaweedfs --modes none,tsh-disk,tsh-remote,tsh-chain
     python benchmarks/train_step.py --store s3://bucket/acts --modes none,tsh-remote
+
+Budgets (``device_budget``): ``--dynamic`` draws each step's sequence length from a
+fixed seeded list within +-30% of ``--seq`` (the model's positions cover the longest),
+as dynamic padding does; the "budgets" table then shows what the plan kept per step
+against the budget in force. ``device_budget=auto`` under a hard limit
+(``--memory-limit``) against offloading everything under the same limit::
+
+    python benchmarks/train_step.py --modes none,tsh-disk,tsh-disk@auto --memory-limit 0.5
+    python benchmarks/train_step.py --modes none,tsh-disk@512MiB --dynamic
 """
 
 from __future__ import annotations
@@ -287,7 +297,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from tensorstore_hooks._demo_model import GPT, synthetic_batch
 
-    cfg = _model_config(args)
+    cfg, lengths = _step_config(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     mode, budget = split_mode(args.mode)
@@ -298,6 +308,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     names = [n for n, _ in model.named_parameters()]
     batches = [synthetic_batch(cfg, i, device=device) for i in range(1 + args.steps)]
+    if lengths:  # --dynamic: each step's batch cut to its own length
+        batches = [(t[:, :n], y[:, :n]) for (t, y), n in zip(batches, lengths, strict=True)]
 
     ref: list[dict[str, torch.Tensor]] | None = None
     ref_path = Path(args.ref_grads)
@@ -352,7 +364,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     container = _container_start(group, args.memory_budget)
     base = sampler.start()  # the RSS before the first step: the run's baseline
     for i, (tokens, targets) in enumerate(batches):
-        stats_before = dataclasses.replace(hooks.stats) if hooks is not None else None
+        # (A deep copy: per_rule, a dict, changes in place.)
+        stats_before = hooks.stats.snapshot() if hooks is not None else None
         cpu_before = library_thread_cpu_s()
         renice_library_threads(args.io_nice)
         step_rss_before = sampler.rss()
@@ -442,6 +455,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "grads_identical": None if writes_ref else identical,
         "grad_mismatches": mismatches,
         "chain_stats": chain_stats,
+        "lengths": [int(t.shape[1]) for t, _ in batches],
     }
 
 
@@ -461,7 +475,9 @@ def _stats_delta(before: Any, after: Any) -> dict[str, float]:
         "unpack_stall_s",
         "bytes_written",
     )
-    return {f: getattr(after, f) - getattr(before, f) for f in fields}
+    out = {f: getattr(after, f) - getattr(before, f) for f in fields}
+    out.update(_plan_delta(before, after))
+    return out
 
 
 # ------------------------------------------------------- container memory, library CPU
@@ -573,6 +589,80 @@ def _model_config(args: argparse.Namespace) -> Any:
     return config_for(args.size, **changes)
 
 
+# ------------------------------------------------------------------ budgets (device_budget)
+DYNAMIC_SPREAD = 0.3  # --dynamic: lengths within +-30% of --seq
+DYNAMIC_SEED = 20
+
+
+def dynamic_lengths(seq: int, steps: int) -> list[int]:
+    """The sequence length of each step (warm-up first) under ``--dynamic``: drawn from
+    a fixed seeded list within +-30% of ``seq``, the same for every mode and round."""
+    import random
+
+    rng = random.Random(DYNAMIC_SEED)
+    low, high = round(seq * (1 - DYNAMIC_SPREAD)), round(seq * (1 + DYNAMIC_SPREAD))
+    return [rng.randint(low, high) for _ in range(1 + steps)]
+
+
+def _step_config(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
+    """The model config and, under ``--dynamic``, each step's sequence length (then the
+    model's positions cover the longest)."""
+    cfg = _model_config(args)
+    if not args.dynamic:
+        return cfg, None
+    lengths = dynamic_lengths(cfg.seq, args.steps)
+    return dataclasses.replace(cfg, seq=max(lengths)), lengths
+
+
+def _plan_delta(before: Any, after: Any) -> dict[str, float]:
+    """What the device_budget plan kept in a step, and the budget in force at its end."""
+    route_before = before.per_rule.get("device_budget")
+    route_after = after.per_rule.get("device_budget")
+    kept = (route_after.bytes if route_after else 0) - (route_before.bytes if route_before else 0)
+    budget = after.effective_device_budget
+    return {"planned_bytes": kept, "device_budget": -1 if budget is None else budget}
+
+
+def format_budgets(result: dict[str, Any]) -> str:
+    """Per mode with a device_budget: what the plan kept per measured step (mean, least,
+    most) and the budget in force; kept never passes the budget."""
+    lines = [
+        "| mode | lengths | budget in force | kept per step: mean | least | most "
+        "| most <= budget |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in result["summary"]:
+        if BUDGET_SEP not in mode:
+            continue
+        steps = [s for r in result["runs"] if r["mode"] == mode for s in r["steps"]]
+        measured = [s["stats"] for s in steps if not s["warmup"] and "stats" in s]
+        if not measured:
+            continue
+        kept = [st["planned_bytes"] for st in measured]
+        budgets = [st["device_budget"] for st in measured]
+        ok = all(k <= b for k, b in zip(kept, budgets, strict=True) if b >= 0)
+        lengths = sorted({n for r in result["runs"] if r["mode"] == mode for n in r["lengths"]})
+        span = f"{lengths[0]}..{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
+        lines.append(
+            f"| {mode} | {span} | {min(budgets) / GiB:.3f}..{max(budgets) / GiB:.3f} GiB | "
+            f"{statistics.mean(kept) / GiB:.3f} GiB | {min(kept) / GiB:.3f} GiB | "
+            f"{max(kept) / GiB:.3f} GiB | {'yes' if ok else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _plan_cells(runs: list[dict[str, Any]]) -> str:
+    """'budget | kept' per measured step of ``runs`` (GiB, medians), or '- | -'."""
+    stats = [
+        s["stats"] for r in runs for s in r.get("steps", []) if not s["warmup"] and "stats" in s
+    ]
+    budgets = [st["device_budget"] for st in stats if st["device_budget"] >= 0]
+    if not budgets:
+        return "- | -"
+    kept = statistics.median(st["planned_bytes"] for st in stats)
+    return f"{statistics.median(budgets) / GiB:.2f} GiB | {kept / GiB:.2f} GiB"
+
+
 # ----------------------------------------------------------------------- orchestrator
 def _worker_argv(
     args: argparse.Namespace, mode: int | str, rnd: int, result: Path, ref: Path
@@ -605,6 +695,8 @@ def _worker_argv(
         argv += ["--storage-options", args.storage_options]
     if args.chain_budget:
         argv += ["--chain-budget", str(args.chain_budget)]
+    if args.dynamic:
+        argv.append("--dynamic")
     return argv
 
 
@@ -676,7 +768,7 @@ def _schedule(modes: list[str], rounds: int) -> Iterator[tuple[int, str]]:
 
 def parse_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run: ``--modes`` (or every mode) plus one per ``--budget-sweep`` size."""
-    from tensorstore_hooks._units import parse_bytes
+    from tensorstore_hooks._units import check_budget
 
     default = CUDA_MODES if args.device == "cuda" else CPU_MODES
     remote = bool(args.store or args.seaweedfs)
@@ -702,9 +794,9 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
             )
         if budget is not None:
             try:
-                parse_bytes(budget)
+                check_budget(budget)
             except ValueError as e:
-                raise SystemExit(f"train_step: mode {m!r}: {e}") from None
+                raise SystemExit(f"train_step: mode {m!r}: device_budget: {e}") from None
     modes = list(dict.fromkeys(modes))
     if "none" not in modes:
         modes.insert(0, "none")  # every figure is a ratio to it
@@ -767,6 +859,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "io_nice": args.io_nice,
         "cgroup": {"version": support.version, "parent": support.parent, "reason": support.reason},
         "memory_limit": args.memory_limit,
+        "dynamic": args.dynamic,
         "summary": summary,
         "limited": summarise_limited(limited, runs, modes) if limited else {},
         "runs": runs,
@@ -1018,12 +1111,13 @@ def format_limited_table(result: dict[str, Any]) -> str:
     frac = result["memory_limit"]
     lines = [
         f"| mode (hard limit: pre-step charge + {frac:g} x none's container figure) "
-        "| outcome per round | step vs none unlimited |",
-        "|---|---|---|",
+        "| outcome per round | step vs none unlimited | device_budget in force | kept per step |",
+        "|---|---|---|---|---|",
     ]
     for mode, e in result["limited"].items():
         tr = f"{e['time_ratio']:.2f}x" if e["time_ratio"] is not None else "-"
-        lines.append(f"| {mode} | {', '.join(e['outcomes'])} | {tr} |")
+        runs = [r for r in result["limited_runs"] if r["mode"] == mode]
+        lines.append(f"| {mode} | {', '.join(e['outcomes'])} | {tr} | {_plan_cells(runs)} |")
     return "\n".join(lines)
 
 
@@ -1173,6 +1267,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes tsh-chain's local tier may hold (default: half of what a step saves)",
     )
     p.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="each step's sequence length drawn from a fixed seeded list within +-30%% of "
+        "--seq (dynamic padding); the budgets table shows what device_budget kept",
+    )
+    p.add_argument(
         "--json",
         metavar="FILE",
         help="write every figure (and the RSS traces) as JSON; its folder is created",
@@ -1256,6 +1356,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"container figures: a child memory cgroup (v{cg['version']}) per worker")
     print()
     print(format_table(result))
+    if any(BUDGET_SEP in m for m in result["summary"]):
+        print("\ndevice_budget: what the plan kept" + (" (--dynamic)" if args.dynamic else ""))
+        print(format_budgets(result))
     if result["limited"]:
         print()
         print(format_limited_table(result))

@@ -11,6 +11,7 @@ The rules: NOTE [ Tier chain ] in ``_chain_core.py``.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -20,9 +21,10 @@ import torch
 from ._chain_core import Core
 from ._chain_ledger import Tier
 from ._chain_stats import ChainStats
+from ._forks import foreign
 from ._store import TensorStore
 from ._units import format_bytes, parse_bytes
-from .errors import ConfigError
+from .errors import ConfigError, StoreUnavailableError
 
 __all__ = ["ChainStats", "TierChain", "check_budgets"]
 
@@ -84,21 +86,36 @@ class TierChain(TensorStore):
             close_timeout_s=float(close_timeout_s),
             plan=bool(plan),
         )
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: the movers are this process's
         # Dropped without close(): the movers stop and the owned tiers close.
-        self._finalizer = weakref.finalize(self, self._core.close)
+        self._finalizer = weakref.finalize(self, _close, self._core, self._pid)
 
     # ------------------------------------------------------------ TensorStore
     def put(self, tensor: torch.Tensor) -> str:
+        self._check_writer("put")
         return self._core.put(tensor)
 
     def get(self, key: str, *, device: torch.device | str | None = None) -> torch.Tensor:
         return self._core.get(key, device)
 
     def delete(self, key: str) -> None:
+        self._check_writer("delete")
         self._core.delete_many([key], strict=True)
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        self._check_writer("delete")
         self._core.delete_many(list(keys), strict=False)
+
+    def _check_writer(self, what: str) -> None:
+        # A forked child has none of the movers' threads and may inherit the chain's
+        # lock held: it must not touch the parent's tiers (NOTE [ Fork safety ]).
+        if foreign(self._pid):
+            raise StoreUnavailableError(
+                f"TierChain({self.url}): cannot {what} here: this chain was opened by "
+                f"process {self._pid} and this process ({os.getpid()}) is a fork of it, "
+                "which must leave the parent's tiers alone (NOTE [ Fork safety ]); "
+                "open a store of this process's own with tsh.open_store(...)"
+            )
 
     def keys(self) -> Iterator[str]:
         with self._core.ledger.cond:
@@ -126,7 +143,8 @@ class TierChain(TensorStore):
 
     def close(self) -> None:
         """Stop the movers (waiting for moves in flight), then close the owned tiers.
-        Idempotent (NOTE [ Tier chain ] Rule 7)."""
+        Idempotent (NOTE [ Tier chain ] Rule 7). In a forked child of the process that
+        opened it, nothing: the tiers and the movers are the parent's."""
         self._finalizer()
 
     # ------------------------------------------------------------------ chain
@@ -191,3 +209,8 @@ def check_budgets(budgets: Any, tiers: int) -> list[int]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return out
+
+
+def _close(core: Core, pid: int) -> None:
+    if not foreign(pid):  # a forked child's close or exit: NOTE [ Fork safety ]
+        core.close()

@@ -45,7 +45,17 @@ from ._policy import (
     rule_module,
     rule_ndims,
 )
-from ._units import Duration, OptSize, Size, check_size
+from ._units import (
+    DEFAULT_HEADROOM,
+    Budget,
+    Duration,
+    Headroom,
+    MemoryShare,
+    OptBudget,
+    OptSize,
+    Size,
+    check_size,
+)
 from ._urls import BadURLError
 from ._yaml_config import LineOf, format_validation_error, line_finder, read_yaml
 from ._zarr_options import DEFAULT_CHUNK_BYTES, check_chunk_bytes, parse_codec, parse_direct_io
@@ -116,7 +126,7 @@ class PipelineSettings:
 
     max_inflight: int | None = None
     """Bytes written behind before pack blocks (0: every write finishes before pack returns;
-    ``None``: derived from what the hooks saw, see NOTE [ Windows ] in ``_windows.py``)."""
+    ``None``: derived from what the hooks saw, see NOTE [ Windows ] in ``_budgets.py``)."""
     prefetch: int | None = None
     """Bytes read ahead during backward (0: no read-ahead; ``None``: derived, as above)."""
     writer_threads: int = 2
@@ -130,9 +140,14 @@ class PipelineSettings:
     """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a session starts: freed buffers
     of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
     at most 32 MiB). See NOTE [ Mmap threshold ] in ``_heap.py``."""
-    host_budget: int = 0
+    host_budget: int | MemoryShare = 0
     """Pinned host memory that tensors leaving an accelerator may occupy before they
-    spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]."""
+    spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]. Bytes,
+    or a share of the memory there is (``"auto"``, ``"60%"``: NOTE [ Auto budgets ]
+    in ``_budgets.py``)."""
+    memory_headroom: int | MemoryShare = DEFAULT_HEADROOM
+    """What ``auto`` and percentage budgets leave unused: bytes, or a share of the
+    memory limit (default 10%). NOTE [ Auto budgets ]."""
 
 
 @dataclass(frozen=True)
@@ -175,14 +190,15 @@ class EffectiveConfig:
                 "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
                 "release_heap_every": exact_size(self.pipeline.release_heap_every),
                 "mmap_threshold": _opt_exact(self.pipeline.mmap_threshold),
-                "host_budget": exact_size(self.pipeline.host_budget),
+                "host_budget": _budget_value(self.pipeline.host_budget),
+                "memory_headroom": _budget_value(self.pipeline.memory_headroom),
             },
             "policy": {
                 "min_bytes": exact_size(self.policy.min_bytes),
                 "skip_parameters": self.policy.skip_parameters,
                 "rules": [_rule_to_dict(r, sizes_as_str=True) for r in self.policy.rules],
                 "default": self.policy.default,
-                "device_budget": _opt_exact(self.policy.device_budget),
+                "device_budget": _budget_value(self.policy.device_budget),
             },
         }
 
@@ -201,6 +217,11 @@ def _tier_to_dict(tier: TierSettings, shown: Any) -> dict[str, Any]:
 
 def _opt_exact(n: int | None) -> int | str | None:
     return None if n is None else exact_size(n)
+
+
+def _budget_value(n: int | MemoryShare | None) -> int | str | None:
+    """A budget as YAML writes it: a size, ``"auto"`` or ``"60%"``."""
+    return str(n) if isinstance(n, MemoryShare) else _opt_exact(n)
 
 
 def _duration_str(s: float) -> str:
@@ -323,7 +344,8 @@ class _PipelineModel(_Model):
     mmap_threshold: Annotated[int | None, BeforeValidator(_mmap_threshold)] = (
         PipelineSettings.mmap_threshold
     )
-    host_budget: Size = PipelineSettings.host_budget
+    host_budget: Budget = PipelineSettings.host_budget
+    memory_headroom: Headroom = PipelineSettings.memory_headroom
 
 
 class _RuleModel(_Model):
@@ -367,7 +389,7 @@ class _PolicyModel(_Model):
     skip_parameters: bool = _DEFAULT_POLICY.skip_parameters
     rules: list[_RuleModel] = Field(default_factory=list)
     default: Action = _DEFAULT_POLICY.default
-    device_budget: OptSize = _DEFAULT_POLICY.device_budget
+    device_budget: OptBudget = _DEFAULT_POLICY.device_budget
 
 
 class _ConfigModel(_Model):
@@ -409,6 +431,7 @@ class _ConfigModel(_Model):
                 release_heap_every=p.release_heap_every,
                 mmap_threshold=p.mmap_threshold,
                 host_budget=p.host_budget,
+                memory_headroom=p.memory_headroom,
             ),
             policy=Policy(
                 min_bytes=pol.min_bytes,
@@ -490,6 +513,7 @@ _OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
     "default": ("policy", _PolicyModel),
     "device_budget": ("policy", _PolicyModel),
     "host_budget": ("pipeline", _PipelineModel),
+    "memory_headroom": ("pipeline", _PipelineModel),
     "mmap_threshold": ("pipeline", _PipelineModel),
     "prefetch": ("pipeline", _PipelineModel),
     "max_inflight": ("pipeline", _PipelineModel),

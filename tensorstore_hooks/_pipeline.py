@@ -77,10 +77,12 @@ class Pipeline:
         self._closed = False
         self._close_lock = threading.Lock()
         self.table = table = RecordTable(self._release, stats)
+        # Budgets first: host_budget "auto" is derived now (NOTE [ Auto budgets ]).
+        self.budget = budget = BudgetControl.for_pipeline(policy, settings, stats)
         self.stager = stager = DeviceStager(  # NOTE [ Host tier wiring ]
             table.copies,
             idle_cap=pinned_idle_cap(settings),
-            host_budget=settings.host_budget,
+            host_budget=budget.host_budget,
             stats=stats,
             hold_timeout_s=settings.read_deadline_s,
         )
@@ -94,7 +96,7 @@ class Pipeline:
             read_deadline_s=settings.read_deadline_s,
         )
         # Sets both windows now and after every forward (NOTE [ Windows ]).
-        budget = BudgetControl.for_pipeline(policy, settings, self.writer, self.prefetcher, stats)
+        budget.connect(self.writer, self.prefetcher, stager.tier)
         self.router = Router(
             policy=policy,
             stats=stats,

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from ._units import check_size
+from ._units import MemoryShare, check_size
 from .errors import ConfigError
 
 __all__ = [
@@ -375,9 +375,11 @@ class Policy:
     """Checked in order; the first that matches decides."""
     default: Action = "store"
     """The action for tensors no rule matched (and at least ``min_bytes`` large)."""
-    device_budget: int | None = None
+    device_budget: int | MemoryShare | None = None
     """Bytes of saved tensors the rules would move that may stay where they were made,
-    per forward, newest first (``None``: no plan). See NOTE [ Device budget plan ]."""
+    per forward, newest first (``None``: no plan), or a share of the memory there is
+    (``MemoryShare``: ``"auto"``, ``"60%"``). NOTE [ Device budget plan ] and NOTE
+    [ Auto budgets ] in ``_budgets.py``."""
     _table: tuple[tuple[Rule, Decision], ...] = field(
         default=(), init=False, repr=False, compare=False
     )
@@ -405,11 +407,15 @@ class Policy:
                 f"Policy: min_bytes must be a non-negative int, got {self.min_bytes!r}"
             )
         budget = self.device_budget
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+        if (
+            budget is not None
+            and not isinstance(budget, MemoryShare)
+            and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0)
         ):
             raise ConfigError(
-                f"Policy: device_budget must be a non-negative int or None, got {budget!r}"
+                "Policy: device_budget must be a non-negative int, a MemoryShare "
+                '(tsh.offload(device_budget="auto") or "60%" makes one) or None, '
+                f"got {budget!r}"
             )
         rules = tuple(self.rules)
         for i, r in enumerate(rules):

@@ -263,7 +263,7 @@ class Router:
         held = device_bytes(t)
         if route.action in _MOVES:
             self.ledger.would_move(held, nbytes, accelerator=accelerator)
-        if budget is not None and budget.keep(route.action, held, accelerator=accelerator):
+        if budget is not None and budget.keep(route.action, held, device=t.device):
             route = Route("keep", BUDGET_LABEL, nbytes)
         return self.account(route)
 

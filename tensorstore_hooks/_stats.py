@@ -37,8 +37,17 @@ class RouteStats:
     bytes: int = 0
 
 
-# Fields that are levels or high-water marks, not counts: a delta keeps the later value.
-_LEVELS = frozenset({"held_bytes", "peak_held_bytes", "peak_host_tier_bytes"})
+# Fields that are levels, high-water marks or settings, not counts: a delta keeps the
+# later value. Settings in force also survive reset().
+_SETTINGS = frozenset({"effective_device_budget", "effective_host_budget"})
+_LEVELS = frozenset(
+    {
+        "held_bytes",
+        "peak_held_bytes",
+        "peak_host_tier_bytes",
+        *_SETTINGS,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -89,9 +98,14 @@ class OffloadStats:
     peak_held_bytes: int = 0
     """The highest ``held_bytes`` since the hooks were made (or the last ``reset()``)."""
     replans: int = 0
-    """Times the ``device_budget`` plan was made again because a forward saved other
-    sizes (tensors the plan kept are counted under the ``per_rule`` label
-    ``"device_budget"`` and in ``bytes_kept``)."""
+    """Forwards that saved sizes the ``device_budget`` plan had not seen among its last
+    few forwards (tensors the plan kept are counted under the ``per_rule`` label
+    ``"device_budget"`` and in ``bytes_kept``). NOTE [ Device budget plan ]."""
+    effective_device_budget: int | None = None
+    """The ``device_budget`` in force, bytes: as given, or as ``auto`` / ``"60%"`` last
+    derived it (``None``: no budget, or not derived yet: the first forward)."""
+    effective_host_budget: int = 0
+    """The ``host_budget`` in force, bytes: as given or as last derived."""
     heap_releases: int = 0
     """Times the I/O threads handed freed heap memory back to the OS (``release_heap_every``)."""
     pinned_allocations: int = 0
@@ -153,11 +167,12 @@ class OffloadStats:
     def reset(self) -> None:
         """Zero every counter (call between steps); the peak restarts from what is held now.
 
-        Background writes still running count into the new period.
+        Background writes still running count into the new period. The effective
+        budgets are settings in force, not counts: they stay.
         """
         for f in dataclasses.fields(self):
             name = f.name
-            if name == "held_bytes":
+            if name in _SETTINGS or name == "held_bytes":
                 continue
             if name == "peak_held_bytes":
                 self.peak_held_bytes = self.held_bytes
@@ -194,6 +209,16 @@ class OffloadStats:
             f"stalls pack {self.pack_stall_s:.3f}s unpack {self.unpack_stall_s:.3f}s; "
             f"peak held {b(self.peak_held_bytes)}"
             + (f"; device_budget replans {self.replans}" if self.replans else "")
+            + (
+                f"; device_budget {b(self.effective_device_budget)}"
+                if self.effective_device_budget is not None
+                else ""
+            )
+            + (
+                f"; host_budget {b(self.effective_host_budget)}"
+                if self.effective_host_budget
+                else ""
+            )
             + (
                 f"; host tier peak {b(self.peak_host_tier_bytes)}, spilled "
                 f"{self.tensors_spilled} ({b(self.bytes_spilled)})"

@@ -247,8 +247,9 @@ def describe_pipeline(pipeline: Any) -> str:
 
     policy, settings, store = pipeline.policy, pipeline.settings, pipeline.store
 
-    def size(n: int | None, unset: str) -> int | str:
-        return unset if n is None else exact_size(n)
+    def size(n: object, unset: str) -> object:
+        # A budget may be a share of the memory there is ("auto", "60%"): shown as such.
+        return unset if n is None else exact_size(n) if isinstance(n, int) else str(n)
 
     temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
     rules = ", ".join(f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())) or "none"
@@ -259,5 +260,6 @@ def describe_pipeline(pipeline: Any) -> str:
         f"rules: {rules}; pipeline max_inflight={size(settings.max_inflight, 'derived')} "
         f"prefetch={size(settings.prefetch, 'derived')} "
         f"host_budget={size(settings.host_budget or None, 'none')} "
+        f"memory_headroom={size(settings.memory_headroom, 'none')} "
         f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
     )

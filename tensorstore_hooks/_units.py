@@ -10,24 +10,41 @@ a unit. A decimal fraction is accepted only where it makes whole bytes, computed
 exactly (``"1.5MiB"`` is 1572864; ``"0.5KB"`` is 500); ``"1.5"`` (1.5 bytes) and
 ``"0.3KiB"`` (307.2 bytes) are refused rather than rounded, and so are Python floats
 (``1.5`` or ``1024.0``: YAML ``min_bytes: 1.5`` is a float).
+
+NOTE [ Memory shares ]
+A budget (``device_budget``, ``host_budget``) is a size, or a share of the memory there
+is: ``"auto"`` (all of it) or a percentage from ``"0%"`` to ``"100%"`` (``"60%"``,
+``"12.5%"``). ``memory_headroom`` is a size or a percentage (of the memory limit).
+What "the memory there is" means: NOTE [ Auto budgets ] in ``_budgets.py``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, PlainValidator
 
 __all__ = [
+    "AUTO",
+    "BUDGET_HELP",
+    "DEFAULT_HEADROOM",
     "DURATION_HELP",
+    "HEADROOM_HELP",
+    "Budget",
+    "Headroom",
+    "MemoryShare",
+    "OptBudget",
     "SIZE_HELP",
     "Duration",
     "OptSize",
     "Size",
+    "check_budget",
     "check_duration",
+    "check_headroom",
     "check_size",
     "format_bytes",
     "parse_bytes",
@@ -57,6 +74,14 @@ _TIME_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 SIZE_HELP = (
     'a whole number of bytes: a non-negative int or a string like "512KiB", "8MiB", "1.5GiB"'
+)
+BUDGET_HELP = (
+    'a size (a non-negative int of bytes or a string like "512MiB", "1.5GiB"), "auto" '
+    '(the memory there is) or a share of it from "0%" to "100%" like "60%"'
+)
+HEADROOM_HELP = (
+    'a size (a non-negative int of bytes or a string like "512MiB") or a share of the '
+    'memory limit from "0%" to "100%" like "10%"'
 )
 DURATION_HELP = 'a non-negative number of seconds or a string like "500ms", "30s", "5m"'
 
@@ -138,11 +163,92 @@ def check_duration(value: Any) -> float:
     return seconds
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryShare:
+    """A share of the memory there is (NOTE [ Memory shares ]): ``"auto"`` or ``"60%"``."""
+
+    percent: float
+    """0 to 100; ``AUTO`` is 100."""
+
+    def __post_init__(self) -> None:
+        p = self.percent
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 100:
+            raise ValueError(f"MemoryShare: percent must be from 0 to 100, got {p!r}")
+
+    def of(self, nbytes: int) -> int:
+        """This share of ``nbytes``, whole bytes rounded down (0 for ``nbytes <= 0``)."""
+        return max(0, int(nbytes * self.percent) // 100) if self.percent < 100 else max(0, nbytes)
+
+    def __str__(self) -> str:
+        return "auto" if self.percent == 100 else f"{self.percent:g}%"
+
+
+AUTO = MemoryShare(100)
+"""``"auto"``: all of the memory there is."""
+DEFAULT_HEADROOM = MemoryShare(10)
+"""``memory_headroom``'s default: 10% of the memory limit."""
+
+_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def _share(value: object) -> MemoryShare | str | None:
+    """``value`` as a share, the reason it is a bad one, or ``None`` (not a share at all)."""
+    if isinstance(value, MemoryShare):
+        return value
+    if not isinstance(value, str):
+        return None
+    m = _SHARE_RE.match(value)
+    if m is None:
+        return None
+    percent = float(m.group(1))
+    if percent > 100:
+        return "a share of the memory there is cannot be over 100%"
+    return MemoryShare(int(percent) if percent.is_integer() else percent)
+
+
+def check_budget(value: Any) -> int | MemoryShare:
+    """A budget field's value (NOTE [ Memory shares ]); ``ValueError`` without the value."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
+    share = _share(value)
+    if isinstance(share, str):
+        raise ValueError(f"expected {BUDGET_HELP}; {share}")
+    if share is not None:
+        return share
+    n = _bytes(value)
+    if isinstance(n, str):
+        raise ValueError(n.replace(f"expected {SIZE_HELP}", f"expected {BUDGET_HELP}"))
+    return n
+
+
+def _optional_budget(value: Any) -> int | MemoryShare | None:
+    return None if value is None else check_budget(value)
+
+
+def check_headroom(value: Any) -> int | MemoryShare:
+    """``memory_headroom``'s value: a size or a percentage (``"auto"`` means nothing here)."""
+    share = _share(value)
+    if isinstance(share, str):
+        raise ValueError(f"expected {HEADROOM_HELP}; {share}")
+    if share is not None:
+        return share
+    n = _bytes(value)
+    if isinstance(n, str):
+        raise ValueError(n.replace(f"expected {SIZE_HELP}", f"expected {HEADROOM_HELP}"))
+    return n
+
+
 Size = Annotated[int, BeforeValidator(check_size)]
 """Pydantic field type, bytes: see NOTE [ Whole bytes ]. Import it from here
 (``from tensorstore_hooks._units import Size``); the library and daemon share it."""
 OptSize = Annotated[int | None, BeforeValidator(_optional_size_field)]
 """A :data:`Size` or ``None`` (null in YAML)."""
+Budget = Annotated[int | MemoryShare, PlainValidator(check_budget)]
+"""Pydantic field type: a size, ``"auto"`` or ``"60%"`` (NOTE [ Memory shares ])."""
+OptBudget = Annotated[int | MemoryShare | None, PlainValidator(_optional_budget)]
+"""A :data:`Budget` or ``None`` (null in YAML)."""
+Headroom = Annotated[int | MemoryShare, PlainValidator(check_headroom)]
+"""Pydantic field type: a size or a percentage (``memory_headroom``)."""
 Duration = Annotated[float, BeforeValidator(check_duration)]
 """Pydantic field type, seconds: a finite non-negative number or ``"500ms"``, ``"30s"``,
 ``"5m"``, ``"1h"``."""

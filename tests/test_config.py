@@ -28,7 +28,14 @@ from tensorstore_hooks.cli import check_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-EXAMPLES = ["local-disk.yaml", "memory.yaml", "s3.yaml", "daemon-client.yaml", "transformer.yaml"]
+EXAMPLES = [
+    "local-disk.yaml",
+    "memory.yaml",
+    "s3.yaml",
+    "daemon-client.yaml",
+    "transformer.yaml",
+    "auto-budgets.yaml",
+]
 
 
 def _write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:

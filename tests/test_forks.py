@@ -142,13 +142,15 @@ def _child_writes(store: Any, conn: Any) -> None:
         conn.send(str(e))
 
 
-@pytest.mark.parametrize("kind", ["file", "daemon"])
+@pytest.mark.parametrize("kind", ["file", "daemon", "chain"])
 def test_forked_child_cannot_write_or_delete_the_parents_store(
     tmp_path: Path, kind: str, request: pytest.FixtureRequest
 ) -> None:
     if kind == "daemon":
         daemon: Daemon = request.getfixturevalue("shared_daemon")
         store = tsh.open_store(daemon.url)
+    elif kind == "chain":
+        store = tsh.open_store(["memory://", f"file://{tmp_path / 'root'}"], budgets=["1MiB"])
     else:
         store = tsh.open_store(f"file://{tmp_path / 'root'}")
     key = store.put(torch.arange(4.0))

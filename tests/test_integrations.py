@@ -201,6 +201,7 @@ def test_transformers_figures_reach_the_trainers_logs(tmp_path: Path) -> None:
     stats = cb.hooks.stats
     assert sum(h["tsh/bytes_offloaded"] for h in steps) == stats.bytes_offloaded
     assert sum(h["tsh/budget_kept_bytes"] for h in steps) > 0  # the plan kept some
+    assert steps[-1]["tsh/effective_device_budget"] == 64 * 1024  # the budget in force
     final = history[-1]
     assert "train_runtime" in final
     assert final["tsh/total/bytes_offloaded"] == stats.bytes_offloaded

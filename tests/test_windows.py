@@ -1,8 +1,8 @@
-"""Derived prefetch / max_inflight windows (NOTE [ Windows ] in ``_windows.py``)."""
+"""Derived prefetch / max_inflight windows (NOTE [ Windows ] in ``_budgets.py``)."""
 
 from __future__ import annotations
 
-from tensorstore_hooks._windows import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, derive_windows
+from tensorstore_hooks._budgets import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, derive_windows
 
 MiB = 1 << 20
 
