@@ -34,6 +34,9 @@ Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``)
 * ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
 * ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.
+* ``_report.py`` - ``hooks.report()`` (per module path: what was saved, the action and
+  the rule; the device-budget curve) and the figures the trainer callbacks log;
+  ``_caller.py`` - errors that name the public function the user called.
 * ``_capture.py`` - ``capture()``: module hooks streaming intermediates and gradients
   into plain Zarr arrays under ``ROOT/capture/`` (``_capture_writer.py`` appends them on
   I/O threads, ``_capture_layout.py`` is their layout); ``_capture_dataset.py`` -

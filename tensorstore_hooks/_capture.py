@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from ._caller import names_caller
 from ._capture_layout import CAPTURE_DIR, row_bytes, stored_dtype_name
 from ._capture_source import CaptureSource, open_zarr_array
 from ._capture_writer import (
@@ -409,6 +410,7 @@ def _variant(base: str, row_shape: tuple[int, ...], dtype: str) -> str:
 
 
 # ---------------------------------------------------------------------- capture()
+@names_caller("tsh.capture")
 def capture(
     model: torch.nn.Module,
     store: str | os.PathLike[str] | TensorStore,

@@ -12,17 +12,19 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
 
+from ._caller import names_caller
 from ._compose import block_abort, block_enter, block_exit
 from ._config import EffectiveConfig, StoreSettings
 from ._diagnose import after_forward, before_forward
 from ._effects import shield_signals
 from ._pipeline import Pipeline
 from ._registry import chain_from_settings, open_store, options_from_config
+from ._report import Report
 from ._store import TensorStore
 from ._trace import Timeline, describe_pipeline, forward_begin, forward_end
 from .errors import ConfigError
@@ -69,6 +71,43 @@ class HooksBase:
         from ._trace import record
 
         return record(self._pipeline, path)
+
+    def report(
+        self, budgets: Sequence[int | str] | None = None, *, depth: int | None = None
+    ) -> Report:
+        """What the policy decided in the last finished forward, per module path.
+
+        A table of rows (module path, tensors saved, bytes, action, the rule that
+        decided) and the ``device_budget`` curve: for each budget, what would stay on
+        the device and what would move per step (``budgets``: sizes such as
+        ``"64MiB"``; default 0, 25, 50, 100 and 200% of what the rules move). Call it
+        after a step (forward and backward). ``print(hooks.report())`` for text,
+        ``hooks.report().to_json()`` for tools. ``depth``: count submodules under
+        their path's first ``depth`` parts (``2``: ``layers.3.linear1`` as ``layers.3``;
+        ``None``: whole paths). Module paths need a model
+        (``tsh.offload(model=...)``, ``hooks.attach(model)`` or ``tsh.wrap``).
+        See NOTE [ Report ledger ].
+        """
+        from ._report import report_from_settings
+
+        if depth is not None and (
+            isinstance(depth, bool) or not isinstance(depth, int) or depth < 1
+        ):
+            raise ConfigError(
+                f"OffloadHooks.report: depth must be an int >= 1 or None, got {depth!r}"
+            )
+
+        points = None if budgets is None else [_budget_point(b) for b in budgets]
+        pipeline = self._pipeline
+        return report_from_settings(
+            pipeline.router.ledger,
+            scoped=pipeline.scope is not None,
+            policy=self.policy,
+            settings=self.settings,
+            stats=self.stats,
+            budgets=points,
+            depth=depth,
+        )
 
     def flush(self) -> None:
         """Block until every pending write has reached the store.
@@ -192,6 +231,15 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
         return f"OffloadHooks(store={self._pipeline.store.url!r}, {self.stats.summary()})"
 
 
+def _budget_point(value: int | str) -> int:
+    from ._units import parse_bytes
+
+    try:
+        return parse_bytes(value, what="OffloadHooks.report: budgets")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_model(model: object, where: str) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
@@ -211,6 +259,7 @@ def _store_options(url: object, store_cfg: StoreSettings) -> dict[str, object]:
     )
 
 
+@names_caller("tsh.offload")
 def offload(
     store: str | os.PathLike[str] | TensorStore | None = None,
     *,

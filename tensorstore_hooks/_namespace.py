@@ -125,6 +125,9 @@ class NamespaceIndex:
         self._users = 0  # offload sessions writing here: NOTE [ Closed while in use ]
         self._close_pending = False
         self._finished = False  # close() ran
+        self.root_doc: bytes | None = None
+        """The root's ``zarr.json``, written at the first put (the store sets it)."""
+        self.root_doc_written = False  # a store that never stored anything leaves no file
 
     # ----------------------------------------------------------------- replay
     def resume(self) -> None:
@@ -176,6 +179,17 @@ class NamespaceIndex:
             except SegmentFullError as e:
                 raise StoreUnavailableError(f"ZarrStore({self._url}): {e}") from None
         return key, (chunk, start, count)
+
+    def ensure_root_doc(self) -> None:
+        """The root's ``zarr.json``, where missing: written at the first put, so a store
+        that never stored anything leaves no file at its root."""
+        if self.root_doc_written or self.root_doc is None:
+            return
+        with self._lock:
+            if not self.root_doc_written:
+                if not self._io.exists("zarr.json"):
+                    self._io.write("zarr.json", [self.root_doc])
+                self.root_doc_written = True
 
     def ensure_segment(self, chunk: int, compressors: list[Any]) -> None:
         """Write the segment array document of size class ``chunk`` if not yet done."""

@@ -40,6 +40,7 @@ from ._records import (
     dedup_key,
     inplace_error,
 )
+from ._report import Ledger
 from ._scope import ModuleScope
 from ._signals import shielded
 from ._staging import device_bytes
@@ -56,6 +57,7 @@ CAPTURE_LABEL = "cuda graph capture"
 """The stats label (``stats.per_rule``) of tensors kept because a graph was being
 captured (rule 10 of NOTE [ Stream ordering ])."""
 
+_MOVES = frozenset(("store", "host"))  # actions that take a tensor off its device
 _T = TypeVar("_T", bound="_Detachable")
 _D = TypeVar("_D")
 
@@ -145,6 +147,9 @@ class Router:
         self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child keeps what it packs
         self.budget = budget
         """Between :meth:`decide` and :meth:`account`: NOTE [ Device budget plan ]."""
+        self.ledger = Ledger()
+        """Every counted decision per module path, for ``hooks.report()``
+        (NOTE [ Report ledger ])."""
 
     @property
     def closing(self) -> bool:
@@ -254,7 +259,11 @@ class Router:
         """:meth:`decide`, the budget's plan, then :meth:`account`: the action for ``t``."""
         route = self.decide(t, nbytes, parameter=parameter)
         budget = self.budget
-        if budget is not None and budget.keep(route.action, device_bytes(t), device=t.device):
+        accelerator = t.device.type != "cpu"
+        held = device_bytes(t)
+        if route.action in _MOVES:
+            self.ledger.would_move(held, nbytes, accelerator=accelerator)
+        if budget is not None and budget.keep(route.action, held, device=t.device):
             route = Route("keep", BUDGET_LABEL, nbytes)
         return self.account(route)
 
@@ -262,6 +271,7 @@ class Router:
         """Every unpack calls this: the first of a backward ends the forward for the
         budget and starts the read-ahead at the newest stored tensor (the newest kept
         ones are consumed meanwhile)."""
+        self.ledger.backward_started()
         if self.budget is not None and self.budget.backward_started():
             self._prefetcher.restart()
 
@@ -271,6 +281,8 @@ class Router:
         self.stats.tensors_kept += 1
 
     def _count(self, action: str, label: str, nbytes: int) -> None:
+        path = self.scope.current() if self.scope is not None else None
+        self.ledger.count(path, action, label, nbytes)
         for table, name in ((self.stats.per_action, action), (self.stats.per_rule, label)):
             route = table.get(name)
             if route is None:

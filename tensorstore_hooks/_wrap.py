@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 
+from ._caller import names_caller
 from ._compose import checkpoint_decides
 from ._diagnose import after_forward, glob_matches, sample_names
 from ._eager import never_compiled
@@ -80,6 +81,7 @@ class _Wrap:
         "first_forward",
         "hooks",
         "local",
+        "module_rules",
         "ran_selected",
         "refused",
         "root_name",
@@ -97,6 +99,9 @@ class _Wrap:
         self.refused: str | None = None  # Rule 6: why forward must raise, once dynamo said so
         # Rule 7: the root's first forward checks that a selected submodule ran.
         self.first_forward = blocks
+        # The policy has `module` rules: only then does a module path traced by dynamo
+        # (where the scope sees nothing) change a decision, and warn.
+        self.module_rules = False
         self.ran_selected = False
 
 
@@ -154,7 +159,7 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
             from ._compile import wrap_hook_traced
 
             wrap_hook_traced(key, module, enter_module, refuse_traced)
-        elif key in _SCOPED:
+        elif key in _SCOPED and _SCOPED[key].wrap.module_rules:
             from ._compile import scope_traced
 
             scope_traced(_SCOPED[key].wrap.scope)
@@ -381,6 +386,7 @@ def _select(names: dict[str, torch.nn.Module], globs: list[str] | None) -> set[s
     return {n for n in chosen if not nested(n)}
 
 
+@names_caller("tsh.wrap")
 def wrap(
     module: torch.nn.Module,
     store: str | os.PathLike[str] | TensorStore | None = None,
@@ -428,13 +434,13 @@ def wrap(
                     "call tsh.unwrap(model) (or hooks.remove()) first"
                 )
     pipeline = make_pipeline(store, config, overrides)
-    rules = getattr(pipeline.policy, "rules", ())
-    scope = ModuleScope() if any(r.module is not None for r in rules) else None
-    if scope is not None:
-        pipeline.scope = scope
+    # Module paths for ``module`` rules and for hooks.report() (NOTE [ Report ledger ]).
+    scope = ModuleScope()
+    pipeline.scope = scope
     hooks = WrapHooks(pipeline)
     hooks._wrap_root = weakref.ref(module)
     state = _Wrap(hooks, scope, type(module).__name__, blocks=selected != {""})
+    state.module_rules = any(r.module is not None for r in getattr(pipeline.policy, "rules", ()))
     with _LOCK:
         if any(_entry(sub) is not None for sub in names.values()):  # lost a race
             pipeline.close()

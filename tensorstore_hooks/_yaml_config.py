@@ -203,16 +203,18 @@ def format_validation_error(
     line_of: LineOf | None = None,
     source_of: Callable[[Loc], str | None] | None = None,
 ) -> str:
-    """One line per problem: ``SOURCE[:LINE]: FIELD.PATH: what is wrong; got VALUE``.
+    """One line per problem, in file order: ``SOURCE[:LINE]: FIELD.PATH: what is wrong;
+    got VALUE``.
 
     ``line_of(loc)`` maps a field location to a 1-based YAML line; ``source_of(loc)``,
     if given and not None for a location, names another source for that field (the
     daemon's command-line flags override its file) and then no line is shown.
     """
-    lines = []
+    found: list[tuple[int, str]] = []
     for err in error.errors(include_url=False):
         loc = tuple(err["loc"])
         where = source
+        line = None
         other = source_of(loc) if source_of is not None else None
         if other is not None:
             where = other
@@ -221,7 +223,9 @@ def format_validation_error(
             if line is not None:
                 where = f"{source}:{line}"
         path = _path(prefix + loc) or "(top level)"
-        lines.append(f"{where}: {path}: {_describe(err, root)}")
+        found.append((line or 0, f"{where}: {path}: {_describe(err, root)}"))
+    # In file order (pydantic reports in its own order); problems without a line first.
+    lines = [text for _, text in sorted(found, key=lambda item: item[0])]
     if len(lines) == 1:
         return lines[0]
     return f"{len(lines)} problems in {source}:\n  " + "\n  ".join(lines)

@@ -148,7 +148,7 @@ class KeyReader:
         except Exception as e:
             gone = None
             if isinstance(e, FileNotFoundError) and key in self._ns:
-                gone = store_gone(self._io, self._url, self._ns.namespace)
+                gone = store_gone(self._io, self._url, self._ns)
             if key not in self._ns:
                 err: Exception = self.missing(key)
             elif gone is not None:
@@ -192,10 +192,12 @@ def aligned_region(buffer: Any, n: int, what: str) -> memoryview:
     return region
 
 
-def store_gone(io: ChunkIO, url: str, namespace: str) -> str | None:
+def store_gone(io: ChunkIO, url: str, ns: NamespaceIndex) -> str | None:
     """Why the store's root or namespace is no longer there (``None`` if it is)."""
+    namespace = ns.namespace
     try:
-        if not io.exists("zarr.json"):
+        # Before the first put the root has no zarr.json: only the namespace tells.
+        if ns.root_doc_written and not io.exists("zarr.json"):
             return f"the store's root {url} is gone (removed or renamed while the store was open)"
         if not io.exists(f"{namespace}/zarr.json"):
             return (

@@ -287,6 +287,7 @@ class ZarrStore(BlobStore):
         self._writes = KeyWriter(
             self._ns, self._codec, self._io, self._url, self._pid, self._counter
         )
+        self._ns.root_doc = root_doc(FORMAT_VERSION)
         self._ns.closed = True  # until fully constructed: close() must be safe on failure
         try:
             self._unlock = _lock_namespace(self._io, self.namespace)
@@ -564,10 +565,9 @@ def _configure_direct_io(io: ChunkIO, mode: str, namespace: str) -> DirectIOStat
 
 
 def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec: str) -> None:
-    """The root's and the namespace's ``zarr.json`` (group documents), where missing; a
-    namespace of another layout format is refused (``ConfigError`` naming it)."""
-    if not io.exists("zarr.json"):
-        io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+    """The namespace's ``zarr.json`` (a group document), where missing; a namespace of
+    another layout format is refused (``ConfigError`` naming it). The root's is written
+    at the first put (``NamespaceIndex.ensure_root_doc``)."""
     ns_doc = f"{namespace}/zarr.json"
     if not io.exists(ns_doc):
         io.write(ns_doc, [namespace_doc(FORMAT_VERSION, namespace, chunk_bytes, codec)])

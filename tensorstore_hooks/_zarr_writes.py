@@ -56,6 +56,7 @@ class KeyWriter:
         chunk, _, count = run
         paths = self._ns.run_paths(run)
         try:
+            self._ns.ensure_root_doc()
             if count:
                 self._ns.ensure_segment(chunk, self._codec.zarr_compressors())
             crcs, rot = write(paths, chunk) if count else (b"", 0)
@@ -81,7 +82,7 @@ class KeyWriter:
 
     def _error(self, key: str, e: BaseException) -> TensorStoreError:
         where = f"ZarrStore({self._url}): writing key {key!r}"
-        gone = store_gone(self._io, self._url, self._ns.namespace) if _missing(e) else None
+        gone = store_gone(self._io, self._url, self._ns) if _missing(e) else None
         if gone is not None:
             return StoreUnavailableError(f"{where} failed: {gone}; the tensor was not stored")
         err = _write_failure(where, e)

@@ -39,6 +39,9 @@ def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
     ):
         assert row in proc.stdout
     assert "DIFFER" not in proc.stdout
+    # One measured round (round 1 is warm-up): medians, and no verdict from so little.
+    assert "step time: 1 measured round: too few to conclude" in proc.stdout
+    assert "memory://" not in proc.stdout  # the note is for memory stores only
     # Where the store is, and the full summary (every counter, adding up).
     assert f"store: file://{tmp_path / 'store'}" in proc.stdout
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("hooks (2 steps):"))
@@ -55,6 +58,36 @@ def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
     )
     assert plot.returncode == 0, plot.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_on_memory_says_where_the_bytes_are() -> None:
+    proc = _cli("demo", "--steps", "1", "--store", "memory://")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: memory:// holds the offloaded bytes in this process's RAM" in proc.stdout
+
+
+def test_demo_verdicts_say_when_the_spread_is_too_wide() -> None:
+    from tensorstore_hooks.cli.demo import Spread, verdict
+
+    def ratio(r: float) -> str:
+        return f"{r:.2f}x"
+
+    words = ("faster", "slower")
+    wide = Spread.of([0.48, 1.10, 0.95, 1.30])
+    line = verdict("step time", wide, 4, ratio, words)
+    assert "the rounds disagree (0.48x-1.30x of no offload over 4 rounds)" in line
+    assert "too wide to conclude" in line
+    slower = verdict("step time", Spread.of([1.02, 1.08, 1.05]), 3, ratio, words)
+    assert slower == (
+        "step time: slower with offloading in every round "
+        "(1.02x-1.08x of no offload over 3 rounds)"
+    )
+    assert "faster with offloading in every round" in verdict(
+        "step time", Spread.of([0.7, 0.8, 0.9]), 3, ratio, words
+    )
+    assert "too few to conclude" in verdict("step time", Spread.of([0.5, 0.6]), 2, ratio, words)
+    assert Spread.of([3.0, 1.0, 2.0]).format(lambda x: f"{x:.0f} MiB") == "2 MiB (1-3 MiB)"
+    assert Spread.of([1.0]).format(lambda x: f"{x:.0f} MiB") == "1 MiB"
 
 
 def test_inspect_lists_tensors_without_writing(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import pickle
 import sys
 import warnings
@@ -21,7 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks.integrations.lightning import OffloadCallback as LightningOffload
@@ -71,26 +72,33 @@ def _gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def _hf_train(model: nn.Module, out: Path, callbacks: list[Any], **extra: Any) -> None:
-    args = TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        max_steps=STEPS,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        **extra,
+def _hf_train(model: nn.Module, out: Path, callbacks: list[Any], **extra: Any) -> Trainer:
+    settings: dict[str, Any] = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 2,
+        "max_steps": STEPS,
+        "learning_rate": 0.05,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+    settings.update(extra)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**settings),
+        train_dataset=_Tokens(),
+        callbacks=callbacks,
     )
-    Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks).train()
+    trainer.train()
+    return trainer
 
 
 @pytest.mark.parametrize(
@@ -138,6 +146,72 @@ def test_transformers_gradient_checkpointing_stores_only_what_it_keeps(tmp_path:
     assert inner.hooks.stats.bytes_offloaded == 2 * STEPS * hidden_bytes
 
 
+class _Reporter(TrainerCallback):
+    """Stands in for a ``report_to`` integration: a callback listed before ours."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        self.seen.append(dict(logs))
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+_FIGURES = (
+    "tsh/bytes_offloaded",
+    "tsh/bytes_read",
+    "tsh/tensors_offloaded",
+    "tsh/tensors_kept",
+    "tsh/fallbacks",
+    "tsh/pack_stall_s",
+    "tsh/unpack_stall_s",
+    "tsh/budget_kept_bytes",
+)
+
+
+def test_transformers_figures_reach_the_trainers_logs(tmp_path: Path) -> None:
+    reporter = _Reporter()
+    cb = HFOffload(store="memory://", min_bytes=0, device_budget="64KiB")
+    trainer_log = logging.getLogger("transformers.trainer")
+    lines, level = _Lines(), trainer_log.level
+    trainer_log.addHandler(lines)
+    trainer_log.setLevel(logging.INFO)
+    try:
+        trainer = _hf_train(
+            _gpt2(), tmp_path, [reporter, cb], logging_strategy="steps", logging_steps=1
+        )
+    finally:
+        trainer_log.removeHandler(lines)
+        trainer_log.setLevel(level)
+    history = trainer.state.log_history
+    steps = [h for h in history if "loss" in h]
+    assert len(steps) == STEPS
+    for h in steps:
+        assert set(_FIGURES) <= set(h), sorted(h)
+        assert h["tsh/bytes_offloaded"] > 0 and h["tsh/bytes_read"] > 0
+    # Per logging period, adding up to the run's totals; the final log has the totals.
+    stats = cb.hooks.stats
+    assert sum(h["tsh/bytes_offloaded"] for h in steps) == stats.bytes_offloaded
+    assert sum(h["tsh/budget_kept_bytes"] for h in steps) > 0  # the plan kept some
+    assert steps[-1]["tsh/effective_device_budget"] == 64 * 1024  # the budget in force
+    final = history[-1]
+    assert "train_runtime" in final
+    assert final["tsh/total/bytes_offloaded"] == stats.bytes_offloaded
+    # A report_to integration (listed before us) sees the figures too.
+    assert any("tsh/bytes_offloaded" in logs for logs in reporter.seen if "loss" in logs)
+    assert any(
+        line.startswith("OffloadCallback: saved ") and "offloaded" in line for line in lines.lines
+    ), lines.lines
+
+
 def test_transformers_modules_glob_is_checked_at_train_begin(tmp_path: Path) -> None:
     from tensorstore_hooks import ConfigError
 
@@ -178,25 +252,27 @@ def _loader() -> torch.utils.data.DataLoader[Any]:
     return torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False)
 
 
-def _pl_fit(module: pl.LightningModule, callbacks: list[Any], **extra: Any) -> None:
-    trainer = pl.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-        **extra,
-    )
+def _pl_fit(module: pl.LightningModule, callbacks: list[Any], **extra: Any) -> pl.Trainer:
+    settings: dict[str, Any] = {
+        "max_steps": STEPS,
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "callbacks": callbacks,
+    }
+    settings.update(extra)
+    trainer = pl.Trainer(**settings)
     with warnings.catch_warnings():
         # Lightning's advice about dataloader workers and log intervals on a tiny run.
         warnings.filterwarnings("ignore", module="lightning")
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*log_every_n_steps.*")
         trainer.fit(module, _loader())
+    return trainer
 
 
 @pytest.mark.parametrize(
@@ -233,6 +309,31 @@ def test_lightning_step_scope_covers_the_training_step_loss() -> None:
     _pl_fit(_LitMLP(), [wrapped])
     # The whole step (head and loss included) against the net's forward only.
     assert cb.hooks.stats.tensors_offloaded > wrapped.hooks.stats.tensors_offloaded > 0
+
+
+def test_lightning_figures_reach_the_modules_logger(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = LightningOffload(store="memory://", min_bytes=0)
+    logger = CSVLogger(str(tmp_path), name="run", version=0)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer = _pl_fit(_LitMLP(), [cb], logger=logger, log_every_n_steps=1)
+    for metrics in (trainer.logged_metrics, trainer.callback_metrics):
+        assert set(_FIGURES) <= set(metrics), sorted(metrics)
+        assert float(metrics["tsh/bytes_offloaded"]) > 0
+        assert float(metrics["tsh/bytes_read"]) > 0
+    # Per batch: the last step's figure is one step's share of the run's total.
+    assert float(trainer.logged_metrics["tsh/bytes_offloaded"]) == (
+        cb.hooks.stats.bytes_offloaded / STEPS
+    )
+    header = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "tsh/bytes_offloaded" in header and "tsh/unpack_stall_s" in header
+    assert any(m.startswith("OffloadCallback: saved ") for m in caplog.messages), caplog.messages
+    renamed = LightningOffload(store="memory://", min_bytes=0, log_prefix="offload/")
+    metrics = _pl_fit(_LitMLP(), [renamed]).callback_metrics
+    assert "offload/bytes_offloaded" in metrics and "tsh/bytes_offloaded" not in metrics
 
 
 # ------------------------------------------------------------------------ errors

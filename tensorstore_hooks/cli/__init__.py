@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 __all__ = ["error_line", "main"]
 
-_SUBCOMMANDS = ("demo", "inspect", "check_config", "serve", "stats", "clean")
+_SUBCOMMANDS = ("demo", "plan", "inspect", "check_config", "serve", "stats", "clean")
 
 
 def error_line(prefix: str, message: object) -> str:

@@ -1,11 +1,26 @@
 """``tensorstore-hooks demo``: train a small GPT with and without offloading, side by side.
 
-Two copies of one seeded model train on the same synthetic batches with SGD, one
-step of each at a time: the reference without hooks and the other inside
-``tsh.offload(STORE)``. After every step the gradients are compared with
+Two copies of one seeded model train on the same synthetic batches with SGD in
+interleaved rounds: each round runs one step of each (the order alternates, so
+neither always finds a warmer machine), the reference without hooks and the other
+inside ``tsh.offload(STORE)``. After every round the gradients are compared with
 ``torch.equal`` (so the models stay in lock-step); the table at the end shows the
-activation memory (peak RSS during the step minus RSS before it), step time and
-what the hooks did. Exit status 1 if any gradient differed.
+activation memory (peak RSS during the step minus RSS before it) and step time as
+medians over the rounds with their range, the per-round ratio of the two, and a
+verdict that says so when the rounds disagree (NOTE [ Demo verdicts ]). Exit status 1
+if any gradient differed.
+
+NOTE [ Demo verdicts ]
+A shared or busy machine makes single steps vary by more than offloading changes
+them, and a median of two steps can say "0.48x" either way. So:
+
+1. The first round pays one-time costs (threads, store layout, kernels) and is left
+   out when there is more than one; medians and ranges are over the others.
+2. Each round's offload/no-offload ratio is taken within the round (the two steps ran
+   back to back), and the verdict reads those ratios: when every round lies on one
+   side of 1.0 it says which side and by how much (the range); when they straddle 1.0
+   it says the spread is too wide to conclude, and how to get a clearer answer.
+3. Fewer than three measured rounds are too few for any verdict; the demo says so.
 """
 
 from __future__ import annotations
@@ -19,9 +34,11 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RssSampler", "register", "release_free_memory", "run"]
+__all__ = ["RssSampler", "Spread", "register", "release_free_memory", "run", "verdict"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,10 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="train a small GPT with and without offloading and compare",
         description=(
-            "Train a small GPT-like model on synthetic tokens for a few steps, once "
-            "without hooks and once with tsh.offload(STORE), interleaved step by step "
-            "from identical weights. Prints activation memory (peak RSS during a step "
-            "minus RSS before it), step time, tensors and bytes offloaded, prefetch hits, "
+            "Train a small GPT-like model on synthetic tokens, once without hooks and once "
+            "with tsh.offload(STORE), from identical weights, in interleaved rounds (one "
+            "step of each per round). Prints activation memory (peak RSS during a step "
+            "minus RSS before it) and step time as medians with their range, the per-round "
+            "ratios and a verdict that says when their spread is too wide to conclude, "
+            "tensors and bytes offloaded, prefetch hits, "
             "fallbacks, and whether every gradient was bit-identical (exit status 1 if not). "
             "The library's default budgets (prefetch 256MiB, max_inflight 512MiB) are sized "
             "for real models; a demo step saves only tens of MiB, all of which would fit "
@@ -49,7 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default: a temporary local directory, removed afterwards",
     )
     parser.add_argument(
-        "--steps", type=int, default=3, metavar="N", help="training steps (default 3)"
+        "--steps",
+        type=int,
+        default=5,
+        metavar="N",
+        help="rounds, each one step with and one without offloading (default 5; the "
+        "first is warm-up); more rounds give a firmer verdict on a busy machine",
     )
     parser.add_argument(
         "--size",
@@ -170,11 +194,69 @@ def release_free_memory() -> None:
 _DEMO_BUDGETS = {"tiny": ("4MiB", "8MiB"), "small": ("16MiB", "32MiB")}
 
 
-def _fmt_times(*secs: float) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """Median and range of one figure over the measured rounds."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            return cls(0.0, 0.0, 0.0, 0)
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def format(self, fmt: Callable[[float], str]) -> str:
+        """``median (low-high)``; the median alone for one value."""
+        if self.n <= 1:
+            return fmt(self.median)
+        low, high = fmt(self.low), fmt(self.high)
+        low_num, _, low_unit = low.rpartition(" ")
+        high_num, _, high_unit = high.rpartition(" ")
+        if low_num and high_num and low_unit == high_unit:  # "145.90-150.86 MiB"
+            return f"{fmt(self.median)} ({low_num}-{high})"
+        return f"{fmt(self.median)} ({low}-{high})"
+
+
+def _ratios(off: Sequence[float], ref: Sequence[float]) -> list[float]:
+    """Per-round ratios offload / no offload (rule 2 of NOTE [ Demo verdicts ])."""
+    return [o / r for o, r in zip(off, ref, strict=True) if r > 0]
+
+
+def verdict(
+    what: str,
+    ratios: Spread,
+    rounds: int,
+    fmt: Callable[[float], str],
+    words: tuple[str, str] = ("lower", "higher"),
+) -> str:
+    """One line on what the rounds show about ``what`` (NOTE [ Demo verdicts ]);
+    ``words``: how to say a ratio below and above 1."""
+    if rounds < 3 or ratios.n < 3:
+        return (
+            f"{what}: {rounds} measured round{'s' if rounds != 1 else ''}: too few to "
+            "conclude; run --steps 5 or more"
+        )
+    span = f"{fmt(ratios.low)}-{fmt(ratios.high)} of no offload over {ratios.n} rounds"
+    if ratios.high < 1.0:
+        return f"{what}: {words[0]} with offloading in every round ({span})"
+    if ratios.low > 1.0:
+        return f"{what}: {words[1]} with offloading in every round ({span})"
+    return (
+        f"{what}: the rounds disagree ({span}): the spread is too wide to conclude "
+        f"whether it is {words[0]} or {words[1]} with offloading here; rerun with more "
+        "--steps, on a quieter machine"
+    )
+
+
+def _fmt_times(*spreads: Spread) -> list[str]:
     """Format durations in one unit (ms below a second, else s) so columns compare."""
-    if max(secs) < 1:
-        return [f"{s * 1e3:.0f} ms" for s in secs]
-    return [f"{s:.2f} s" for s in secs]
+    if max(s.high for s in spreads) < 1:
+        return [s.format(lambda x: f"{x * 1e3:.0f} ms") for s in spreads]
+    return [s.format(lambda x: f"{x:.2f} s") for s in spreads]
 
 
 class TorchPair:
@@ -300,26 +382,34 @@ def run(args: argparse.Namespace) -> int:
         hooks.close()
         sampler.close()
 
-    # The first step pays one-time costs (threads, store layout, kernel selection).
+    # Rule 1 of NOTE [ Demo verdicts ]: the first round is warm-up.
     skip = 1 if args.steps > 1 else 0
 
     def med(xs: list[Any]) -> Any:
         return statistics.median(xs[skip:])
 
-    m_ref, m_off = med(mem["ref"]), med(mem["off"])
-    t_ref, t_off = med(secs["ref"]), med(secs["off"])
+    mem_m = {k: Spread.of(v[skip:]) for k, v in mem.items()}
+    time_m = {k: Spread.of(v[skip:]) for k, v in secs.items()}
+    mem_ratio = Spread.of(_ratios(mem["off"][skip:], mem["ref"][skip:]))
+    time_ratio = Spread.of(_ratios(secs["off"][skip:], secs["ref"][skip:]))
     n_params = pair.n_params
     hits = f"{stats.prefetch_hits}/{stats.prefetch_hits + stats.prefetch_misses}"
     tail = f"+{stats.tail_hits} served before their write finished" if stats.tail_hits else ""
+    ref_t, off_t = _fmt_times(time_m["ref"], time_m["off"])
     rows = [
-        ("", "no offload", "offload", ""),
+        ("", "no offload", "offload", "offload / no offload (per round)"),
         (
             "activation memory",
-            format_bytes(m_ref),
-            format_bytes(m_off),
-            f"{100 * m_off / m_ref:.0f}% of no offload" if m_ref > 0 else "",
+            mem_m["ref"].format(format_bytes),
+            mem_m["off"].format(format_bytes),
+            mem_ratio.format(lambda r: f"{100 * r:.0f}%") + " of no offload" if mem_ratio.n else "",
         ),
-        ("step time", *_fmt_times(t_ref, t_off), f"{t_off / t_ref:.2f}x" if t_ref else ""),
+        (
+            "step time",
+            ref_t,
+            off_t,
+            time_ratio.format(lambda r: f"{r:.2f}x") if time_ratio.n else "",
+        ),
         ("tensors offloaded / step", "-", f"{med([n for n, _ in offloaded]):.0f}", ""),
         ("bytes offloaded / step", "-", format_bytes(med([b for _, b in offloaded])), ""),
         (f"prefetch hits ({args.steps} steps)", "-", hits, tail),
@@ -329,14 +419,28 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tensorstore-hooks demo: {pair.framework} GPT {args.size} "
         f"({cfg.blocks} blocks, d={cfg.d_model}, "
-        f"{cfg.batch}x{cfg.seq} tokens), {args.steps} steps, store {store_url}, "
+        f"{cfg.batch}x{cfg.seq} tokens), {args.steps} rounds, store {store_url}, "
         f"prefetch {prefetch}, max_inflight {max_inflight}"
     )
+    measured = args.steps - skip
     if skip:
-        print("(memory and time: median over steps 2..N; step 1 pays one-time setup)")
+        print(
+            f"(memory and time: median (min-max) over rounds 2..{args.steps}, each one step "
+            "of each run back to back; round 1 pays one-time setup)"
+        )
     print()
     for r in rows:
         print(f"  {r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
+    print()
+    print(verdict("step time", time_ratio, measured, lambda r: f"{r:.2f}x", ("faster", "slower")))
+    print(verdict("activation memory", mem_ratio, measured, lambda r: f"{100 * r:.0f}%"))
+    if store_url.startswith("memory://"):
+        print(
+            "note: memory:// holds the offloaded bytes in this process's RAM, so the "
+            "activation memory does not drop: the bytes move from autograd to the store. "
+            "It shows the mechanics; use a file:// store (the default) or the daemon "
+            "(tsh://) to take them out of RAM."
+        )
     print()
     where = " (a temporary directory, removed at exit)" if temporary else ""
     print(f"store: {store_url}{where}")

@@ -14,6 +14,15 @@ step. With ``modules=`` (globs over ``pl_module.named_modules()``) the
 LightningModule is wrapped with :func:`tensorstore_hooks.wrap` instead, from
 ``setup`` to ``teardown``. Gradient accumulation, manual optimization
 (``manual_backward``), ``bf16-mixed`` precision and checkpointing compose.
+
+What offloading did is logged through the module's own logger: after every training
+batch the figures of that batch under ``tsh/`` (bytes offloaded and read, tensors
+offloaded and kept, fallbacks, pack and unpack stall seconds, bytes the
+``device_budget`` plan kept, ...) with ``pl_module.log_dict(on_step=True)``, so they are
+in ``trainer.logged_metrics``, ``trainer.callback_metrics`` and every logger
+(written at ``log_every_n_steps``). Each rank logs its own figures and Lightning's
+loggers write rank 0's, as for any metric logged without ``sync_dist``. One summary
+line goes to Lightning's console log (rank 0) at the end of ``fit``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from . import missing_framework
 
 try:
     from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 except ImportError as e:  # see test_missing_framework_names_the_pip_package
     raise missing_framework("lightning.pytorch", "lightning", "lightning", e) from e
 
@@ -44,9 +54,12 @@ class OffloadCallback(Callback):
     Pickling or deep-copying the callback drops the hooks.
     """
 
-    def __init__(self, **offload_args: Any) -> None:
+    def __init__(self, *, log_prefix: str = "tsh/", **offload_args: Any) -> None:
         self.offload_args = offload_args
+        self.log_prefix = log_prefix
+        """Prefix of the metric names logged with ``pl_module.log_dict``."""
         self.hooks: Any = None
+        self._since: Any = None  # stats at the last logged batch
         self._open = False  # hooks made by setup, not yet closed by teardown
         self._entered = False
 
@@ -66,6 +79,7 @@ class OffloadCallback(Callback):
             if any(r.module is not None for r in self.hooks.policy.rules):
                 self.hooks.attach(pl_module)
         self._open = True
+        self._since = self.hooks.stats.snapshot()
         log.info("OffloadCallback: offloading to %s", self.hooks.store.url)
 
     def _step_mode(self) -> bool:
@@ -86,6 +100,16 @@ class OffloadCallback(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         self._leave()  # a step that returned no loss (skipped backward)
+        if not self._open:
+            return
+        from .._report import step_figures
+
+        stats = self.hooks.stats
+        figures = step_figures(stats.since(self._since), self.log_prefix)
+        self._since = stats.snapshot()
+        # Floats: Lightning keeps metrics as tensors; int64 byte counts would reach
+        # loggers as tensors of another dtype than every other metric.
+        pl_module.log_dict({k: float(v) for k, v in figures.items()}, on_step=True, on_epoch=False)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning calls no teardown after an exception: undo setup here (a later fit
@@ -105,10 +129,10 @@ class OffloadCallback(Callback):
             self.hooks.remove()
         else:
             self.hooks.close()
-        log.info("OffloadCallback: %s", self.hooks.stats.summary())
+        rank_zero_info(f"OffloadCallback: {self.hooks.stats.summary()}")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["hooks"] = None
+        state["hooks"] = state["_since"] = None
         state["_open"] = state["_entered"] = False
         return state

@@ -14,23 +14,45 @@ model's forward, which computes the loss when labels are given); at
 ``on_train_end`` it is unwrapped. Evaluation runs under ``no_grad`` and saves
 nothing. Gradient accumulation, autocast (``bf16=True``) and gradient
 checkpointing compose (NOTE [ Checkpoint composition ]).
+
+What offloading did reaches the trainer's own logs: every training log (each
+``logging_steps``) gets the figures of its period under ``tsh/`` (bytes offloaded and
+read, tensors offloaded and kept, fallbacks, pack and unpack stall seconds, bytes the
+``device_budget`` plan kept, ...), so they are in ``trainer.state.log_history``, the
+console and every ``report_to`` backend; the final log (``train_runtime`` ...) gets the
+run's totals under ``tsh/total/``; and one summary line goes to the trainer's logger
+at train end. NOTE [ Trainer log order ].
+
+NOTE [ Trainer log order ]
+``Trainer.log`` appends its dict to ``state.log_history`` and then calls every
+callback's ``on_log`` with it, in list order: the ``report_to`` integrations first,
+user callbacks after them, the console printer last. So:
+
+1. ``on_log`` adds the figures to the dict (the printer and later callbacks see them)
+   and to ``log_history``'s newest entry when it is this log's record.
+2. At ``on_train_begin`` the callback moves itself to the front of the trainer's
+   callback list, before the ``report_to`` integrations, so they see the figures too.
+   The list is reached through the handler that calls the event (the only caller of
+   callback events); where that is not a ``CallbackHandler`` nothing is moved, and
+   the figures still reach ``log_history`` and the printer.
 """
 
 from __future__ import annotations
 
-import logging
+import sys
+from types import FrameType
 from typing import Any
 
 from . import missing_framework
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
+    from transformers.utils import logging as hf_logging
 except ImportError as e:  # see test_missing_framework_names_the_pip_package
     raise missing_framework("transformers", "transformers accelerate", "transformers", e) from e
 
 __all__ = ["OffloadCallback"]
-
-log = logging.getLogger("tensorstore_hooks")
 
 
 class OffloadCallback(TrainerCallback):
@@ -43,9 +65,12 @@ class OffloadCallback(TrainerCallback):
     deep-copying the callback drops the hooks (a copy wraps afresh when it trains).
     """
 
-    def __init__(self, **offload_args: Any) -> None:
+    def __init__(self, *, log_prefix: str = "tsh/", **offload_args: Any) -> None:
         self.offload_args = offload_args
+        self.log_prefix = log_prefix
+        """Prefix of the keys added to the trainer's logs (NOTE [ Trainer log order ])."""
         self.hooks: Any = None
+        self._since: Any = None  # stats at the last training log
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from .._wrap import wrap
@@ -58,14 +83,55 @@ class OffloadCallback(TrainerCallback):
         args_ = dict(self.offload_args)
         store = args_.pop("store", None)
         self.hooks = wrap(model, store, **args_)
-        log.info("OffloadCallback: %s offloads to %s", type(model).__name__, self.hooks.store.url)
+        self._since = self.hooks.stats.snapshot()
+        self._log_first()
+        _trainer_log().info(
+            "OffloadCallback: %s offloads to %s", type(model).__name__, self.hooks.store.url
+        )
+
+    def _log_first(self) -> None:
+        """Rule 2 of NOTE [ Trainer log order ]: run before the ``report_to`` callbacks."""
+        frame: FrameType | None = sys._getframe(1)
+        for _ in range(8):  # on_train_begin (or a subclass's) <- CallbackHandler.call_event
+            if frame is None:
+                return
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler):
+                if self in handler.callbacks:
+                    handler.callbacks.remove(self)
+                    handler.callbacks.insert(0, self)
+                return
+            frame = frame.f_back
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if self.hooks is None or not isinstance(logs, dict):
+            return
+        from .._report import step_figures
+
+        stats = self.hooks.stats
+        if "loss" in logs:  # a training log: the figures of its period
+            figures = step_figures(stats.since(self._since), self.log_prefix)
+            self._since = stats.snapshot()
+        elif "train_runtime" in logs:  # the final log of train(): the run's totals
+            figures = step_figures(stats, self.log_prefix + "total/")
+        else:
+            return  # evaluation and other logs: nothing was offloaded for them
+        record = state.log_history[-1] if state.log_history else None
+        if isinstance(record, dict) and all(record.get(k) is v for k, v in logs.items()):
+            record.update(figures)  # rule 1: this log's record
+        logs.update(figures)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.hooks is not None and getattr(self.hooks, "wrapped", False):
             self.hooks.remove()
-            log.info("OffloadCallback: %s", self.hooks.stats.summary())
+            _trainer_log().info("OffloadCallback: %s", self.hooks.stats.summary())
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["hooks"] = None
+        state["hooks"] = state["_since"] = None
         return state
+
+
+def _trainer_log() -> Any:
+    """The ``Trainer``'s own logger: its handler, level and replica settings apply."""
+    return hf_logging.get_logger("transformers.trainer")

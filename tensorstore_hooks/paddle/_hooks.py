@@ -25,6 +25,7 @@ import os
 import threading
 from typing import Any
 
+from .._caller import names_caller
 from .._codec import DTYPES
 from .._hooks import ConfigSource, HooksBase, make_pipeline
 from .._paddle_bridge import (
@@ -227,6 +228,7 @@ def _pop(hooks: OffloadHooks) -> None:
             _register(_ACTIVE[-1])
 
 
+@names_caller("tensorstore_hooks.paddle.offload")
 def offload(
     store: str | os.PathLike[str] | TensorStore | None = None,
     *,
