@@ -40,6 +40,15 @@ def _seed() -> None:
     np.random.seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fakes() -> None:
+    """A test that checks the fake accelerator's rules (``broken_rules()``) sees only
+    the fakes it made: some tests break the rules on purpose and leave them listed."""
+    from .fake_accelerator import broken_rules
+
+    broken_rules()
+
+
 @pytest.fixture
 def file_url(tmp_path: Path) -> str:
     """A ``file://`` URL of an empty directory, removed by pytest."""
