@@ -747,13 +747,21 @@ class RecordTable:
         return rec.state != State.DIRTY and (guard is None or guard._version == rec.version)
 
     def end_write(
-        self, rec: Record, *, key: str | None, error: BaseException | None, dirty: bool
+        self,
+        rec: Record,
+        *,
+        key: str | None,
+        error: BaseException | None,
+        dirty: bool,
+        keep_live: bool = False,
     ) -> WriteEnd:
         """The write of ``rec`` is over (or was skipped: :meth:`begin_write` said so).
 
         ``key``: what was written; ``error``: why the write failed; ``dirty``: the
-        saved tensor changed in place. WRITING -> STORED (the saved tensor is dropped:
-        rule 1), MEMORY (a failed write: the tensor stays, a fallback) or DIRTY. Bytes
+        saved tensor changed in place; ``keep_live``: it changed without a version bump
+        (NOTE [ In-place checks ]). WRITING -> STORED (the saved tensor is dropped:
+        rule 1), MEMORY (a failed write: the tensor stays, a fallback; or ``keep_live``:
+        the tensor stays, counted as kept) or DIRTY. Bytes
         nobody wants any more are returned as ``discard``, and a host copy nobody
         wants as ``give_back``. Follow with :meth:`write_finished`.
         """
@@ -769,6 +777,11 @@ class RecordTable:
                 if rec.state == State.WRITING:
                     give_back = self._fall_back(rec, error)
                     failed = error
+            elif keep_live:
+                if rec.state == State.WRITING:
+                    rec.move(State.MEMORY)
+                    give_back = self.copies._take(rec)
+                    self._count_kept(rec)
             elif key is not None and rec.state == State.WRITING:
                 rec.move(State.STORED)
                 rec.key = key
@@ -788,14 +801,18 @@ class RecordTable:
             # tensor now (unpack moves it back to its device); the buffer goes back.
             rec.source = rec.staged.host.clone()
             give_back = self.copies._take(rec)
+        self._stats.fallbacks += 1
+        self._count_kept(rec)
+        return give_back
+
+    def _count_kept(self, rec: Record) -> None:
+        """``rec``, counted as offloaded at pack, stays in memory after all."""
         stats = self._stats
-        stats.fallbacks += 1
         if not rec.host_rule:
             stats.tensors_offloaded -= 1
             stats.bytes_offloaded -= rec.nbytes
             stats.tensors_kept += 1
             stats.bytes_kept += rec.nbytes
-        return give_back
 
     def write_finished(self, rec: Record) -> None:
         """The writer is done with ``rec``, clean-up included: it leaves the bytes in

@@ -23,6 +23,17 @@ refused keeps the tensor in memory (fallback: counted, warned once). A record se
 from memory before its write ran (the tail shortcut) cancels the write; a write
 already under way deletes what it wrote once it sees the record unwanted.
 
+Some ops change a saved tensor without a version bump: ``batch_norm`` saves its
+running statistics before it updates them in place, unversioned. Torch's backward
+sees the live tensor (training-mode backward does not read those values). A write
+running during such an update would store bytes of two moments, which a read then
+refuses as a checksum mismatch. So a tensor written from its own host memory and no
+larger than ``UNVERSIONED_CHECK_BYTES`` (running statistics are one value per
+channel) is compared byte for byte before and after its write: if it changed, the
+bytes are discarded and the record keeps the live tensor in memory, as torch would
+(counted as kept, no warning: nothing failed). A larger tensor changed that way is
+not seen here; a read of torn bytes is an ``IntegrityError``, never wrong values.
+
 The write-behind does the I/O; every state change it needs is an intent of the
 record table (``begin_write``, ``end_write``, ...: NOTE [ Record lifecycle ]).
 """
@@ -43,6 +54,10 @@ from ._staging import CopyEvent
 from ._stats import OffloadStats, count_transfer
 from ._trace import WRITE_RANGE, Timeline, span
 from .errors import StoreClosedError
+
+UNVERSIONED_CHECK_BYTES = 64 << 10
+"""Host tensors up to this size are checked for unversioned changes across their
+write (NOTE [ In-place checks ])."""
 
 __all__ = ["WriteBehind"]
 
@@ -114,14 +129,15 @@ class WriteBehind:
         job = table.begin_write(rec)
         key: str | None = None
         error: BaseException | None = None
-        dirty = False
+        dirty = live = False
+        wrote = job is not None
         if job is not None:
             try:
-                key, dirty = self._put(rec, job, ready)
+                key, dirty, live = self._put(rec, job, ready)
             except BaseException as e:
                 error = e
             del job  # the record alone decides how long the tensor lives
-        end = table.end_write(rec, key=key, error=error, dirty=dirty)
+        end = table.end_write(rec, key=key, error=error, dirty=dirty, keep_live=live)
         self._stager.give_back(rec, end.give_back)
         if end.discard is not None:
             # Freed, served from memory or modified while writing: the bytes are not
@@ -130,15 +146,18 @@ class WriteBehind:
         if end.error is not None:
             self._fell_back(end.error)
         table.write_finished(rec)
-        if job is not None:
+        if wrote:
             self._heap.note(rec.nbytes)
 
-    def _put(self, rec: Record, job: WriteJob, ready: CopyEvent | None) -> tuple[str | None, bool]:
+    def _put(
+        self, rec: Record, job: WriteJob, ready: CopyEvent | None
+    ) -> tuple[str | None, bool, bool]:
         """Check the version, copy the bytes into the store, check again (NOTE [ In-place
         checks ]): the one place a saved tensor's bytes are copied out.
 
-        Returns the key written (``None``: nothing was) and whether the saved tensor
-        changed in place (then the bytes written are worthless).
+        Returns the key written (``None``: nothing was), whether the saved tensor
+        changed in place (then the bytes written are worthless), and whether it changed
+        without a version bump (then the live tensor is kept in memory).
         """
         table = self._table
         if job.event is not None:
@@ -146,7 +165,15 @@ class WriteBehind:
             self._stager.give_back(rec, table.copies.done(rec))
         src = job.source
         if src is None or not table.unchanged(rec):
-            return None, True
+            return None, True, False
+        before = None  # written from the saved tensor's own host memory: check it
+        if (
+            job.from_device
+            and rec.nbytes <= UNVERSIONED_CHECK_BYTES
+            and not self._stager.accelerated(src.device)
+        ):
+            before = _raw_bytes(src)
+            before = None if before is None else before.clone()
         if job.from_device and self._stager.accelerated(src.device):
             if ready is None:
                 raise RuntimeError(
@@ -155,7 +182,7 @@ class WriteBehind:
                 )
             src = self._stager.to_pageable(src, ready)  # rule 8: never read it here
             if not table.unchanged(rec):
-                return None, True
+                return None, True, False
         t0 = time.perf_counter()  # NOTE [ Profiler ranges ]
         with span(WRITE_RANGE, self.timeline, {"bytes": rec.nbytes}):
             key = self._store.put(src)
@@ -165,7 +192,11 @@ class WriteBehind:
             self._stats.bytes_written += rec.nbytes
             count_transfer(self._stats, self._store, key, rec.nbytes)
         log.debug("write: record %d, %d B in %.2f ms", rec.pos, rec.nbytes, write_s * 1e3)
-        return key, not table.unchanged(rec)
+        after = None if before is None else _raw_bytes(src)
+        if before is not None and after is not None and not torch.equal(before, after):
+            log.debug("write: record %d changed without a version bump: kept", rec.pos)
+            return key, False, True
+        return key, not table.unchanged(rec), False
 
     def _fell_back(self, error: BaseException) -> None:
         """A write failed or was refused and its tensor stays in memory: warn once."""
@@ -199,3 +230,13 @@ class WriteBehind:
     def flush(self) -> None:
         """Block until every queued write has finished (and deleted what is unwanted)."""
         self._table.wait_for_writes()
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s elements as bytes, in order (a copy only where ``t`` is not contiguous),
+    so that NaNs compare equal to themselves; ``None`` for a tensor that has no such
+    view (sparse, quantized: not checked)."""
+    if t.layout != torch.strided or t.is_quantized:
+        return None
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    return flat.view(torch.uint8)
