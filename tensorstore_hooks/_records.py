@@ -637,11 +637,8 @@ class RecordTable:
                 return None
             ref, rec = hit
             alive = ref()
-            if (
-                alive is None
-                or rec.state == State.FREED
-                or alive.untyped_storage().data_ptr() != key[0]
-            ):
+            stale = alive is None or alive.untyped_storage().data_ptr() != key[0]
+            if stale or rec.state == State.FREED:
                 return None
             rec.refs += 1
             self._stats.dedup_hits += 1
@@ -760,10 +757,9 @@ class RecordTable:
         ``key``: what was written; ``error``: why the write failed; ``dirty``: the
         saved tensor changed in place; ``keep_live``: it changed without a version bump
         (NOTE [ In-place checks ]). WRITING -> STORED (the saved tensor is dropped:
-        rule 1), MEMORY (a failed write: the tensor stays, a fallback; or ``keep_live``:
-        the tensor stays, counted as kept) or DIRTY. Bytes
-        nobody wants any more are returned as ``discard``, and a host copy nobody
-        wants as ``give_back``. Follow with :meth:`write_finished`.
+        rule 1), MEMORY (the tensor stays: a failed write, a fallback; or ``keep_live``)
+        or DIRTY. Bytes nobody wants any more are returned as ``discard``, and a host
+        copy nobody wants as ``give_back``. Follow with :meth:`write_finished`.
         """
         with self._lock:
             give_back = None
@@ -773,15 +769,10 @@ class RecordTable:
                     rec.move(State.DIRTY)
                 if rec.state == State.DIRTY:
                     rec._drop_source()
-            elif error is not None:
+            elif error is not None or keep_live:
                 if rec.state == State.WRITING:
                     give_back = self._fall_back(rec, error)
                     failed = error
-            elif keep_live:
-                if rec.state == State.WRITING:
-                    rec.move(State.MEMORY)
-                    give_back = self.copies._take(rec)
-                    self._count_kept(rec)
             elif key is not None and rec.state == State.WRITING:
                 rec.move(State.STORED)
                 rec.key = key
@@ -792,7 +783,8 @@ class RecordTable:
                 give_back = self.copies._take(rec)  # freed mid-write, or worthless
             return WriteEnd(key, give_back, failed)
 
-    def _fall_back(self, rec: Record, error: BaseException) -> HostCopy | None:
+    def _fall_back(self, rec: Record, error: BaseException | None) -> HostCopy | None:
+        """``rec`` stays in memory, kept: its write failed, or (``None``) it changed."""
         rec.move(State.MEMORY)
         rec.error = error
         give_back = None
@@ -801,18 +793,14 @@ class RecordTable:
             # tensor now (unpack moves it back to its device); the buffer goes back.
             rec.source = rec.staged.host.clone()
             give_back = self.copies._take(rec)
-        self._stats.fallbacks += 1
-        self._count_kept(rec)
-        return give_back
-
-    def _count_kept(self, rec: Record) -> None:
-        """``rec``, counted as offloaded at pack, stays in memory after all."""
         stats = self._stats
+        stats.fallbacks += error is not None
         if not rec.host_rule:
             stats.tensors_offloaded -= 1
             stats.bytes_offloaded -= rec.nbytes
             stats.tensors_kept += 1
             stats.bytes_kept += rec.nbytes
+        return give_back
 
     def write_finished(self, rec: Record) -> None:
         """The writer is done with ``rec``, clean-up included: it leaves the bytes in

@@ -238,5 +238,5 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor | None:
     view (sparse, quantized: not checked)."""
     if t.layout != torch.strided or t.is_quantized:
         return None
-    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return flat.view(torch.uint8)
