@@ -222,13 +222,19 @@ class DeviceStager:
         ``ready`` (:meth:`producer_event`); blocks the calling (I/O) thread until done."""
         return self.ops.to_pageable(t, ready)
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A ``host`` rule's pinned copy of ``t`` (no ``host_budget``: not the tier's)."""
+    def pin(self, t: torch.Tensor) -> Loaded:
+        """A ``host`` rule's pinned copy of ``t`` (no ``host_budget``: not the tier's),
+        queued on the producing stream, and the event recorded there after it (rule 8
+        of NOTE [ Stream ordering ]): the caller keeps both, for :meth:`unpin`."""
         return self.ops.pin(t)
 
-    def unpin(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A ``host`` rule's tensor back on ``device``."""
-        return self.ops.unpin(host, device)
+    def unpin(
+        self, host: torch.Tensor, device: torch.device, ready: CopyEvent | None
+    ) -> torch.Tensor:
+        """A ``host`` rule's tensor back on ``device``, on the current stream once it
+        has waited (on the device) for ``ready``, the event :meth:`pin` returned: pack
+        and unpack may run on different streams."""
+        return self.ops.unpin(host, device, ready)
 
     # ----------------------------------------------------------- buffer returns
     def give_back(self, rec: Record, copy: HostCopy | None) -> None:

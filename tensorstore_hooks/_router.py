@@ -43,7 +43,7 @@ from ._records import (
 from ._report import Ledger
 from ._scope import ModuleScope
 from ._signals import shielded
-from ._staging import device_bytes
+from ._staging import CopyEvent, device_bytes
 from ._stats import OffloadStats, RouteStats
 from ._trace import PACK_RANGE, UNPACK_RANGE, Timeline, span
 from ._warn import warn_user
@@ -90,13 +90,19 @@ class Kept(Generic[_T]):
 
 
 class Host(Generic[_T, _D]):
-    """A tensor moved to pinned host memory by a ``host`` rule, and where it came from."""
+    """A tensor moved to pinned host memory by a ``host`` rule, and where it came from.
 
-    __slots__ = ("device", "tensor")
+    ``ready``: the event recorded on the producing stream after the copy to host
+    (``None``: the copy has completed); unpack's stream waits on it before copying
+    back (rules 3 and 8 of NOTE [ Stream ordering ]).
+    """
 
-    def __init__(self, t: _T, device: _D) -> None:
+    __slots__ = ("device", "ready", "tensor")
+
+    def __init__(self, t: _T, device: _D, ready: CopyEvent | None = None) -> None:
         self.tensor = t
         self.device = device
+        self.ready = ready
 
 
 Packed: TypeAlias = "Handle | Kept[torch.Tensor] | Host[torch.Tensor, torch.device]"
@@ -195,7 +201,8 @@ class Router:
             if self._stager.tier is not None:
                 # One pinned pool, one cap: NOTE [ Host tier wiring ].
                 return self.store(t, nbytes, host=True)
-            return Host(self._stager.pin(t), t.device)
+            host, ready = self._stager.pin(t)
+            return Host(host, t.device, ready)
         return Kept(t)
 
     @never_compiled
@@ -211,7 +218,7 @@ class Router:
         self.emit_warning()
         if isinstance(packed, Kept):
             return self.unkeep(packed)
-        return self._stager.unpin(packed.tensor, packed.device)
+        return self._stager.unpin(packed.tensor, packed.device, packed.ready)
 
     def _unpack_capturing(
         self, packed: Kept[torch.Tensor] | Host[torch.Tensor, torch.device]

@@ -17,10 +17,12 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
    captured *before* entering the copy stream's context (inside it,
    ``current_stream()`` is the copy stream itself and waiting on it orders nothing).
 2. A device tensor a copy reads stays referenced until that copy's event has
-   completed, so the caching allocator cannot hand its memory to another kernel.
+   completed, so the caching allocator cannot hand its memory to another kernel (a
+   copy on the producing stream itself, rule 8: ``record_stream`` on that stream).
 3. A pinned buffer goes back to its pool or tier, to be written or copied into again,
-   only once every copy using it has completed; bytes copied to host are read on the
-   host only after the copy's event.
+   only once every copy using it has completed; bytes copied to host are read, on the
+   host or by a copy back to the device on any stream, only after the copy's event
+   (waited on by that stream: a ``host`` rule's copy, rule 8, included).
 4. A tensor copied onto the device is used only after the consuming stream waits on
    the copy's event (a device-side wait, never a host one), and ``record_stream``
    tells the allocator that stream uses it.
@@ -34,9 +36,12 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
 7. A tensor comes back with a storage of its own span (storage offset 0), not the
    offset and span of the storage it was cut from.
 8. Every copy off the device goes through the device stager: on a copy stream (a
-   ``host`` rule's copy: in order on the producing stream itself). A tensor written
-   without a host copy is copied out on the copy stream, after an event recorded on
-   its producer at pack, never read from the device by an I/O thread.
+   ``host`` rule's copy without a tier: in order on the producing stream itself,
+   which records an event after it, and the copy back runs on the consuming stream
+   once that stream waited on the event; the source is ``record_stream``-ed on the
+   producer). A tensor written without a host copy is copied out on the copy stream,
+   after an event recorded on its producer at pack, never read from the device by an
+   I/O thread.
 9. No thread blocks on a copy while holding the record table's lock, and the unpacking
    thread never blocks on one: buffers go back when their copy's event is seen
    complete (polled), and events are made with ``blocking=True`` so a thread that
@@ -281,12 +286,16 @@ class DeviceOps(Protocol):
         """``t`` copied into new pageable host memory after ``ready`` (blocks until done)."""
         ...
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A pinned host copy of ``t``, in order on the current stream (``host`` rules)."""
+    def pin(self, t: torch.Tensor) -> Loaded:
+        """A pinned host copy of ``t``, in order on the current stream (``host`` rules):
+        ``(host_copy, event)``, the event recorded on that stream after the copy."""
         ...
 
-    def unpin(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``host`` (from :meth:`pin`) back on ``device``, in order on the current stream."""
+    def unpin(
+        self, host: torch.Tensor, device: torch.device, ready: CopyEvent | None = None
+    ) -> torch.Tensor:
+        """``host`` (from :meth:`pin`) back on ``device``, on the current stream once it
+        has waited for ``ready`` (the event :meth:`pin` returned)."""
         ...
 
     def finish(self, t: torch.Tensor, done: CopyEvent) -> torch.Tensor:
@@ -494,24 +503,45 @@ def copy_to_pageable(
     return with_bits(dst.as_strided(t.shape, t.stride(), 0), conj, neg)
 
 
-def copy_to_pinned(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+def copy_to_pinned(t: torch.Tensor, rt: Runtime) -> Loaded:
     """A pinned copy of ``t`` queued on the current stream (a ``host`` rule's copy).
 
-    The host copy is valid for later work on that stream (unpack copies it back there:
-    :func:`copy_from_pinned`); reading it on the host needs that stream synchronized.
+    Returns ``(host_copy, done_event)``: the copy runs in order on the stream that made
+    ``t`` (rule 8), and ``done_event`` is recorded there after it. The host copy is
+    valid once ``done_event`` has completed: unpack, on whatever stream it runs, waits
+    on it before copying back (:func:`copy_from_pinned`, rule 3). ``t`` is
+    ``record_stream``-ed on the producer, so memory it was allocated for another stream
+    is not reused before the copy read it (rule 2; a no-op on its own stream). The
+    pinned buffer belongs to the host copy: torch's host allocator reuses it only
+    once the copies recorded on it have completed.
     """
+    producer = rt.current_stream(t.device)
     src, conj, neg = physical(t.detach())
     flat, span = _flat(src)
     buf = rt.pinned(max(span * src.element_size(), 1))
     dst = buf[: span * src.element_size()].view(src.dtype)
     rt.copy(dst, flat, non_blocking=True)
-    return with_bits(dst.as_strided(t.shape, t.stride(), 0), conj, neg)
+    done = rt.new_event()  # blocking (rule 9), as every event here
+    rt.record(done, producer)
+    rt.record_stream(flat, producer)
+    return with_bits(dst.as_strided(t.shape, t.stride(), 0), conj, neg), done
 
 
-def copy_from_pinned(host: torch.Tensor, device: torch.device, rt: Runtime) -> torch.Tensor:
-    """``host`` (from :func:`copy_to_pinned`) back on ``device``, on the current stream."""
+def copy_from_pinned(
+    host: torch.Tensor, device: torch.device, rt: Runtime, ready: CopyEvent | None = None
+) -> torch.Tensor:
+    """``host`` (from :func:`copy_to_pinned`) back on ``device``, on the current stream.
+
+    The current stream (the consumer) first waits on ``ready``, the event recorded
+    after the copy to host on the stream that made it (rule 3: a device-side wait, a
+    no-op when both are one stream), then allocates and copies there: the result is
+    the consumer's own (rules 4 and 5 hold by stream order).
+    """
     src, conj, neg = physical(host)
     flat, span = _flat(src)
+    consumer = rt.current_stream(device)
+    if ready is not None:
+        rt.wait(consumer, ready)
     out = rt.empty(span, src.dtype, device)
     rt.copy(out, flat, non_blocking=True)
     return with_bits(out.as_strided(host.shape, host.stride(), 0), conj, neg)
@@ -569,13 +599,17 @@ class CudaOps:
         """``t`` in new pageable host memory, copied after ``ready``; :func:`copy_to_pageable`."""
         return copy_to_pageable(t, ready, self.streams, self.runtime)
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A pinned copy of ``t`` on the current stream; :func:`copy_to_pinned`."""
+    def pin(self, t: torch.Tensor) -> Loaded:
+        """A pinned copy of ``t`` on the current stream, and the event after it;
+        :func:`copy_to_pinned`."""
         return copy_to_pinned(t, self.runtime)
 
-    def unpin(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``host`` back on ``device`` on the current stream; :func:`copy_from_pinned`."""
-        return copy_from_pinned(host, device, self.runtime)
+    def unpin(
+        self, host: torch.Tensor, device: torch.device, ready: CopyEvent | None = None
+    ) -> torch.Tensor:
+        """``host`` back on ``device`` on the current stream, after ``ready``;
+        :func:`copy_from_pinned`."""
+        return copy_from_pinned(host, device, self.runtime, ready)
 
     def finish(self, t: torch.Tensor, done: CopyEvent) -> torch.Tensor:
         """The tensor unpack returns, ordered after ``done`` on the current stream."""

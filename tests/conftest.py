@@ -1,4 +1,5 @@
-"""Shared fixtures: seeds, temporary store URLs, and the ``cuda`` marker.
+"""Shared fixtures: seeds, the fake accelerator's stream-rule check, temporary store
+URLs, and the ``cuda`` marker.
 
 Keep this small. Store-specific fixtures live next to the tests that use them
 (``store`` for :class:`tests.store_conformance.StoreConformance` is defined by each
@@ -41,12 +42,25 @@ def _seed() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_fakes() -> None:
-    """A test that checks the fake accelerator's rules (``broken_rules()``) sees only
-    the fakes it made: some tests break the rules on purpose and leave them listed."""
+def _fresh_fakes() -> Iterator[None]:
+    """No test breaks a rule of NOTE [ Stream ordering ] on the fake accelerator
+    (``tests/fake_accelerator.py``) unnoticed: after the test body, every fake made
+    during the test must have recorded no violation. A test that breaks the rules on
+    purpose checks what it expected and clears it (``ops.violations.clear()``)."""
     from .fake_accelerator import broken_rules
 
-    broken_rules()
+    broken_rules()  # forget fakes made before this test (at import, by other tests)
+    yield
+    broken = broken_rules()
+    if broken:
+        shown = "\n  ".join(broken[:5])
+        more = f"\n  ... and {len(broken) - 5} more" if len(broken) > 5 else ""
+        pytest.fail(
+            f"the fake accelerator recorded {len(broken)} stream-rule violation(s) "
+            f"(NOTE [ Stream ordering ], tests/fake_cuda.py) that the test did not "
+            f"expect and clear:\n  {shown}{more}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

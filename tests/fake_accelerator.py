@@ -27,16 +27,37 @@ from tensorstore_hooks._staging import CopyEvent, CudaOps, Loaded
 
 from .fake_cuda import FakeCuda, FakeEvent
 
-__all__ = ["CpuAsAccelerator", "FakeCuda", "broken_rules", "on_fake_accelerator"]
+__all__ = [
+    "CpuAsAccelerator",
+    "FakeCuda",
+    "broken_rules",
+    "expect_broken",
+    "on_fake_accelerator",
+]
 
 _made: list[FakeCuda] = []  # every fake made since the last broken_rules() call
 
 
 def broken_rules() -> list[str]:
-    """The rules broken in every fake made since the last call (then forgotten): a
-    fixture asserts it is empty after each test."""
+    """The rules broken in every fake made since the last call (then forgotten), once
+    every copy still queued on them has landed (on a device it would land after the
+    test too): the ``_fresh_fakes`` fixture of ``tests/conftest.py`` fails a test
+    that leaves any. A test that breaks a rule on purpose clears what it expected
+    (:func:`expect_broken`)."""
+    for fake in _made:
+        fake.run_all()
     out = [v for fake in _made for v in fake.violations]
     _made.clear()
+    return out
+
+
+def expect_broken(ops: CpuAsAccelerator) -> list[str]:
+    """The violations ``ops`` recorded, after its queued copies landed, then cleared: a
+    test that breaks the rules on purpose asserts on these, and the conftest fixture
+    checks only what comes later."""
+    ops.fake.run_all()
+    out = list(ops.violations)
+    ops.violations.clear()
     return out
 
 
@@ -86,7 +107,7 @@ class CpuAsAccelerator(CudaOps):
         self.fake.produced(t)  # pack: written from the device later
         return super().producer_event(t)
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
+    def pin(self, t: torch.Tensor) -> Loaded:
         self.fake.produced(t)  # pack: a ``host`` rule's copy
         return super().pin(t)
 

@@ -3,7 +3,8 @@
 What is held, what spills and in which order, the cap, reads back through the tier,
 ``host`` rules in the same pool, and the corners (retain_graph, several graphs,
 in-place changes, failed spills, timeouts) — on CPU through the device stager's seam
-(``tests/fake_accelerator.py``: CPU tensors treated as accelerator tensors), and the
+(``tests/fake_accelerator.py``: CPU tensors treated as accelerator tensors; the
+conftest fixture fails any test that breaks a stream or event rule), and the
 same scenarios with real CUDA tensors in the ``cuda``-marked tests at the end.
 Gradients are always compared with ``torch.equal`` against a run without hooks.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from tensorstore_hooks._host_tier import round_up
 from tensorstore_hooks._iopool import shutdown_pool
 from tensorstore_hooks._records import State
 
-from .fake_accelerator import CpuAsAccelerator, broken_rules, on_fake_accelerator
+from .fake_accelerator import CpuAsAccelerator, on_fake_accelerator
 from .store_conformance import WrappedStore
 from .test_pipeline import GatedStore, sin_chain
 from .test_pipeline import chain_grad as reference_grad
@@ -33,14 +33,6 @@ from .test_pipeline import chain_grad as reference_grad
 KiB = 1024
 T = 16 * KiB  # every saved tensor of sin_chain below: 4096 float32
 CAP = 4 * T  # room for four of them
-
-
-@pytest.fixture(autouse=True)
-def _stream_rules_kept() -> Iterator[None]:
-    """Every scenario here keeps the stream and event rules (tests/fake_cuda.py)."""
-    broken_rules()
-    yield
-    assert broken_rules() == []
 
 
 def forward(hooks: tsh.OffloadHooks, n: int) -> tuple[torch.Tensor, torch.Tensor]:
