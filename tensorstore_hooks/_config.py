@@ -137,7 +137,7 @@ class PipelineSettings:
     """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
     (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``_heap.py``."""
     mmap_threshold: int | None = 1 << 20
-    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a session starts: freed buffers
+    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a pipeline starts: freed buffers
     of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
     at most 32 MiB). See NOTE [ Mmap threshold ] in ``_heap.py``."""
     host_budget: int | MemoryShare = 0

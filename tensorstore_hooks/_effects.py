@@ -1,23 +1,23 @@
-"""Process-wide effects of the library: only while a session lives, each said once.
+"""Process-wide effects of the library: only while a pipeline lives, each said once.
 
 NOTE [ Process-wide effects ]
 A library leaves its host process as it found it. A few things here reach beyond
-one session; each happens only while at least one session (an ``OffloadHooks`` not
-yet closed) lives, is undone when the last one ends, is logged once per process at
-DEBUG when it first happens, and has a switch (docs/config.md, "Process-wide
-effects"):
+one pipeline; each happens only while at least one pipeline (the one behind an
+``OffloadHooks`` not yet closed) lives, is undone when the last one ends, is logged
+once per process at DEBUG when it first happens, and has a switch (docs/config.md,
+"Process-wide effects"):
 
 1. SIGINT/SIGTERM handlers are wrapped (NOTE [ Signals and finalizers ]) by a
-   session's ``with hooks:`` on the main thread, and put back (if still ours) when
-   the last session ends. Off: ``TSH_SIGNAL_SHIELD=0`` in the environment (a Ctrl-C
+   ``with hooks:`` on the main thread, and put back (if still ours) when the last
+   pipeline ends. Off: ``TSH_SIGNAL_SHIELD=0`` in the environment (a Ctrl-C
    that lands inside a finalizer of ours is then lost, as Python loses it anywhere).
-2. glibc's mmap threshold (NOTE [ Mmap threshold ]) is set when a session with
+2. glibc's mmap threshold (NOTE [ Mmap threshold ]) is set when a pipeline with
    ``pipeline.mmap_threshold`` starts, and set back to glibc's initial 128 KiB when
-   the last session ends (glibc has no call that turns its dynamic threshold on
+   the last pipeline ends (glibc has no call that turns its dynamic threshold on
    again, so from then on the threshold stays at 128 KiB). Off:
    ``pipeline.mmap_threshold: null``.
 3. ``malloc_trim`` (NOTE [ Heap release ]) is called by the I/O threads while a
-   session moves bytes; it changes no setting. Off: ``pipeline.release_heap_every: 0``.
+   pipeline moves bytes; it changes no setting. Off: ``pipeline.release_heap_every: 0``.
 4. Global module forward hooks (NOTE [ Wrap hooks ]) are registered while a model is
    ``tsh.wrap``-ped and removed after the last unwrap. Off: use ``tsh.offload()``.
 5. An ``atexit`` handler that stops the I/O threads is registered while an I/O pool
@@ -38,8 +38,8 @@ from ._signals import restore as restore_signals
 
 __all__ = [
     "SIGNAL_SHIELD_ENV",
-    "SessionEffects",
-    "live_sessions",
+    "PipelineEffects",
+    "live_pipelines",
     "say_once",
     "shield_signals",
     "signal_shield_enabled",
@@ -65,8 +65,8 @@ def say_once(topic: str, message: str, *args: object) -> None:
     log.debug(message, *args)
 
 
-def live_sessions() -> int:
-    """Sessions begun and not yet ended in this process."""
+def live_pipelines() -> int:
+    """Pipelines begun and not yet ended in this process."""
     return _live
 
 
@@ -77,22 +77,22 @@ def signal_shield_enabled() -> bool:
 
 
 def shield_signals() -> None:
-    """Wrap the SIGINT/SIGTERM handlers (effect 1) if a session lives and the switch
+    """Wrap the SIGINT/SIGTERM handlers (effect 1) if a pipeline lives and the switch
     allows; call on entering a hooks block (a no-op off the main thread)."""
     if _live and signal_shield_enabled() and install_signal_shield():
         say_once(
             "signals",
-            "tensorstore-hooks: SIGINT/SIGTERM handlers wrapped while sessions live, so a "
+            "tensorstore-hooks: SIGINT/SIGTERM handlers wrapped while pipelines live, so a "
             "Ctrl-C never cuts a finalizer in half (NOTE [ Process-wide effects ]; "
             "%s=0 turns it off)",
             SIGNAL_SHIELD_ENV,
         )
 
 
-class SessionEffects:
-    """One session's share of the process-wide effects; :meth:`end` gives it back.
+class PipelineEffects:
+    """One pipeline's share of the process-wide effects; :meth:`end` gives it back.
 
-    ``mmap_threshold``: the session's ``pipeline.mmap_threshold`` (``None``: leave
+    ``mmap_threshold``: the pipeline's ``pipeline.mmap_threshold`` (``None``: leave
     glibc alone); ``trim_every_bytes``: how often its I/O threads call
     ``malloc_trim`` (0: never), only said here.
     """
@@ -116,13 +116,13 @@ class SessionEffects:
                 _mmap_set = True
             say_once(
                 "mmap",
-                "tensorstore-hooks: glibc mmap threshold set to %d B while sessions live "
+                "tensorstore-hooks: glibc mmap threshold set to %d B while pipelines live "
                 "(NOTE [ Process-wide effects ]; pipeline.mmap_threshold: null leaves it)",
                 mmap_threshold,
             )
 
     def end(self) -> None:
-        """The session ended: undo the effects if it was the last (idempotent)."""
+        """The pipeline ended: undo the effects if it was the last (idempotent)."""
         global _live, _mmap_set
         with _lock:
             if self._ended:
@@ -139,7 +139,7 @@ class SessionEffects:
             set_mmap_threshold(GLIBC_MMAP_THRESHOLD)
             say_once(
                 "mmap back",
-                "tensorstore-hooks: the last session ended: glibc mmap threshold back at %d B",
+                "tensorstore-hooks: the last pipeline ended: glibc mmap threshold back at %d B",
                 GLIBC_MMAP_THRESHOLD,
             )
         restore_signals()

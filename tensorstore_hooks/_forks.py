@@ -1,8 +1,8 @@
-"""Which process opened a store or a session, so a forked child leaves them alone.
+"""Which process opened a store or a pipeline, so a forked child leaves them alone.
 
 NOTE [ Fork safety ]
 A child made by ``fork()`` (DataLoader workers, ``multiprocessing`` with fork, a
-bare ``os.fork()``) inherits every store, session, finalizer, lock and atexit
+bare ``os.fork()``) inherits every store, pipeline, finalizer, lock and atexit
 handler of its parent, but none of its threads. Acting on the parent's store from
 there destroys what the parent still needs: a child that frees its copy of a graph
 deletes the keys, closing the store unlinks chunk files and releases the parent's
@@ -15,7 +15,7 @@ not this process's):
 1. A store opened by another process is read-only here: ``put``/``delete`` raise
    :class:`~tensorstore_hooks.StoreUnavailableError` naming the fix (open a store
    of your own); ``close()``, finalizers and the namespace lock do nothing to it.
-2. A session made by another process keeps every tensor packed here in memory
+2. A pipeline made by another process keeps every tensor packed here in memory
    (``Router``), and its handles' finalizers free nothing here (``_records``).
 3. I/O pools made by another process are not used here (their threads do not
    exist); one made here is this process's own.

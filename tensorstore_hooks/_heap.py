@@ -58,7 +58,7 @@ malloc_trim = _find_malloc_trim()
 # tsh-disk 46% of no offloading without it, 29% with 1 MiB. The price is page faults
 # on every such allocation (the kernel zeroes fresh pages), in torch's own kernels
 # too. It is process-wide (glibc has no per-thread or per-call setting), so it lasts
-# only while sessions live and is set back to glibc's initial value after the last
+# only while pipelines live and is set back to glibc's initial value after the last
 # (NOTE [ Process-wide effects ] in _effects.py); ``pipeline.mmap_threshold: null``
 # leaves glibc alone.
 _M_MMAP_THRESHOLD = -3
@@ -102,7 +102,7 @@ class HeapReleaser:
     ) -> None:
         self._every = every_bytes if trim is not None else 0
         self._trim = trim
-        self._on_release = on_release  # told after each release (the session's counter)
+        self._on_release = on_release  # told after each release (the pipeline's counter)
         self._moved = 0
         self.releases = 0
 

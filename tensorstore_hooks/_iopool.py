@@ -138,10 +138,10 @@ _POOLS_LOCK = threading.RLock()  # re-entered by _count_pool from pool_for
 
 
 def pool_for(store: Any, threads: int) -> IOPool:
-    """The pool shared by all sessions on ``store``, made with ``threads`` on first use.
+    """The pool shared by all pipelines on ``store``, made with ``threads`` on first use.
 
     The first caller sizes the pool. A later caller asking for another size gets the
-    existing pool unchanged (its sessions share those threads), and a log warning
+    existing pool unchanged (its pipelines share those threads), and a log warning
     naming both sizes; call :func:`shutdown_pool` first to resize.
     """
     with _POOLS_LOCK:

@@ -121,8 +121,8 @@ class NamespaceIndex:
         self.damage: list[Damage] = []
         """What replaying the index found damaged (empty when all was well)."""
         self.closed = False
-        """No put or get any more (deletes go on while a close waits for sessions)."""
-        self._users = 0  # offload sessions writing here: NOTE [ Closed while in use ]
+        """No put or get any more (deletes go on while a close waits for pipelines)."""
+        self._users = 0  # offload pipelines writing here: NOTE [ Closed while in use ]
         self._close_pending = False
         self._finished = False  # close() ran
         self.root_doc: bytes | None = None
@@ -329,7 +329,7 @@ class NamespaceIndex:
 
     def begin_close(self) -> bool:
         """Refuse puts and gets from now on. True: the caller finishes the close now
-        (:meth:`close`); False: already closed, or sessions still use the store and
+        (:meth:`close`); False: already closed, or pipelines still use the store and
         the close finishes when the last one is done or no key is left (NOTE [ Closed
         while in use ] in ``_zarr_store.py``)."""
         with self._lock:
@@ -342,7 +342,7 @@ class NamespaceIndex:
             return True
 
     def use(self, on_last: Callable[[], None]) -> Callable[[], None]:
-        """A session writes here; the result (idempotent) says it is done, and calls
+        """A pipeline writes here; the result (idempotent) says it is done, and calls
         ``on_last`` if it was the last one a pending close waited for."""
         with self._lock:
             self.check_open()
@@ -363,7 +363,7 @@ class NamespaceIndex:
         return unuse
 
     def drained(self) -> bool:
-        """Whether a close waiting for sessions' deletes may finish now: no key is left
+        """Whether a close waiting for pipelines' deletes may finish now: no key is left
         (True once)."""
         with self._lock:
             drained = self._close_pending and not self._entries

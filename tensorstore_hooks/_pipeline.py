@@ -26,7 +26,7 @@ import threading
 from ._budgets import BudgetControl, pinned_idle_cap
 from ._config import PipelineSettings
 from ._device import DeviceStager
-from ._effects import SessionEffects
+from ._effects import PipelineEffects
 from ._forks import foreign
 from ._heap import HeapReleaser
 from ._iopool import StorePool, on_io_thread, shutdown_pool
@@ -112,7 +112,7 @@ class Pipeline:
         # while in use ] (_zarr_store.py), NOTE [ Process-wide effects ] (_effects.py).
         self._unuse = store._use()
         trim_every = settings.release_heap_every if self.heap.enabled else 0
-        self._effects = SessionEffects(settings.mmap_threshold, trim_every)
+        self._effects = PipelineEffects(settings.mmap_threshold, trim_every)
 
     @property
     def scope(self) -> ModuleScope | None:

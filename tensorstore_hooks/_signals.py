@@ -22,7 +22,7 @@ backward, which stops), and every finalizer runs to the end: nothing leaks.
 Only the main thread runs signal handlers, so finalizers on other threads need
 nothing. A handler installed by the user after ours replaces it (theirs wins);
 the next ``with hooks:`` wraps theirs in turn. The wrapping lasts only while
-sessions live and can be turned off (NOTE [ Process-wide effects ] in
+pipelines live and can be turned off (NOTE [ Process-wide effects ] in
 ``_effects.py``): :func:`restore` puts the wrapped handlers back.
 """
 
@@ -130,7 +130,7 @@ def restore() -> None:
 
     Only the main thread may set handlers: called on another one, this is done at
     the next call on the main thread (meanwhile the wrapper defers nothing, since no
-    shielded code of a live session can run, and acts as the handler it wraps).
+    shielded code of a live pipeline can run, and acts as the handler it wraps).
     """
     global _restore_pending
     if threading.current_thread() is not threading.main_thread():

@@ -69,9 +69,9 @@ class TensorStore(ABC):
         return f"<{type(self).__name__}>"
 
     def _use(self) -> Callable[[], None]:
-        """Internal: an offload session writes here until it calls the result.
+        """Internal: an offload pipeline writes here until it calls the result.
 
-        A store may keep what deleting the session's keys needs after ``close()``
+        A store may keep what deleting the pipeline's keys needs after ``close()``
         until then (``ZarrStore``: NOTE [ Closed while in use ]); this default does
         nothing."""
         return _nothing

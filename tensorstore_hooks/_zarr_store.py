@@ -86,12 +86,12 @@ chunk's key and position would catch such an overwrite as an ``IntegrityError``;
 this keeps it from happening.)
 
 NOTE [ Closed while in use ]
-An offload session deletes its keys when autograd frees their graph, which may be
+An offload pipeline deletes its keys when autograd frees their graph, which may be
 after the store was closed (a graph held by a reference cycle, freed by the
-collector). So a session marks its use of the store (``_use()``); ``close()`` then
+collector). So a pipeline marks its use of the store (``_use()``); ``close()`` then
 refuses puts and gets at once but keeps the journal and the namespace lock for the
-sessions' deletes, and finishes (spares unlinked, an empty namespace removed, the
-lock released) when the last session is done, or as soon as no key is left. Nothing
+pipelines' deletes, and finishes (spares unlinked, an empty namespace removed, the
+lock released) when the last pipeline is done, or as soon as no key is left. Nothing
 is left behind, and no delete fails. Keys put by hand stay, as after any close.
 """
 
@@ -494,7 +494,7 @@ class ZarrStore(BlobStore):
             self._close_now()
 
     def _use(self) -> Callable[[], None]:
-        """Internal (NOTE [ Closed while in use ]): an offload session writes here; call
+        """Internal (NOTE [ Closed while in use ]): an offload pipeline writes here; call
         the result once it has deleted what it wrote (idempotent)."""
         return self._ns.use(self._close_now)
 

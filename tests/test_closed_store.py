@@ -107,7 +107,7 @@ def test_keys_put_by_hand_outlive_close_as_before(tmp_path: Path) -> None:
     _forward_in_a_cycle(hooks)
     hooks.close()
     store.close()
-    gc.collect()  # the session's keys go; the hand-put one stays, and the lock is free
+    gc.collect()  # the pipeline's keys go; the hand-put one stays, and the lock is free
     with tsh.open_store(url, namespace="kept") as again:
         assert list(again.keys()) == [key]
         assert torch.equal(again.get(key), torch.arange(6.0))
@@ -121,7 +121,7 @@ def test_offload_into_a_closed_store_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_closed_store_finishes_once_its_last_key_is_deleted(tmp_path: Path) -> None:
-    # The hooks stay open (their session lives on); freeing the graph is enough.
+    # The hooks stay open (their pipeline lives on); freeing the graph is enough.
     root = tmp_path / "root"
     store = tsh.open_store(f"file://{root}")
     hooks = tsh.offload(store, min_bytes=0)

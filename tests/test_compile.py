@@ -142,15 +142,21 @@ def _per_block(model: nn.Module, backend: str) -> Callable[[torch.Tensor], torch
 
 
 # ----------------------------------------------------------- ... offloading as
-def _offload_around(model: nn.Module, backend: str) -> tuple[Any, Any]:
-    compiled = _whole(model, backend)
-    hooks = tsh.offload("memory://", min_bytes=0)
+def _offload_around(compile_: Callable[..., Any]) -> Setup:
+    """``with tsh.offload():`` around the call: one compiled graph, or an eager model
+    whose blocks are compiled graphs (hooks around every compiled call, either way)."""
 
-    def call(x: torch.Tensor) -> torch.Tensor:
-        with hooks:
-            return compiled(x)
+    def setup(model: nn.Module, backend: str) -> tuple[Any, Any]:
+        compiled = compile_(model, backend)
+        hooks = tsh.offload("memory://", min_bytes=0)
 
-    return call, hooks
+        def call(x: torch.Tensor) -> torch.Tensor:
+            with hooks:
+                return compiled(x)
+
+        return call, hooks
+
+    return setup
 
 
 def _wrap_then(compile_: Callable[..., Any], **wrap_args: Any) -> Setup:
@@ -179,10 +185,12 @@ def _run_compiled_then_wrap(model: nn.Module, backend: str) -> tuple[Any, Any]:
 
 # name: (offloading setup, the compiled setup it must equal)
 CASES: dict[str, tuple[Setup, Callable[..., Any]]] = {
-    "offload_around_compiled": (_offload_around, _whole),
+    "offload_around_compiled": (_offload_around(_whole), _whole),
+    "offload_around_block_compiled_model": (_offload_around(_per_block), _per_block),
     "wrap_model_then_torch_compile": (_wrap_then(_whole), _whole),
     "wrap_model_then_model_compile": (_wrap_then(_method), _method),
     "torch_compile_then_wrap_it": (_compile_then_wrap(_whole), _whole),
+    "model_compile_then_wrap_it": (_compile_then_wrap(_method), _method),
     "compiled_step_then_wrap": (_run_compiled_then_wrap, _whole),
     "wrap_blocks_then_block_compile": (_wrap_then(_per_block, modules="blocks.*"), _per_block),
     "block_compile_then_wrap_blocks": (
@@ -220,12 +228,18 @@ def _refused(setup: Setup, *match: str) -> None:
         assert text in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "order", [_wrap_then, _compile_then_wrap], ids=["wrap_first", "compile_first"]
+)
 @pytest.mark.parametrize("compile_", [_whole, _method], ids=["torch_compile", "model_compile"])
-def test_wrap_of_blocks_inside_one_compiled_graph_is_refused(compile_: Callable[..., Any]) -> None:
+def test_wrap_of_blocks_inside_one_compiled_graph_is_refused(
+    compile_: Callable[..., Any], order: Callable[..., Setup]
+) -> None:
     # The issue's case: block hooks traced inside the model's graph pushed and popped
-    # in the wrong places, and blocks got no gradient, silently.
+    # in the wrong places, and blocks got no gradient, silently. Refused whichever of
+    # wrap and compile comes first (nothing ran compiled before the wrap).
     _refused(
-        _wrap_then(compile_, modules="blocks.*"),
+        order(compile_, modules="blocks.*"),
         "tsh.wrap(_Net, modules=...)",
         "'blocks.0'",
         "block.compile()",
@@ -288,7 +302,7 @@ def test_module_rules_under_compile_say_once_they_cannot_see_inside(
     with pytest.warns(UserWarning, match=r"cannot see the modules that run inside torch\.comp"):
         call(BATCHES[0]).backward()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once per session
+        warnings.simplefilter("error")  # said once per OffloadHooks
         call(BATCHES[1]).backward()
     assert hooks.stats.tensors_offloaded > 0
     _dispose(hooks)

@@ -412,7 +412,7 @@ def test_nested_reentry_keeps_module_tracking() -> None:
     hooks.close()
 
 
-# ------------------------------------------------ item 13: one warning per session
+# ------------------------------------------------- item 13: one warning per hooks
 class RefusingStore(WrappedStore):
     def put(self, tensor: torch.Tensor) -> str:
         raise QuotaExceededError("RefusingStore: full (injected)")
@@ -452,7 +452,7 @@ def test_fallbacks_warn_once_and_log_at_debug(caplog: pytest.LogCaptureFixture) 
 
 
 def test_fallback_logs_nothing_on_stderr(tmp_path: Path) -> None:
-    """Without any logging setup, a session of fallbacks prints nothing per tensor."""
+    """Without any logging setup, a run of fallbacks prints nothing per tensor."""
     script = tmp_path / "child.py"
     script.write_text(
         textwrap.dedent(

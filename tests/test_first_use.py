@@ -12,7 +12,7 @@ import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError
 
 
-def test_an_empty_session_leaves_no_zarr_json(tmp_path: Path) -> None:
+def test_hooks_that_store_nothing_leave_no_zarr_json(tmp_path: Path) -> None:
     root = tmp_path / "acts"
     with tsh.offload(f"file://{root}") as hooks:
         pass

@@ -1,7 +1,7 @@
-"""Process-wide effects only while a session lives, each said once, each with a switch.
+"""Process-wide effects only while a pipeline lives, each said once, each with a switch.
 
 NOTE [ Process-wide effects ] (``_effects.py``). Every check runs in a fresh
-interpreter: whether "the last session" has ended depends on every session the
+interpreter: whether "the last pipeline" has ended depends on every pipeline the
 process ever made, which a shared pytest process cannot promise.
 """
 
@@ -53,7 +53,7 @@ _SCRIPT = textwrap.dedent(
                 signal.getsignal(signal.SIGINT), _signals._DeferringHandler
             ),
             "exit_handler": _iopool.at_exit_registered(),
-            "live_sessions": _effects.live_sessions(),
+            "live_pipelines": _effects.live_pipelines(),
         }
         # Every write done before backward frees the records: on a busy machine a write
         # not yet started when its record is freed is skipped (nothing moved, no release).
@@ -69,7 +69,7 @@ _SCRIPT = textwrap.dedent(
         out[f"after_{i}"] = {
             "sigint_restored": signal.getsignal(signal.SIGINT) is before,
             "exit_handler": _iopool.at_exit_registered(),
-            "live_sessions": _effects.live_sessions(),
+            "live_pipelines": _effects.live_pipelines(),
             "heap_releases": hooks.stats.heap_releases,
         }
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
@@ -101,17 +101,17 @@ def _said(result: dict[str, Any], text: str) -> int:
     return sum(text in line for line in result["debug"])
 
 
-def test_effects_live_only_while_a_session_does_and_each_is_said_once() -> None:
+def test_effects_live_only_while_a_pipeline_does_and_each_is_said_once() -> None:
     r = _run({"mmap_threshold": "1MiB", "release_heap_every": "64KiB"})
     assert not any(r["at_import"].values()), r["at_import"]  # nothing at import
     for i in range(2):
         during = r[f"during_{i}"]
-        assert during == {"sigint_wrapped": True, "exit_handler": True, "live_sessions": 1}
+        assert during == {"sigint_wrapped": True, "exit_handler": True, "live_pipelines": 1}
         after = r[f"after_{i}"]
         assert after["sigint_restored"] and not after["exit_handler"]
-        assert after["live_sessions"] == 0 and after["heap_releases"] > 0
-    # Set per session; glibc's initial value back after the last of each (the two
-    # offload sessions, then the wrap's).
+        assert after["live_pipelines"] == 0 and after["heap_releases"] > 0
+    # Set per pipeline; glibc's initial value back after the last of each (the two
+    # offload pipelines, then the wrap's).
     assert r["mallopt"] == [1 << 20, 128 << 10] * 3
     assert r["wrapped_module_hooks"] and not r["unwrapped_module_hooks"]
     for text in (

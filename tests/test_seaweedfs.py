@@ -152,7 +152,7 @@ def test_training_is_identical_on_seaweedfs(
     assert len(hooks.store) == 0
     hooks.close()
     prefix = seaweed_url.split("/", 3)[3]
-    # The session's namespace is removed when its store closes; the root stays.
+    # The store's namespace is removed when it closes; the root stays.
     assert seaweedfs.object_keys(SEAWEED_BUCKET, prefix + "/") == [f"{prefix}/zarr.json"]
 
 

@@ -113,7 +113,7 @@ class OffloadCallback(Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning calls no teardown after an exception: undo setup here (a later fit
-        # sets up afresh), so the module is not left wrapped nor the session open.
+        # sets up afresh), so the module is not left wrapped nor the hooks open.
         self._finish()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
