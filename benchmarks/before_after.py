@@ -9,9 +9,12 @@ daemon: ``tensorstore_hooks.server`` comes from the installed package). Each run
 writes its JSON under ``--out``; the summary prints each run's headline figures
 side by side (train step: every mode's time and memory ratio to ``none``; store
 I/O: ours/raw per size and the smallest size's put+get). Arguments after ``--`` go
-to the benchmark script unchanged.
+to the benchmark script unchanged; ``--this-args`` adds arguments for this checkout's
+runs only (a switch the base's script does not know, e.g. to compare like with like).
 
     python benchmarks/before_after.py --base main train_step -- --modes none,tsh-disk
+    python benchmarks/before_after.py --base 64f0bc4 \
+        --this-args="--tsh-store-option direct_io=off" train_step -- --modes none,tsh-disk
     python benchmarks/before_after.py --base main --pairs 5 store_io
 """
 
@@ -73,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-out/before-after", help="where the JSON files go")
     p.add_argument("script", help="benchmark: train_step, store_io, daemon_io, ...")
     p.add_argument("extra", nargs="*", help="arguments for the script (after --)")
+    p.add_argument(
+        "--this-args",
+        default="",
+        help="more arguments for this checkout's runs only (one string, split on spaces)",
+    )
     args = p.parse_args(argv)
     if not (HERE / f"{args.script}.py").exists():
         p.error(f"no benchmark benchmarks/{args.script}.py")
@@ -85,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.pairs + 1):
             for name, tree in (("base", base), ("this", ROOT)):
                 path = out / f"{args.script}-{name}-{i}.json"
-                data = run_one(tree, args.script, args.extra, path)
+                extra = args.extra + (args.this_args.split() if name == "this" else [])
+                data = run_one(tree, args.script, extra, path)
                 lines.append(f"{name:4} {i}: {headline(args.script, data)}")
                 print(lines[-1], flush=True)
     print(f"\n{args.script}, base {args.base} vs this checkout, alternating:")

@@ -22,8 +22,9 @@ The rules, each kept by the code that names it (its unit in brackets):
    the next tier at once if the tensor is larger than the budget, when a move out of
    the tier fails while it waits, or when the wait runs out. A tier that refuses or fails the write
    (``QuotaExceededError``, an unreachable service) passes it on to the next tier too;
-   only the last tier's failure reaches the caller, so a tensor is always somewhere or
-   still with the caller. [``Core.put``]
+   only the last tier's failure reaches the caller (for a planned put, Rule 8, only
+   once the tiers above found no room either), so a tensor is always somewhere or
+   still with the caller. [``Core.put``, ``Core._after_refusal``]
 3. Movers (``move_threads`` threads of the chain's own, started when first needed)
    move while a tier's held bytes, plus the bytes puts are waiting to place there,
    exceed its budget: the oldest tensor (in put order) that is not already moving is
@@ -55,7 +56,14 @@ The rules, each kept by the code that names it (its unit in brackets):
    to. The placement is what Rules 2-3 produce, without writing those tensors to the
    fast tier and reading them back: with the first tier at half a step, half of a
    step goes to each tier and no tensor moves. A cycle larger than the last still
-   fills the first tier and moves its oldest, as above. [``CyclePlan``]
+   fills the first tier and moves its oldest, as above. A planned put that its tier
+   and every tier below refuse (the object store is down) falls back to the tiers
+   above, first tier first, each where there is room within its budget (Rule 2's
+   path: a tier with room takes it, not the caller), and counts where it landed
+   (``planned_puts`` only below the first tier). The plan is then set aside until
+   the cycle ends: its other puts take Rule 2's path rather than each trying the
+   failing tier first; the next cycle plans again, by what the chain held in this
+   one. [``CyclePlan``, ``Core._after_refusal``]
 
 The chain's map (chain key -> tier, key there) lives in this process; each tier keeps
 its own index, so ``tensorstore-hooks inspect URL URL ...`` lists what each tier holds
@@ -118,28 +126,27 @@ class Core:
     # ------------------------------------------------------------------- puts
     def put(self, tensor: torch.Tensor) -> str:
         """Rules 2 and 8: write ``tensor`` into a tier; returns the chain key. Raises
-        ``UnsupportedTensorError`` before anything is reserved, the last tier's error
-        when every tier failed, ``StoreClosedError`` once closed."""
+        ``UnsupportedTensorError`` before anything is reserved, the error of the last
+        tier tried when no tier took it, ``StoreClosedError`` once closed."""
         ledger = self.ledger
         meta, payload = encode(tensor)  # UnsupportedTensorError before anything is reserved
         n = meta.nbytes
         with ledger.cond:
             seq = ledger.new_seq()
-            first = self.plan.tier_for(n, ledger.nbytes, self._budgets)
-        i = self._reserve(first, n)
+            planned = self.plan.tier_for(n, ledger.nbytes, self._budgets)
+        i = self._reserve(planned, n)
         while True:
             try:
                 inner = write(ledger.tiers[i].store, tensor, meta, payload)
             except TensorStoreError as e:
                 self._release(i, n)
-                if isinstance(e, UnsupportedTensorError) or i == len(ledger.tiers) - 1:
+                if isinstance(e, UnsupportedTensorError) or ledger.closed:
                     raise
-                if ledger.closed:
+                log.debug("TierChain(%s): tier %d refused a put (%s)", ledger.url, i, e)
+                after = self._after_refusal(i, planned, n)
+                if after is None:  # no tier left to try: the caller keeps the tensor
                     raise
-                log.debug("TierChain(%s): tier %d refused a put (%s); next tier", ledger.url, i, e)
-                with ledger.cond:
-                    self.spills += 1
-                i = self._reserve(i + 1, n)  # Rule 2
+                i = after
                 continue
             except BaseException:  # a user store's bug, or an interrupt: give the room back
                 self._release(i, n)
@@ -148,6 +155,7 @@ class Core:
         with ledger.cond:
             if not ledger.closed:
                 key = ledger.placed(seq, i, inner, n)
+                self.plan.landed(planned, i)  # Rule 8: counted where it landed
                 self.plan.held(ledger.nbytes)
                 self.movers.wake()
                 return key
@@ -156,23 +164,51 @@ class Core:
             ledger.tiers[i].store.delete(inner)
         raise ledger.closed_error()
 
-    def _reserve(self, start: int, n: int) -> int:
-        """Rule 2: reserve ``n`` bytes in the first tier from ``start`` that takes them."""
+    def _after_refusal(self, i: int, planned: int, n: int) -> int | None:
+        """Rules 2 and 8: tier ``i`` refused or failed the write of a put planned to tier
+        ``planned``; reserve ``n`` bytes in the next tier to try and return it, or None
+        when no tier is left (the caller raises the refusal: the tensor stays with it).
+
+        Below the planned tier, the next tier down (the last one always has room). When
+        the last tier refused a planned put, the tiers above the planned one, first
+        tier first, each by the first tier's path (room within its budget, waiting for
+        the movers as Rule 2 says): a tier failing below must not send a tensor back to
+        the caller while a faster tier has room for it. The plan is then set aside for
+        the rest of the cycle (``CyclePlan.set_aside``)."""
         ledger = self.ledger
+        last = len(ledger.tiers) - 1
+        if i == last and planned == 0:
+            return None  # Rule 2: the last tier's failure reaches the caller
         with ledger.cond:
-            for i in range(start, len(ledger.tiers)):
-                ledger.check_open()
-                tier = ledger.tiers[i]
-                if ledger.reserve(i, n):
-                    return i
-                assert tier.budget is not None  # the last tier always fits
-                if n > tier.budget or self.put_wait_s <= 0:
-                    self.spills += 1
-                    continue
-                if self._wait_for_room(i, n) and ledger.reserve(i, n):  # it fits now
-                    return i
-                self.spills += 1
-        raise AssertionError("unreachable: the last tier has no budget")  # pragma: no cover
+            self.spills += 1
+            if planned <= i < last:
+                return self._reserve_in(range(i + 1, last + 1), n)  # the last always fits
+            if i == last:  # every tier from the planned one down refused: fall back above
+                self.plan.set_aside()
+            return self._reserve_in(range(0 if i == last else i + 1, planned), n)
+
+    def _reserve(self, start: int, n: int) -> int:
+        """Rule 2: reserve ``n`` bytes in the first tier from ``start`` down that takes them."""
+        with self.ledger.cond:
+            i = self._reserve_in(range(start, len(self.ledger.tiers)), n)
+        assert i is not None, "unreachable: the last tier has no budget"
+        return i
+
+    def _reserve_in(self, tiers: range, n: int) -> int | None:
+        """Under the lock: reserve ``n`` bytes in the first of ``tiers`` that takes them
+        (Rule 2: waiting for room where the tensor fits the budget); None if none does."""
+        ledger = self.ledger
+        for i in tiers:
+            ledger.check_open()
+            tier = ledger.tiers[i]
+            if ledger.reserve(i, n):
+                return i
+            assert tier.budget is not None  # the last tier always fits
+            waits = n <= tier.budget and self.put_wait_s > 0  # room can be made for it
+            if waits and self._wait_for_room(i, n) and ledger.reserve(i, n):  # it fits now
+                return i
+            self.spills += 1
+        return None
 
     def _wait_for_room(self, i: int, n: int) -> bool:
         """Under the lock: wait while the movers make room for ``n`` bytes in tier ``i``.
@@ -296,5 +332,6 @@ class Core:
                 put_wait_s=self.put_wait_s_total,
                 spills=self.spills,
                 planned_puts=self.plan.planned_puts,
+                plan_fallbacks=self.plan.fallbacks,
                 cycle_bytes=self.plan.cycle_bytes,
             )

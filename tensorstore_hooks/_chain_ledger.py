@@ -166,10 +166,14 @@ class Ledger:
         tier.hold(n)
         return True
 
-    def release(self, i: int, n: int) -> None:
+    def release(self, i: int, n: int, moved_out: bool = False) -> None:
         """Under the lock: tier ``i`` no longer holds ``n`` bytes (a copy deleted or
-        never written). The caller notifies the waiters."""
-        self.tiers[i].held -= n
+        never written; ``moved_out``: the old copy of a tensor that moved down, which
+        :meth:`moved` left counted as outgoing). The caller notifies the waiters."""
+        tier = self.tiers[i]
+        tier.held -= n
+        if moved_out:
+            tier.outgoing -= n
 
     def placed(self, seq: int, i: int, inner: str, n: int) -> str:
         """Under the lock: a put of ``n`` bytes (room reserved in tier ``i``) was
@@ -225,12 +229,16 @@ class Ledger:
         there) as ``new_key``. The map points at the new copy unless the key was
         deleted meanwhile (Rule 6). Returns (tier, key there, moved): the copy the
         caller must delete and then :meth:`release` (the old one, or the new one when
-        the key is gone), and whether the tensor moved."""
+        the key is gone), and whether the tensor moved (then pass ``moved_out=True``)."""
         p, src, n = job.placement, job.src, job.placement.nbytes
         s, d = self.tiers[src], self.tiers[dst]
-        s.outgoing -= n
         if self.map.get(job.chain_key) is not p:  # Rule 6: deleted while moving
+            s.outgoing -= n
             return dst, new_key, False
+        # The old copy stays outgoing until it is deleted and released
+        # (release(moved_out=True)): until then it still counts as held, and without
+        # the outgoing bytes beside it the tier would look over budget and another
+        # mover would move one tensor too many.
         p.tier, p.key, p.moving = dst, new_key, False
         s.tensors -= 1
         d.tensors += 1

@@ -153,7 +153,6 @@ class Movers:
             self._failed(job, dst, e)
             return
         with ledger.cond:
-            self.moving -= 1
             cleanup_tier, cleanup, moved = ledger.moved(job, dst, new_key)
             if moved:
                 self.moves += 1
@@ -169,7 +168,10 @@ class Movers:
             )  # fmt: skip
         finally:
             with ledger.cond:
-                ledger.release(cleanup_tier, n)
+                # In flight until the old copy is gone: wait_idle() then sees the
+                # tier as it will stay.
+                self.moving -= 1
+                ledger.release(cleanup_tier, n, moved_out=moved)
                 self.wake()
 
     def _failed(self, job: Move, dst: int, error: Exception) -> None:

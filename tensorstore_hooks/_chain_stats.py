@@ -54,7 +54,12 @@ class ChainStats:
     """Puts that went past a tier: too large for its budget, no room in time, or the
     tier refused or failed the write."""
     planned_puts: int
-    """Puts written straight to a lower tier by the last cycle's size (Rule 8)."""
+    """Puts written straight to a lower tier by the last cycle's size (Rule 8); a
+    planned put that fell back to the first tier is not one."""
+    plan_fallbacks: int
+    """Planned puts that their tier and every tier below refused (Rule 8): each then
+    went to a tier above with room (or, with none, back to the caller) and set the
+    plan aside until the cycle ends."""
     cycle_bytes: int
     """The last finished cycle's size (Rule 8): the most bytes held at once between two
     moments the chain was empty; 0 before the first cycle ends."""
@@ -71,5 +76,6 @@ class ChainStats:
             f"{tiers}; moves {self.moves} ({format_bytes(self.bytes_moved)} in "
             f"{self.move_s:.3f}s, {self.move_failures} failed); puts waited {self.put_waits} "
             f"({self.put_wait_s:.3f}s), spilled past a tier {self.spills}, planned below "
-            f"{self.planned_puts} (last cycle {format_bytes(self.cycle_bytes)})"
+            f"{self.planned_puts}, fell back above {self.plan_fallbacks} (last cycle "
+            f"{format_bytes(self.cycle_bytes)})"
         )

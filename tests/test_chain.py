@@ -320,6 +320,46 @@ def test_a_failed_move_leaves_the_tensor_where_it_was_and_is_retried(
     chain.close()
 
 
+def test_planned_puts_fall_back_to_the_first_tier_while_the_lower_tier_is_down() -> None:
+    """Rule 8 with the object store down from the second step on: the plan sends the
+    oldest puts below, the lower tier refuses them, and they fall back to the first
+    tier while it has room (no hooks fallback for those); the rest of the step takes
+    Rule 2's path and the hooks keep what no tier takes. Nothing is lost."""
+    lower = Flaky(failures=0)
+    chain = TierChain([tsh.open_store("memory://"), lower], [4 * T], put_wait_s=0.5)
+    pool_for(chain, 1)  # one I/O thread: the puts run in save order
+    n = 8
+    x = torch.randn(T // 4, requires_grad=True)
+    hooks = tsh.offload(chain, min_bytes=0)
+    with hooks:
+        loss = sin_chain(x, n)
+    hooks.flush()
+    settle(chain)
+    assert len(chain) == n and chain.stats.tiers[1].tensors >= n - 4
+    loss.backward()
+    assert torch.equal(x.grad, chain_grad(x, n)) and len(chain) == 0
+    assert chain.stats.cycle_bytes == n * T
+    lower.failures = 1 << 30  # down from now on: every put (and move) into it fails
+    x.grad = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hooks:
+            loss = sin_chain(x, n)
+        hooks.flush()
+    assert any("could not take a saved tensor" in str(w.message) for w in caught)
+    s = chain.stats
+    assert [t.tensors for t in s.tiers] == [4, 0] and s.tiers[0].bytes == 4 * T
+    assert hooks.stats.fallbacks == n - 4  # only what the first tier had no room for
+    assert s.plan_fallbacks == 1 and s.planned_puts == 0  # then the plan is set aside
+    loss.backward()
+    assert torch.equal(x.grad, chain_grad(x, n))
+    assert len(chain) == 0 and [t.bytes for t in chain.stats.tiers] == [0, 0]
+    assert chain.stats.cycle_bytes == 4 * T  # the next step is planned by what was held
+    hooks.close()
+    shutdown_pool(chain)
+    chain.close()
+
+
 # ------------------------------------------------------------------- races
 class Gated(WrappedStore):
     """``put`` blocks until ``gate`` is set; ``entered`` is set when one is waiting."""
@@ -766,7 +806,7 @@ def test_yaml_tiers_make_a_chain_for_offload(tmp_path: Path) -> None:
     assert chain.stats.moves > 0
     loss.backward()
     assert torch.equal(x.grad, chain_grad(x, n))
-    hooks.close()  # the session opened the chain: it closes it
+    hooks.close()  # the hooks opened the chain: they close it
     with pytest.raises(StoreUnavailableError):
         chain.put(tensor(0))
 

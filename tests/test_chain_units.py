@@ -36,6 +36,7 @@ def run_cycle(plan: CyclePlan, puts: int, n: int, budgets: list[int]) -> list[in
     tiers = []
     for k in range(puts):
         tiers.append(plan.tier_for(n, k * n, budgets))
+        plan.landed(tiers[-1], tiers[-1])
         plan.held((k + 1) * n)
     plan.emptied()
     return tiers
@@ -80,8 +81,34 @@ def test_plan_off_still_measures_cycles_but_places_every_put_first() -> None:
 def test_plan_emptied_without_a_put_keeps_the_last_cycle() -> None:
     plan = CyclePlan(True)
     run_cycle(plan, 3, 10, [20])
-    plan.emptied()  # e.g. a delete of nothing, or of keys of a closed session
+    plan.emptied()  # e.g. a delete of nothing, or of keys of closed hooks
     assert plan.cycle_bytes == 30
+
+
+def test_plan_counts_a_put_where_it_landed_and_is_set_aside_until_the_cycle_ends() -> None:
+    """Rule 8: a planned put refused below falls back to the first tier; it is not a
+    planned put there, and the rest of the cycle places every put first."""
+    plan = CyclePlan(True)
+    run_cycle(plan, 10, 10, [50])
+    assert plan.tier_for(10, 0, [50]) == 1
+    plan.landed(1, 0)  # the tier below refused it: it fell back to the first tier
+    plan.set_aside()
+    plan.held(10)
+    assert plan.planned_puts == 0 and plan.fallbacks == 1
+    assert [plan.tier_for(10, k * 10, [50]) for k in range(1, 5)] == [0] * 4
+    plan.held(50)  # what the first tier took; the rest stayed with the caller
+    plan.emptied()
+    assert plan.cycle_bytes == 50  # the next cycle is planned by what the chain held...
+    assert run_cycle(plan, 10, 10, [50]) == [0] * 10  # ...and plans again (none below)
+    assert run_cycle(plan, 10, 10, [50]) == [1] * 5 + [0] * 5
+    assert plan.planned_puts == 5 and plan.fallbacks == 1
+
+
+def test_plan_a_put_planned_two_tiers_down_that_lands_one_down_counts() -> None:
+    plan = CyclePlan(True)
+    plan.landed(2, 1)
+    plan.landed(0, 1)  # an unplanned put that spilled: Rule 2, not the plan
+    assert plan.planned_puts == 1
 
 
 # --------------------------------------------------------------------- Ledger
@@ -118,7 +145,9 @@ def test_ledger_counts_a_moving_tensor_in_both_tiers(stores: list[TensorStore]) 
         tier, old, moved = ledger.moved(job, 1, "new")
         assert (tier, old, moved) == (0, "k0", True)
         assert ledger.map[key].tier == 1 and ledger.map[key].key == "new"
-        ledger.release(tier, 60)
+        assert ledger.tiers[0].outgoing == 60  # until the old copy is released
+        assert not ledger.tiers[0].over()  # held 60, of which 60 on the way out
+        ledger.release(tier, 60, moved_out=moved)
         assert [t.held for t in ledger.tiers[:2]] == [0, 60]
         assert [t.tensors for t in ledger.tiers[:2]] == [0, 1]
         assert ledger.tiers[0].outgoing == 0 and ledger.tiers[0].peak == 60
