@@ -61,12 +61,20 @@ def headline(script: str, data: dict[str, Any]) -> str:
                 parts.append(f"{mode} {s['time_ratio']:.2f}x time {s['mem_ratio']:.0%} mem{grads}")
         return f"none step {data['summary']['none']['step_s']:.2f}s; " + "; ".join(parts)
     if script == "store_io":
-        rows = data["results"]
-        small = min(rows, key=lambda r: r["bytes"])
-        ratios = " ".join(f"{r['bytes'] >> 10}KiB {r['throughput_ratio']:.2f}x" for r in rows)
-        fixed_us = small["ours_put_get_s"] * 1e6
-        return f"ours/raw {ratios}; {small['bytes'] >> 10} KiB put+get {fixed_us:.0f} us"
+        rows = [_ours(r) for r in data["results"]]
+        small = min(rows, key=lambda r: r[0])
+        ratios = " ".join(f"{n >> 10}KiB {ratio:.2f}x" for n, ratio, _ in rows)
+        return f"ours/raw {ratios}; {small[0] >> 10} KiB put+get {small[2] * 1e6:.0f} us"
     return json.dumps(data)[:200]
+
+
+def _ours(result: dict[str, Any]) -> tuple[int, float, float]:
+    """(bytes, ours/raw numpy, our put+get seconds) of one size of store_io's JSON: the
+    first "ours" row where the result has rows (one per side), else the older flat form."""
+    if "rows" not in result:
+        return result["bytes"], result["throughput_ratio"], result["ours_put_get_s"]
+    row = next(r for r in result["rows"] if r["side"].startswith("ours"))
+    return result["bytes"], row["ratio_to_raw"], row["put_get_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
