@@ -113,7 +113,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from tensorstore_hooks._demo_model import GPT, config_for, synthetic_batch
+    from tensorstore_hooks.cli._demo_model import GPT, config_for, synthetic_batch
 
     group = _join_cgroup(args.cgroup)
     cfg = config_for(args.size)
@@ -214,8 +214,8 @@ def run_read(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     import tensorstore_hooks as tsh
-    from tensorstore_hooks._capture_layout import chunk_path, read_array
-    from tensorstore_hooks._chunkio import LocalIO
+    from tensorstore_hooks.capture._layout import chunk_path, read_array
+    from tensorstore_hooks.storage.io import LocalIO
 
     io = LocalIO(args.dir)
     name = args.read_array

@@ -142,7 +142,7 @@ def bench_daemon(url: str, size: int, iters: int, **options: Any) -> dict[str, f
     """Bytes per second of put+get of ``size``-byte float32 tensors through the daemon."""
     import torch
 
-    from tensorstore_hooks._daemon_client import DaemonStore
+    from tensorstore_hooks.storage.daemon._client import DaemonStore
 
     x = torch.randn(size // 4)
     put_s = get_s = 0.0
@@ -198,7 +198,7 @@ def _worker(url: str, ops: int, size: int, step: int, seed: int) -> None:
     import torch
 
     from tensorstore_hooks import KeyNotFoundError, QuotaExceededError
-    from tensorstore_hooks._daemon_client import DaemonStore
+    from tensorstore_hooks.storage.daemon._client import DaemonStore
 
     # Many client processes share few cores: torch's intra-op thread pool would only
     # make clone/equal spin (milliseconds each) and hide the daemon's numbers.
@@ -300,7 +300,7 @@ class QuotaWatcher:
         return total
 
     def _run(self) -> None:
-        from tensorstore_hooks._daemon_client import fetch_stats
+        from tensorstore_hooks.storage.daemon._client import fetch_stats
 
         while not self._stop.is_set():
             tiers = fetch_stats(self.url)["tiers"]
@@ -454,7 +454,7 @@ def main() -> int:
                 str(Path(tmp) / "root"),
                 log=Path(tmp) / "d2.log",
             )
-            from tensorstore_hooks._daemon_client import fetch_stats
+            from tensorstore_hooks.storage.daemon._client import fetch_stats
 
             watcher = QuotaWatcher(url, Path(tmp) / "root")
             try:

@@ -42,7 +42,7 @@ import torch
 
 from tensorstore_hooks import ConfigError, open_store
 from tensorstore_hooks._units import format_bytes, parse_bytes
-from tensorstore_hooks._zarr_store import split_url
+from tensorstore_hooks.storage.zarr._store import split_url
 
 DEFAULT_SIZES = "64KiB,1MiB,8MiB,64MiB"
 TARGET_RATIO_SIZE = 8 << 20
@@ -287,7 +287,7 @@ def _sides(args: argparse.Namespace, url: str, storage_options: dict[str, Any]) 
                 label = "writes from the tensor" if path == "zero-copy" else "copied writes"
                 sides.append(_Side(f"ours, direct, {label} (direct_io={mode})", store=store))
         sides.append(_Side("raw: " + LocalRaw.label, raw=LocalRaw(location)))
-        from tensorstore_hooks._chunkio import probe_direct_io
+        from tensorstore_hooks.storage.io import probe_direct_io
 
         ok, why = probe_direct_io(location)
         if ok:

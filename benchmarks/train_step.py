@@ -295,7 +295,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one mode in this process; returns the whole-run and per-step figures."""
     import torch
 
-    from tensorstore_hooks._demo_model import GPT, synthetic_batch
+    from tensorstore_hooks.cli._demo_model import GPT, synthetic_batch
 
     cfg, lengths = _step_config(args)
     device = torch.device(args.device)
@@ -573,7 +573,7 @@ def library_thread_cpu_s() -> float:
 
 
 def _model_config(args: argparse.Namespace) -> Any:
-    from tensorstore_hooks._demo_model import config_for
+    from tensorstore_hooks.cli._demo_model import config_for
 
     changes = {
         k: v
@@ -737,7 +737,7 @@ def probe_step_bytes(args: argparse.Namespace) -> int:
     import torch
 
     import tensorstore_hooks as tsh
-    from tensorstore_hooks._demo_model import GPT, synthetic_batch
+    from tensorstore_hooks.cli._demo_model import GPT, synthetic_batch
 
     cfg = _model_config(args)
     model = GPT(cfg, seed=0)

@@ -26,14 +26,9 @@ from pydantic import (
 # The library's unit types: one parser of "512MiB" and "30s" for library and daemon.
 from tensorstore_hooks._units import Duration as Seconds
 from tensorstore_hooks._units import Size
-from tensorstore_hooks._urls import DEFAULT_PORT
-from tensorstore_hooks._yaml_config import (
-    LineOf,
-    format_validation_error,
-    line_finder,
-    read_yaml,
-)
+from tensorstore_hooks.config import LineOf, format_validation_error, line_finder, read_yaml
 from tensorstore_hooks.errors import ConfigError
+from tensorstore_hooks.storage import DEFAULT_PORT
 
 __all__ = [
     "Address",

@@ -52,8 +52,8 @@ import os
 from dataclasses import dataclass
 
 from tensorstore_hooks._codec import TensorMeta
-from tensorstore_hooks._index import frame
-from tensorstore_hooks._zarr_store import ZarrStore, split_url
+from tensorstore_hooks.storage import split_url
+from tensorstore_hooks.storage.zarr import ZarrStore, frame_record
 
 __all__ = [
     "DISK_NAMESPACE",
@@ -148,7 +148,7 @@ class DiskCharge:
 
 
 def _bound(record: list[object]) -> int:
-    return len(frame(record)) + _RECORD_SLACK_BYTES
+    return len(frame_record(record)) + _RECORD_SLACK_BYTES
 
 
 _CRC_BIN_HEADER = 5  # msgpack bin 32 header of the chunk checksums

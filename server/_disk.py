@@ -40,8 +40,8 @@ import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
-from tensorstore_hooks._zarr_store import ZarrStore
 from tensorstore_hooks.errors import KeyNotFoundError, QuotaExceededError, TensorStoreError
+from tensorstore_hooks.storage.zarr import ZarrStore
 
 from ._costs import DISK_NAMESPACE, DiskCharge, DiskCosts
 from ._model import Entry
@@ -467,7 +467,7 @@ class DiskTier:
             "quota": self.quota,
             "tensors": self.entries,
             "writable": self.refusal() is None,
-            # The library's own disk path (NOTE [ Direct I/O ] in _chunkio.py).
+            # The library's own disk path (NOTE [ Direct I/O ] in storage/io/_local.py).
             "direct_io": self.store.direct_io.enabled,
             "direct_io_reason": self.store.direct_io.reason,
         }

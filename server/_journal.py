@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorstore_hooks._chunkio import LocalIO
-from tensorstore_hooks._index import MAGIC, Damage, IndexLog
-from tensorstore_hooks._zarr_store import split_url
+from tensorstore_hooks.storage import split_url
+from tensorstore_hooks.storage.io import LocalIO
+from tensorstore_hooks.storage.zarr import MAGIC, Damage, IndexLog
 
 from ._costs import DISK_NAMESPACE
 from ._model import KeyRecord

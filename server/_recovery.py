@@ -39,11 +39,11 @@ import time
 import warnings
 from typing import Any
 
-from tensorstore_hooks._chunkio import LocalIO
 from tensorstore_hooks._codec import TensorMeta
-from tensorstore_hooks._index import IndexLog, scan
 from tensorstore_hooks._units import format_bytes
-from tensorstore_hooks._zarr_store import ZarrStore, split_url
+from tensorstore_hooks.storage import split_url
+from tensorstore_hooks.storage.io import LocalIO
+from tensorstore_hooks.storage.zarr import IndexLog, ZarrStore, scan_journal
 
 from ._costs import DISK_NAMESPACE
 from ._disk import DiskTier
@@ -98,7 +98,7 @@ def _record_numbers(io: LocalIO, path: str) -> dict[str, int]:
         raw = bytes(io.read(path))
     except OSError:
         return {}
-    return {key: i + 1 for i, (_, key, _) in enumerate(scan(raw, path).records)}
+    return {key: i + 1 for i, (_, key, _) in enumerate(scan_journal(raw, path).records)}
 
 
 def _quarantine_index(location: str, max_tensor_bytes: int) -> dict[str, dict[str, Any]] | None:

@@ -13,54 +13,42 @@ prefetched and rehydrated onto their original device, bit-identically::
 
 Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``):
 
-* ``_hooks.py`` / ``paddle/`` - ``offload()`` and ``OffloadHooks``: pack and unpack
+* ``hooks/_offload.py`` / ``paddle/`` - ``offload()`` and ``OffloadHooks``: pack and unpack
   wired to the pipeline's router (``HooksBase``: what both give a caller).
-* ``_pipeline.py`` - ``Pipeline``: builds and wires the units below, and closes them.
-* ``_router.py`` - ``Router``: keep / host / store for each saved tensor, and unpack.
-* ``_records.py`` - the record table: every change to a record (intent methods, the
+* ``pipeline/_pipeline.py`` - ``Pipeline``: builds and wires the units below, and closes them.
+* ``pipeline/_router.py`` - ``Router``: keep / host / store for each saved tensor, and unpack.
+* ``pipeline/_records.py`` - the record table: every change to a record (intent methods, the
   lifecycle), pack order, dedup, finalizers.
-* ``_writebehind.py`` - bytes into the store on I/O threads, backpressure, fallback.
-* ``_device.py``, ``_staging.py``, ``_host_tier.py`` - staging: accelerator tensors
+* ``pipeline/_writebehind.py`` - bytes into the store on I/O threads, backpressure, fallback.
+* ``pipeline/_device.py``, ``pipeline/_staging.py``, ``pipeline/_host_tier.py`` - staging: accelerator tensors
   through pinned host buffers, and the host tier.
-* ``_prefetch.py`` - reads ahead of backward, newest first.
-* ``_iopool.py``, ``_heap.py`` - the shared I/O threads; freed heap back to the OS.
-* ``_retry.py`` - the one retry loop, with each layer's failure classifier;
-  ``_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
-* ``_store.py``, ``_zarr_store.py``, ``_chunkio.py``, ``_daemon_client.py``,
-  ``_registry.py`` - the stores and ``open_store`` (one registry entry per URL
-  scheme); ``_chain.py`` - ``TierChain``, several stores as one, fastest first;
-  ``_urls.py`` the only store URL parser; ``_zarr_options.py`` chunk size
+* ``pipeline/_prefetch.py`` - reads ahead of backward, newest first.
+* ``pipeline/_iopool.py``, ``runtime/_heap.py`` - the shared I/O threads; freed heap back to the OS.
+* ``storage/_retry.py`` - the one retry loop, with each layer's failure classifier;
+  ``runtime/_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
+* ``storage/_store.py``, ``storage/zarr/_store.py``, ``storage/io/_local.py``, ``storage/daemon/_client.py``,
+  ``storage/_registry.py`` - the stores and ``open_store`` (one registry entry per URL
+  scheme); ``storage/chain/_chain.py`` - ``TierChain``, several stores as one, fastest first;
+  ``storage/_urls.py`` the only store URL parser; ``storage/zarr/_options.py`` chunk size
   and codec checks.
-* ``_codec.py``, ``_adapters.py``, ``_paddle_bridge.py`` - tensor <-> bytes; other
+* ``_codec.py``, ``_adapters.py``, ``paddle/_bridge.py`` - tensor <-> bytes; other
   frameworks' tensors through adapters.
-* ``_config.py``, ``_policy.py``, ``_scope.py``, ``_units.py`` - settings and rules.
-* ``_report.py`` - ``hooks.report()`` (per module path: what was saved, the action and
+* ``config/_settings.py``, ``config/_policy.py``, ``hooks/_scope.py``, ``_units.py`` - settings and rules.
+* ``hooks/_report.py`` - ``hooks.report()`` (per module path: what was saved, the action and
   the rule; the device-budget curve) and the figures the trainer callbacks log;
   ``_caller.py`` - errors that name the public function the user called.
-* ``_capture.py`` - ``capture()``: module hooks streaming intermediates and gradients
-  into plain Zarr arrays under ``ROOT/capture/`` (``_capture_writer.py`` appends them on
-  I/O threads, ``_capture_layout.py`` is their layout); ``_capture_dataset.py`` -
-  ``CaptureDataset`` reads them back (``_capture_source.py``: from a URL or an object).
+* ``capture/_capture.py`` - ``capture()``: module hooks streaming intermediates and gradients
+  into plain Zarr arrays under ``ROOT/capture/`` (``capture/_writer.py`` appends them on
+  I/O threads, ``capture/_layout.py`` is their layout); ``capture/_dataset.py`` -
+  ``CaptureDataset`` reads them back (``capture/_source.py``: from a URL or an object).
 """
 
 from __future__ import annotations
 
-from ._capture import Capture, capture
-from ._capture_dataset import CaptureDataset
-from ._capture_writer import CaptureStats
-from ._chain import TierChain
-from ._chain_stats import ChainStats, TierStats
-from ._codec import TensorMeta
-from ._config import EffectiveConfig, load_config
-from ._hooks import OffloadHooks, offload
-from ._policy import Decision, Policy, Rule
-from ._registry import open_store, register_store
-from ._router import Router
-from ._stats import OffloadStats, RouteStats
-from ._store import BlobStore, TensorStore
-from ._wrap import unwrap, wrap
-from ._zarr_store import ZarrStore
-from .errors import (
+from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks.capture import Capture, CaptureDataset, CaptureStats, capture
+from tensorstore_hooks.config import Decision, EffectiveConfig, Policy, Rule, load_config
+from tensorstore_hooks.errors import (
     ConfigError,
     IntegrityError,
     KeyNotFoundError,
@@ -70,6 +58,11 @@ from .errors import (
     TensorStoreError,
     UnsupportedTensorError,
 )
+from tensorstore_hooks.hooks import OffloadHooks, offload, unwrap, wrap
+from tensorstore_hooks.pipeline import OffloadStats, Router, RouteStats
+from tensorstore_hooks.storage import BlobStore, TensorStore, open_store, register_store
+from tensorstore_hooks.storage.chain import ChainStats, TierChain, TierStats
+from tensorstore_hooks.storage.zarr import ZarrStore
 
 __version__ = "0.1.0"
 

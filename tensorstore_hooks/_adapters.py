@@ -35,7 +35,7 @@ class FrameworkAdapter(Protocol):
         """The framework's tensor rebuilt from what :meth:`encode` returned."""
 
 
-_ENTRIES: dict[str, str] = {"paddle": "tensorstore_hooks._paddle_bridge:ADAPTER"}
+_ENTRIES: dict[str, str] = {"paddle": "tensorstore_hooks.paddle._bridge:ADAPTER"}
 """framework name (also the top-level module of its tensor type) -> ``"module:attr"``."""
 _LOADED: dict[str, FrameworkAdapter] = {}
 _LOCK = threading.Lock()

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from .errors import TensorStoreError
+from tensorstore_hooks.errors import TensorStoreError
 
 __all__ = ["name_caller", "names_caller"]
 

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._adapters import adapter_for, adapter_named, frameworks
-from .errors import IntegrityError, UnsupportedTensorError
+from tensorstore_hooks._adapters import adapter_for, adapter_named, frameworks
+from tensorstore_hooks.errors import IntegrityError, UnsupportedTensorError
 
 __all__ = [
     "DTYPES",

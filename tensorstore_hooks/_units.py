@@ -15,7 +15,7 @@ NOTE [ Memory shares ]
 A budget (``device_budget``, ``host_budget``) is a size, or a share of the memory there
 is: ``"auto"`` (all of it) or a percentage from ``"0%"`` to ``"100%"`` (``"60%"``,
 ``"12.5%"``). ``memory_headroom`` is a size or a percentage (of the memory limit).
-What "the memory there is" means: NOTE [ Auto budgets ] in ``_budgets.py``.
+What "the memory there is" means: NOTE [ Auto budgets ] in ``pipeline/_budgets.py``.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from ._codec import TensorMeta
-from .errors import IntegrityError
+from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks.errors import IntegrityError
 
 __all__ = [
     "MAGIC",

@@ -1,4 +1,4 @@
-"""One conformance suite for every :class:`~tensorstore_hooks._chunkio.ChunkIO`.
+"""One conformance suite for every :class:`~tensorstore_hooks.storage.io.ChunkIO`.
 
 The zarr-python ``testing/store.py`` pattern: a generic test class that each backend
 subclasses with its fixture and two raw helpers that reach the backend *around* the
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tensorstore_hooks._chunkio import ChunkIO
+from tensorstore_hooks.storage.io import ChunkIO
 
 __all__ = ["ChunkIOConformance"]
 

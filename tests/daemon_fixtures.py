@@ -213,7 +213,7 @@ def raw_connect(url: str, timeout_s: float = 10.0) -> Any:
     """A plain socket to a ``tsh://`` or ``tsh+unix://`` daemon (no HELLO sent)."""
     import socket
 
-    from tensorstore_hooks._daemon_client import parse_daemon_url
+    from tensorstore_hooks.storage.daemon._client import parse_daemon_url
 
     addr = parse_daemon_url(url)
     if addr.path is not None:

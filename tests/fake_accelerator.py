@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tensorstore_hooks import OffloadHooks
-from tensorstore_hooks._staging import CopyEvent, CudaOps, Loaded
+from tensorstore_hooks.pipeline._staging import CopyEvent, CudaOps, Loaded
 
 from .fake_cuda import FakeCuda, FakeEvent
 

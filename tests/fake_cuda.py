@@ -1,6 +1,6 @@
 """A fake ``torch.cuda`` under the real staging functions: recorded, ordered, poisoned.
 
-:class:`FakeCuda` implements ``tensorstore_hooks._staging.Runtime`` over CPU tensors, so
+:class:`FakeCuda` implements ``tensorstore_hooks.pipeline._staging.Runtime`` over CPU tensors, so
 the library's own :func:`copy_to_host`, :func:`copy_to_device` and :func:`consume` run
 unchanged on a machine without a GPU, and every stream, event, copy, wait and
 ``record_stream`` call they make is logged (:attr:`FakeCuda.log`) and checked against
@@ -253,7 +253,7 @@ class _Memory:
 
 
 class FakeCuda:
-    """The staging :class:`~tensorstore_hooks._staging.Runtime` on CPU tensors (see the
+    """The staging :class:`~tensorstore_hooks.pipeline._staging.Runtime` on CPU tensors (see the
     module docstring). ``polls``: queries an event answers ``False`` before its stream
     runs (0: streams run as soon as work is queued)."""
 

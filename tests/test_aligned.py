@@ -1,4 +1,4 @@
-"""Page-aligned pooled buffers (NOTE [ Aligned buffers ] in ``_aligned.py``)."""
+"""Page-aligned pooled buffers (NOTE [ Aligned buffers ] in ``storage/io/_aligned.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorstore_hooks._aligned import (
+from tensorstore_hooks.storage.io._aligned import (
     BLOCK_BYTES,
     PAGE_BYTES,
     POOL_MIN_BYTES,

@@ -1,5 +1,5 @@
 """ChunkAllocator on its own: no disk, no store (NOTE [ Segment layout ],
-NOTE [ Spare chunk files ] in ``_zarr_store.py``)."""
+NOTE [ Spare chunk files ] in ``storage/zarr/_store.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tensorstore_hooks._allocator import (
+from tensorstore_hooks.storage.zarr._allocator import (
     MIN_CHUNK_BYTES,
     SEGMENT_CHUNKS,
     ChunkAllocator,

@@ -18,9 +18,14 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, Policy
-from tensorstore_hooks._budgets import BudgetControl, Windows
-from tensorstore_hooks._config import config_from_dict, dump_config, load_config, resolve_config
 from tensorstore_hooks._units import AUTO, MemoryShare
+from tensorstore_hooks.config._settings import (
+    config_from_dict,
+    dump_config,
+    load_config,
+    resolve_config,
+)
+from tensorstore_hooks.pipeline._budgets import BudgetControl, Windows
 
 from .store_conformance import WrappedStore
 

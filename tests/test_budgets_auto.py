@@ -1,5 +1,5 @@
 """``device_budget: auto``, ``host_budget: auto`` and percentages, with the memory
-injected (NOTE [ Auto budgets ] in ``tensorstore_hooks/_budgets.py``)."""
+injected (NOTE [ Auto budgets ] in ``tensorstore_hooks/pipeline/_budgets.py``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks import _budgets
-from tensorstore_hooks._budgets import BudgetControl, PeakTrack, auto_budget, track_peak
-from tensorstore_hooks._memory import MemoryReading
 from tensorstore_hooks._units import AUTO, MemoryShare
+from tensorstore_hooks.pipeline import _budgets
+from tensorstore_hooks.pipeline._budgets import BudgetControl, PeakTrack, auto_budget, track_peak
+from tensorstore_hooks.runtime._memory import MemoryReading
 
 from .fake_accelerator import on_fake_accelerator
 from .test_pipeline import sin_chain
@@ -273,7 +273,7 @@ def test_offload_host_budget_auto_sets_the_tier_cap(fake_memory: FakeMemory) -> 
 
 
 def test_the_pipeline_line_names_a_share() -> None:
-    from tensorstore_hooks._trace import describe_pipeline
+    from tensorstore_hooks.pipeline._timeline import describe_pipeline
 
     hooks = tsh.offload("memory://", device_budget="60%", memory_headroom="1GiB")
     line = describe_pipeline(hooks._pipeline)

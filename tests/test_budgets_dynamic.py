@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks._demo_model import GPT, config_for
+from tensorstore_hooks.cli._demo_model import GPT, config_for
 
 KiB = 1 << 10
 

@@ -19,7 +19,7 @@ import zarr
 from torch import nn
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks._chunkio import LocalIO
+from tensorstore_hooks.storage.io import LocalIO
 
 from .fake_accelerator import CpuAsAccelerator
 

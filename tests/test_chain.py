@@ -1,6 +1,6 @@
 """Tier chains: ``open_store([url, url, ...], budgets=[...])`` and ``store: {tiers: [...]}``.
 
-The rules under test are NOTE [ Tier chain ] in ``tensorstore_hooks/_chain_core.py``:
+The rules under test are NOTE [ Tier chain ] in ``tensorstore_hooks/storage/chain/_core.py``:
 puts land in the first tier, the oldest move down in the background while a tier is
 over its budget (counted in bytes actually held), a failed move leaves the tensor
 where it was, gets read from the tier that holds the key, and every race (a get or a
@@ -34,8 +34,8 @@ from tensorstore_hooks import (
     TensorStore,
     TierChain,
 )
-from tensorstore_hooks._iopool import pool_for, shutdown_pool
 from tensorstore_hooks.cli import main as cli_main
+from tensorstore_hooks.pipeline._iopool import pool_for, shutdown_pool
 
 from .daemon_fixtures import *  # noqa: F403 - the daemon fixtures
 from .daemon_fixtures import DaemonLauncher
@@ -840,7 +840,7 @@ def test_yaml_tier_errors_name_the_file_and_field(tmp_path: Path, text: str, mat
 def test_the_example_chain_config_loads_and_round_trips() -> None:
     import yaml
 
-    from tensorstore_hooks._config import config_from_dict, dump_config
+    from tensorstore_hooks.config._settings import config_from_dict, dump_config
 
     cfg = tsh.load_config(Path(__file__).resolve().parents[1] / "configs" / "chain.yaml")
     assert len(cfg.store.tiers) == 2 and cfg.store.tiers[0].budget == 64 << 30

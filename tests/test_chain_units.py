@@ -1,5 +1,5 @@
 """The units of a tier chain, each on its own (NOTE [ Tier chain ] in
-``tensorstore_hooks/_chain_core.py``): the cycle planner (Rule 8) as arithmetic, the
+``tensorstore_hooks/storage/chain/_core.py``): the cycle planner (Rule 8) as arithmetic, the
 ledger's bookkeeping (Rules 1, 3, 4, 6) without any I/O, the I/O helpers, and the
 movers over a ledger without a ``TierChain``. The chain as a whole: ``test_chain.py``.
 """
@@ -13,11 +13,11 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import KeyNotFoundError, StoreClosedError, TensorStore
-from tensorstore_hooks._chain_io import copy, write
-from tensorstore_hooks._chain_ledger import Ledger, Tier
-from tensorstore_hooks._chain_movers import Movers
-from tensorstore_hooks._chain_plan import CyclePlan
 from tensorstore_hooks._codec import encode
+from tensorstore_hooks.storage.chain._io import copy, write
+from tensorstore_hooks.storage.chain._ledger import Ledger, Tier
+from tensorstore_hooks.storage.chain._movers import Movers
+from tensorstore_hooks.storage.chain._plan import CyclePlan
 
 from .store_conformance import WrappedStore
 

@@ -19,8 +19,14 @@ import fsspec
 import pytest
 
 from tensorstore_hooks import ConfigError
-from tensorstore_hooks._aligned import BLOCK_BYTES, AlignedBuffer
-from tensorstore_hooks._chunkio import ChunkIO, FsspecIO, LocalIO, MemoryIO, probe_direct_io
+from tensorstore_hooks.storage.io import (
+    ChunkIO,
+    FsspecIO,
+    LocalIO,
+    MemoryIO,
+    probe_direct_io,
+)
+from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer
 
 from .chunkio_conformance import ChunkIOConformance
 
@@ -236,7 +242,7 @@ def test_a_probe_that_may_change_its_answer_is_asked_again(
     """A probe file that could not be made (a full disk, permissions) says nothing
     about the filesystem: the next store on that root probes again; a filesystem's own
     answer (tmpfs, EINVAL) is kept for the process."""
-    from tensorstore_hooks import _chunkio
+    from tensorstore_hooks.storage.io import _local
 
     answers = [(False, "cannot create a probe file (No space left on device)", False)]
     answers.append((True, "", True))
@@ -246,7 +252,7 @@ def test_a_probe_that_may_change_its_answer_is_asked_again(
         calls.append(directory)
         return answers[min(len(calls), len(answers)) - 1]
 
-    monkeypatch.setattr(_chunkio, "_probe", fake)
+    monkeypatch.setattr(_local, "_probe", fake)
     root = tmp_path / "root"
     first = LocalIO(str(root)).configure_direct_io("auto", "ns/probe")
     assert not first.enabled and "No space" in first.reason

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks._demo_model import GPT, config_for, synthetic_batch
+from tensorstore_hooks.cli._demo_model import GPT, config_for, synthetic_batch
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

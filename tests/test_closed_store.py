@@ -1,6 +1,6 @@
 """A store closed before its graphs are freed leaves nothing behind once they are.
 
-NOTE [ Closed while in use ] (``_zarr_store.py``): a graph held by a reference
+NOTE [ Closed while in use ] (``storage/zarr/_store.py``): a graph held by a reference
 cycle is freed by the collector, after ``hooks.close()`` and ``store.close()``;
 its keys must still be deleted, quietly, and the namespace (chunk files, journal,
 lock) removed.

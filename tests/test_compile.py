@@ -1,6 +1,6 @@
 """torch.compile with offloading: the same training as the compiled model without it.
 
-NOTE [ torch.compile ] (``tensorstore_hooks/_compile.py``) says which combinations
+NOTE [ torch.compile ] (``tensorstore_hooks/hooks/_compile.py``) says which combinations
 are exact and which are refused. The matrix trains two copies of one seeded model
 for a few SGD steps, one compiled as the case says and offloading, the other
 compiled the same way without offloading, and compares every parameter's gradient

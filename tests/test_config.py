@@ -15,7 +15,8 @@ import yaml
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, EffectiveConfig, Policy, Rule
-from tensorstore_hooks._config import (
+from tensorstore_hooks.cli import check_config
+from tensorstore_hooks.config._settings import (
     OVERRIDE_KEYS,
     PipelineSettings,
     StoreSettings,
@@ -24,7 +25,6 @@ from tensorstore_hooks._config import (
     load_config,
     resolve_config,
 )
-from tensorstore_hooks.cli import check_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -14,7 +14,7 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, Rule
-from tensorstore_hooks._config import config_from_dict
+from tensorstore_hooks.config._settings import config_from_dict
 
 # ---------------------------------------------------------------------- sizes
 

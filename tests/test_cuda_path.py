@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks import _staging
 from tensorstore_hooks._codec import span_of
-from tensorstore_hooks._device import DeviceStager
-from tensorstore_hooks._iopool import on_io_thread, pool_for, shutdown_pool
-from tensorstore_hooks._records import ReadAhead
-from tensorstore_hooks._staging import Loaded, StreamSet, TorchCuda
+from tensorstore_hooks.pipeline import _staging
+from tensorstore_hooks.pipeline._device import DeviceStager
+from tensorstore_hooks.pipeline._iopool import on_io_thread, pool_for, shutdown_pool
+from tensorstore_hooks.pipeline._records import ReadAhead
+from tensorstore_hooks.pipeline._staging import Loaded, StreamSet, TorchCuda
 
 from .fake_accelerator import CpuAsAccelerator, expect_broken, on_fake_accelerator
 from .store_conformance import WrappedStore
@@ -258,7 +258,7 @@ def test_5_a_view_comes_back_with_a_storage_of_its_own_span(route: str) -> None:
 
 
 def test_5_device_bytes_count_a_views_storage_and_the_allocators_rounding() -> None:
-    from tensorstore_hooks._staging import device_bytes
+    from tensorstore_hooks.pipeline._staging import device_bytes
 
     big = torch.randn(16 * 1024)  # 64 KiB
     assert device_bytes(big[:1024]) == 64 * KiB  # a kept view keeps its whole storage

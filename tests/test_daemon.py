@@ -22,8 +22,8 @@ from torch import nn
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, KeyNotFoundError, StoreUnavailableError
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
 from tensorstore_hooks.protocol import message_head
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import (
     CLI,
@@ -444,7 +444,7 @@ def test_metrics_endpoint(daemons: DaemonLauncher) -> None:
 
 def test_library_never_imports_the_daemon() -> None:
     code = (
-        "import sys, torch, tensorstore_hooks as tsh, tensorstore_hooks._daemon_client; "
+        "import sys, torch, tensorstore_hooks as tsh, tensorstore_hooks.storage.daemon._client; "
         "print('tensorstore_hooks.server' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

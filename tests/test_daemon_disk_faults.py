@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tensorstore_hooks import KeyNotFoundError, QuotaExceededError
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import Daemon, DaemonLauncher, daemons, free_port, raw_heads, wait_until
 

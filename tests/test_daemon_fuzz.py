@@ -15,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
 from tensorstore_hooks.protocol import (
     MAGIC,
     MAX_FRAME_PAYLOAD,
@@ -24,6 +23,7 @@ from tensorstore_hooks.protocol import (
     PROTOCOL_VERSION,
     message_head,
 )
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import Daemon, raw_connect, recv_frame, shared_daemon
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tensorstore_hooks import StoreUnavailableError
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import DaemonLauncher, daemons, raw_connect, raw_hello, send_frame
 

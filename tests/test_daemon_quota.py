@@ -16,7 +16,7 @@ from torch import nn
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import QuotaExceededError
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import DaemonLauncher, daemons, wait_until
 
@@ -160,7 +160,7 @@ def test_concurrent_puts_never_exceed_quota(daemons: DaemonLauncher, tmp_path: P
 
 _CLIENT = """
 import os, signal, sys, torch
-from tensorstore_hooks._daemon_client import DaemonStore
+from tensorstore_hooks.storage.daemon._client import DaemonStore
 store = DaemonStore(sys.argv[1])
 for i in range(3):
     store.put(torch.ones(256, 1024) * i)

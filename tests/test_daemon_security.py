@@ -21,12 +21,12 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import StoreUnavailableError
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
 from tensorstore_hooks.protocol import (
     is_valid_key,
     is_valid_session_id,
     message_head,
 )
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import (
     CLI,

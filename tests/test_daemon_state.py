@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tensorstore_hooks import KeyNotFoundError, QuotaExceededError
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
 
 from .daemon_fixtures import DaemonLauncher, daemons, free_port, wait_until
 
@@ -243,7 +243,7 @@ def test_garbage_in_disk_index_costs_only_its_records(
 
 
 def test_bad_dtype_record_is_quarantined(daemons: DaemonLauncher, tmp_path: Path) -> None:
-    from tensorstore_hooks._index import frame
+    from tensorstore_hooks.storage.zarr._index import frame_record
 
     root = tmp_path / "root"
     port = free_port()
@@ -258,7 +258,7 @@ def test_bad_dtype_record_is_quarantined(daemons: DaemonLauncher, tmp_path: Path
     _, disk_key, entry = msgpack.unpackb(index.read_bytes()[off + 12 : off + n], raw=False)
     entry["meta"]["dtype"] = "uintX"
     with open(index, "ab") as f:
-        f.write(frame(["put", disk_key, entry]))  # valid framing, bad content
+        f.write(frame_record(["put", disk_key, entry]))  # valid framing, bad content
 
     for _ in range(2):  # and the next start is clean
         d2 = _disk_daemon(daemons, root, port)
@@ -277,7 +277,7 @@ def test_record_with_unrebuildable_metadata_is_quarantined(
     # storage offset: NOTE [ Storable metadata ]) is quarantined at start like a bad dtype.
     import msgpack
 
-    from tensorstore_hooks._index import frame
+    from tensorstore_hooks.storage.zarr._index import frame_record
 
     root = tmp_path / "root"
     port = free_port()
@@ -290,7 +290,7 @@ def test_record_with_unrebuildable_metadata_is_quarantined(
     _, disk_key, entry = msgpack.unpackb(index.read_bytes()[off + 12 : off + n], raw=False)
     entry["meta"]["storage_offset"] = 2**48
     with open(index, "ab") as f:
-        f.write(frame(["put", disk_key, entry]))
+        f.write(frame_record(["put", disk_key, entry]))
     d2 = _disk_daemon(daemons, root, port)
     assert _served(store, items) == [True, False, True]
     assert "quarantined" in d2.log() and "max_tensor" in d2.log(), d2.log()

@@ -12,7 +12,7 @@ import pytest
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import TensorStore
-from tensorstore_hooks._daemon_client import DaemonStore
+from tensorstore_hooks.storage.daemon._client import DaemonStore
 
 from .daemon_fixtures import Daemon, shared_daemon
 from .store_conformance import StoreConformance

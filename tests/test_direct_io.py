@@ -1,7 +1,7 @@
 """Direct I/O from aligned pooled buffers (issue 25): the store side.
 
-NOTE [ Direct I/O ] (``_chunkio.py``), NOTE [ Chunk objects ] (``_chunkcodec.py``),
-NOTE [ Aligned buffers ] (``_aligned.py``). The store conformance suite runs with
+NOTE [ Direct I/O ] (``storage/io/_local.py``), NOTE [ Chunk objects ] (``storage/zarr/_chunkcodec.py``),
+NOTE [ Aligned buffers ] (``storage/io/_aligned.py``). The store conformance suite runs with
 ``direct_io`` on, off and on tmpfs in ``test_store_file.py``.
 """
 
@@ -29,10 +29,10 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, IntegrityError, KeyNotFoundError, ZarrStore
-from tensorstore_hooks._aligned import BLOCK_BYTES, AlignedBuffer, address_of
-from tensorstore_hooks._chunkio import probe_direct_io
 from tensorstore_hooks._codec import encode
-from tensorstore_hooks._zarr_docs import namespace_doc, root_doc
+from tensorstore_hooks.storage.io import probe_direct_io
+from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer, address_of
+from tensorstore_hooks.storage.zarr._docs import namespace_doc, root_doc
 
 from .store_conformance import assert_same_tensor
 from .test_zarr_layout import _journal_entries, _plain_zarr_payload
@@ -54,7 +54,7 @@ def direct_root(tmp_path: Path) -> Path:
 @pytest.fixture
 def every_class_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send chunks of every size class through O_DIRECT, not only >= 256 KiB."""
-    from tensorstore_hooks import _chunkcodec
+    from tensorstore_hooks.storage.zarr import _chunkcodec
 
     monkeypatch.setattr(_chunkcodec, "DIRECT_MIN_CHUNK_BYTES", 4096)
 
@@ -465,7 +465,7 @@ def test_config_and_offload_keyword_reach_the_store(tmp_path: Path) -> None:
     cfg_file.write_text("store:\n  direct_io: sometimes\n")
     with pytest.raises(ConfigError, match=r"c.yaml:2: store.direct_io: expected 'auto'"):
         tsh.load_config(cfg_file)
-    from tensorstore_hooks._config import dump_config
+    from tensorstore_hooks.config._settings import dump_config
 
     assert "direct_io: auto" in dump_config(tsh.EffectiveConfig())
     with tsh.offload(str(tmp_path / "kw"), direct_io="off") as hooks:
@@ -680,7 +680,7 @@ def test_io_threads_do_not_keep_the_last_tensor_they_read(direct_root: Path) -> 
     next task, which kept up to one read buffer per thread out of the pool)."""
     import weakref
 
-    from tensorstore_hooks._iopool import READ, IOPool
+    from tensorstore_hooks.pipeline._iopool import READ, IOPool
 
     pool = IOPool(2)
     try:

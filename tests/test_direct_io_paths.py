@@ -15,11 +15,11 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ZarrStore
-from tensorstore_hooks._aligned import BLOCK_BYTES, address_of
-from tensorstore_hooks._chunkio import probe_direct_io
 from tensorstore_hooks._codec import encode
-from tensorstore_hooks._daemon_client import DaemonStore, fetch_stats
-from tensorstore_hooks._zarr_store import DEFAULT_BUFFER_POOL_BYTES
+from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
+from tensorstore_hooks.storage.io import probe_direct_io
+from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, address_of
+from tensorstore_hooks.storage.zarr._store import DEFAULT_BUFFER_POOL_BYTES
 
 from .daemon_fixtures import DaemonLauncher, daemons
 

@@ -1,4 +1,4 @@
-"""Forked children leave their parent's stores alone (NOTE [ Fork safety ], ``_forks.py``).
+"""Forked children leave their parent's stores alone (NOTE [ Fork safety ], ``runtime/_forks.py``).
 
 A child that exits normally (atexit handlers and finalizers run), frees its copy of
 the graph or closes its copy of the hooks must not delete, overwrite or unlock

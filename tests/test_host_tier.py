@@ -1,5 +1,5 @@
 """The host tier's logic with plain CPU buffers: what is held, what spills, in which
-order, and the cap (NOTE [ Host tier ] in ``tensorstore_hooks/_host_tier.py``)."""
+order, and the cap (NOTE [ Host tier ] in ``tensorstore_hooks/pipeline/_host_tier.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tensorstore_hooks._host_tier import HostTier, round_up
+from tensorstore_hooks.pipeline._host_tier import HostTier, round_up
 
 KiB = 1 << 10
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks._host_tier import round_up
-from tensorstore_hooks._iopool import shutdown_pool
-from tensorstore_hooks._records import State
+from tensorstore_hooks.pipeline._host_tier import round_up
+from tensorstore_hooks.pipeline._iopool import shutdown_pool
+from tensorstore_hooks.pipeline._records import State
 
 from .fake_accelerator import CpuAsAccelerator, on_fake_accelerator
 from .store_conformance import WrappedStore
@@ -416,7 +416,7 @@ def test_without_a_host_budget_staging_goes_through_the_pool() -> None:
 def test_the_pipeline_line_and_the_debug_log_name_the_host_tier(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tensorstore_hooks._trace import describe_pipeline
+    from tensorstore_hooks.pipeline._timeline import describe_pipeline
 
     hooks = offload()
     assert "host_budget=64KiB" in describe_pipeline(hooks._pipeline)

@@ -20,10 +20,10 @@ import torch
 import zarr
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks import _housekeeping
-from tensorstore_hooks._housekeeping import TEMP_MARKER, find_stale, host_tag
-from tensorstore_hooks._zarr_docs import namespace_doc, root_doc
 from tensorstore_hooks.cli import main as cli_main
+from tensorstore_hooks.storage.zarr import _housekeeping
+from tensorstore_hooks.storage.zarr._docs import namespace_doc, root_doc
+from tensorstore_hooks.storage.zarr._housekeeping import TEMP_MARKER, find_stale, host_tag
 
 _CHILD = """
 import sys, time, torch, tensorstore_hooks as tsh

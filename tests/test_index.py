@@ -1,4 +1,4 @@
-"""The journal/snapshot record format (NOTE [ Journal records ] in ``_index.py``).
+"""The journal/snapshot record format (NOTE [ Journal records ] in ``storage/zarr/_index.py``).
 
 Real files in a temporary directory; damage is done to the bytes on disk.
 """
@@ -13,8 +13,14 @@ import msgpack
 import pytest
 
 from tensorstore_hooks import IntegrityError, QuotaExceededError, StoreUnavailableError
-from tensorstore_hooks._chunkio import LocalIO, MemoryIO
-from tensorstore_hooks._index import HEADER_BYTES, MAGIC, IndexLog, frame, scan
+from tensorstore_hooks.storage.io import LocalIO, MemoryIO
+from tensorstore_hooks.storage.zarr._index import (
+    HEADER_BYTES,
+    MAGIC,
+    IndexLog,
+    frame_record,
+    scan_journal,
+)
 
 
 def _entry(i: int) -> dict[str, Any]:
@@ -55,7 +61,7 @@ def test_round_trip_and_deletes(tmp_path: Path) -> None:
 
 def test_torn_tail_is_silent_and_cut_before_the_next_append(tmp_path: Path) -> None:
     _write(tmp_path, 3)
-    torn = frame(["put", "9", _entry(9)])[:-3]
+    torn = frame_record(["put", "9", _entry(9)])[:-3]
     with open(_journal(tmp_path), "ab") as f:
         f.write(torn)
     log = _log(tmp_path)
@@ -72,7 +78,7 @@ def test_torn_tail_is_silent_and_cut_before_the_next_append(tmp_path: Path) -> N
 def test_tail_torn_inside_the_header_is_silent(tmp_path: Path, cut: int) -> None:
     _write(tmp_path, 2)
     with open(_journal(tmp_path), "ab") as f:
-        f.write(frame(["put", "9", _entry(9)])[:cut])
+        f.write(frame_record(["put", "9", _entry(9)])[:cut])
     log = _log(tmp_path)
     assert set(log.load()) == {"0", "1"}
     assert log.damage == []
@@ -145,7 +151,7 @@ def test_snapshot_round_trip_and_per_record_damage(tmp_path: Path) -> None:
     assert log.load() == {**live, "5": _entry(5)}
     snap = tmp_path / "ns" / "index" / "snapshot"
     raw = bytearray(snap.read_bytes())
-    records = scan(bytes(raw), "x").records
+    records = scan_journal(bytes(raw), "x").records
     assert records[0] == ("snap", "", {"records": 5})
     raw[-3] ^= 0x40  # damage the last put record of the snapshot
     snap.write_bytes(bytes(raw))
@@ -162,7 +168,7 @@ def test_truncated_snapshot_is_reported(tmp_path: Path) -> None:
     log.close()
     snap = tmp_path / "ns" / "index" / "snapshot"
     records = snap.read_bytes()
-    one = len(frame(["put", "3", _entry(3)]))
+    one = len(frame_record(["put", "3", _entry(3)]))
     snap.write_bytes(records[:-one])  # a whole record missing: no torn bytes
     log = _log(tmp_path, warn=False)
     assert set(log.load()) == {"0", "1", "2"}

@@ -1,5 +1,5 @@
 """The memory readers behind ``auto`` budgets, against cgroup files written in a
-temporary directory (NOTE [ Container limits ] in ``tensorstore_hooks/_memory.py``)."""
+temporary directory (NOTE [ Container limits ] in ``tensorstore_hooks/runtime/_memory.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import psutil
 import pytest
 import torch
 
-from tensorstore_hooks._memory import (
+from tensorstore_hooks.runtime._memory import (
     SystemMemory,
     cgroup_memory,
     memory_cgroup_dir,

@@ -511,7 +511,7 @@ def _bits(t: Any) -> np.ndarray:
     """The raw bits (so NaN and -0.0 compare exactly, and dtypes numpy lacks work)."""
     import torch
 
-    from tensorstore_hooks._paddle_bridge import to_torch
+    from tensorstore_hooks.paddle._bridge import to_torch
 
     return to_torch(t).contiguous().view(torch.uint8).numpy().copy()
 
@@ -592,9 +592,9 @@ def test_demo_with_paddle(tmp_path: Path) -> None:
 def test_paddle_gpt_copies_the_torch_weights() -> None:
     import torch
 
-    from tensorstore_hooks._demo_model import GPT as TorchGPT
-    from tensorstore_hooks._demo_model import config_for, synthetic_batch
-    from tensorstore_hooks.paddle._demo_model import GPT
+    from tensorstore_hooks.cli._demo_model import GPT as TorchGPT
+    from tensorstore_hooks.cli._demo_model import config_for, synthetic_batch
+    from tensorstore_hooks.cli._paddle_demo import GPT
 
     cfg = config_for("tiny", blocks=1, seq=16, batch=2)
     tokens, targets = synthetic_batch(cfg, 0)

@@ -30,10 +30,10 @@ from tensorstore_hooks import (
     Policy,
     StoreUnavailableError,
 )
-from tensorstore_hooks._config import PipelineSettings
-from tensorstore_hooks._heap import HeapReleaser, malloc_trim
-from tensorstore_hooks._iopool import pool_for, shutdown_pool
-from tensorstore_hooks._pipeline import Pipeline
+from tensorstore_hooks.config._settings import PipelineSettings
+from tensorstore_hooks.pipeline._iopool import pool_for, shutdown_pool
+from tensorstore_hooks.pipeline._pipeline import Pipeline
+from tensorstore_hooks.runtime._heap import HeapReleaser, malloc_trim
 
 from .store_conformance import WrappedStore
 
@@ -724,7 +724,7 @@ def test_cuda_pinned_pool_reused_across_steps() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_no_host_alloc_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Count every pinned allocation the pipeline asks torch for, over several steps."""
-    from tensorstore_hooks import _staging
+    from tensorstore_hooks.pipeline import _staging
 
     calls = {"n": 0}
     real_take = _staging.PinnedPool.take

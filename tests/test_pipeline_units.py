@@ -19,8 +19,8 @@ import torch
 import tensorstore_hooks as tsh
 from tensorstore_hooks import _adapters
 from tensorstore_hooks._codec import TensorMeta, decode, encode
-from tensorstore_hooks._iopool import on_io_thread, pool_for, shutdown_pool
-from tensorstore_hooks._records import TRANSITIONS, IllegalTransition, Record, State
+from tensorstore_hooks.pipeline._iopool import on_io_thread, pool_for, shutdown_pool
+from tensorstore_hooks.pipeline._records import TRANSITIONS, IllegalTransition, Record, State
 
 from .store_conformance import WrappedStore
 
@@ -122,7 +122,7 @@ def _import_graph() -> dict[str, set[str]]:
 
 def test_library_has_no_import_cycle() -> None:
     graph = _import_graph()
-    assert "tensorstore_hooks._codec" in graph["tensorstore_hooks._paddle_bridge"]  # sanity
+    assert "tensorstore_hooks._codec" in graph["tensorstore_hooks.paddle._bridge"]  # sanity
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(mod: str, path: list[str]) -> None:
@@ -142,7 +142,7 @@ def test_library_has_no_import_cycle() -> None:
 
 def test_codec_imports_no_framework_bridge() -> None:
     """The codec is torch-only: other frameworks reach it through ``_adapters``."""
-    assert "tensorstore_hooks._paddle_bridge" not in _import_graph()["tensorstore_hooks._codec"]
+    assert "tensorstore_hooks.paddle._bridge" not in _import_graph()["tensorstore_hooks._codec"]
     source = (PACKAGE / "_codec.py").read_text()
     assert "import paddle" not in source and "_paddle_bridge" not in source
 
@@ -225,7 +225,7 @@ def test_importing_the_library_imports_no_adapter() -> None:
     code = (
         "import sys, tensorstore_hooks as t; "
         "t.open_store('memory://').put(__import__('torch').zeros(2)); "
-        "print('tensorstore_hooks._paddle_bridge' in sys.modules, 'paddle' in sys.modules)"
+        "print('tensorstore_hooks.paddle._bridge' in sys.modules, 'paddle' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -268,8 +268,8 @@ def test_life_of_a_saved_tensor_names_what_exists() -> None:
     names is real (so renaming one without the doc fails here)."""
     import re
 
-    from tensorstore_hooks import _staging
-    from tensorstore_hooks._host_tier import HostTier
+    from tensorstore_hooks.pipeline import _staging
+    from tensorstore_hooks.pipeline._host_tier import HostTier
 
     doc = (PACKAGE.parent / "docs" / "life-of-a-saved-tensor.md").read_text()
     hops = re.findall(r"^## (\d+)\. ", doc, re.M)
@@ -307,16 +307,16 @@ def test_life_of_a_saved_tensor_names_what_exists() -> None:
 
 # "session" means a daemon session only (Glossary, docs/life-of-a-saved-tensor.md);
 # what is behind one OffloadHooks is the pipeline. Skipped whole: the daemon's client
-# (_daemon_*.py) and wire format (protocol.py), and server/ where it is installed
+# (storage/daemon/) and wire format (protocol.py), and server/ where it is installed
 # inside the package, since every session there is a daemon session; so is every
 # name that says "daemon". Any other name with "session" in it is listed here, with
 # why it is not the pipeline.
 _SESSION_NAMES_ALLOWED = {
-    ("_chunkio.py", "session"): "aiobotocore.session, botocore's HTTP sessions",
-    ("_chunkio.py", "AioSession"): "the botocore session a process's S3 stores share",
-    ("_chunkio.py", "_AIO_SESSION"): "the same",
-    ("_chunkio.py", "_AIO_SESSION_LOCK"): "the same",
-    ("_chunkio.py", "_shared_aio_session"): "the same",
+    ("storage/io/_fsspec.py", "session"): "aiobotocore.session, botocore's HTTP sessions",
+    ("storage/io/_fsspec.py", "AioSession"): "the botocore session a process's S3 stores share",
+    ("storage/io/_fsspec.py", "_AIO_SESSION"): "the same",
+    ("storage/io/_fsspec.py", "_AIO_SESSION_LOCK"): "the same",
+    ("storage/io/_fsspec.py", "_shared_aio_session"): "the same",
     ("cli/serve.py", "session_quota"): "the daemon's --session-quota",
     ("cli/stats.py", "sessions"): "the daemon's sessions, as its stats list them",
 }
@@ -330,7 +330,7 @@ def test_session_means_a_daemon_session_only() -> None:
     names = set()
     for p in sorted(PACKAGE.rglob("*.py")):
         rel = p.relative_to(PACKAGE).as_posix()
-        if rel.startswith("server/") or rel == "protocol.py" or p.name.startswith("_daemon_"):
+        if rel.startswith("server/") or rel == "protocol.py" or rel.startswith("storage/daemon/"):
             continue
         for tok in tokenize.generate_tokens(io.StringIO(p.read_text()).readline):
             word = tok.string.lower()

@@ -1,6 +1,6 @@
 """The device_budget plan on its own: sizes in, keep/move decisions out.
 
-See NOTE [ Device budget plan ] in ``tensorstore_hooks/_budgets.py``; the rule numbers
+See NOTE [ Device budget plan ] in ``tensorstore_hooks/pipeline/_budgets.py``; the rule numbers
 below are that note's. The windows are given as 0 here, so the plan spends the whole
 budget (NOTE [ Windows ] rule 3).
 """
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorstore_hooks._budgets import (
+from tensorstore_hooks.pipeline._budgets import (
     KEPT_NOTHING_FORWARDS,
     BudgetControl,
     Trace,

@@ -1,6 +1,6 @@
 """Process-wide effects only while a pipeline lives, each said once, each with a switch.
 
-NOTE [ Process-wide effects ] (``_effects.py``). Every check runs in a fresh
+NOTE [ Process-wide effects ] (``runtime/_effects.py``). Every check runs in a fresh
 interpreter: whether "the last pipeline" has ended depends on every pipeline the
 process ever made, which a shared pytest process cannot promise.
 """
@@ -20,7 +20,9 @@ _SCRIPT = textwrap.dedent(
     import torch
     from torch.nn.modules import module as nn_module
     import tensorstore_hooks as tsh
-    from tensorstore_hooks import _effects, _iopool, _signals
+    from tensorstore_hooks.runtime import _effects
+    from tensorstore_hooks.pipeline import _iopool
+    from tensorstore_hooks.runtime import _signals
 
     records = []
     handler = logging.Handler(logging.DEBUG)

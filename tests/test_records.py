@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tensorstore_hooks import StoreUnavailableError
-from tensorstore_hooks._records import (
+from tensorstore_hooks.pipeline._records import (
     TRANSITIONS,
     Fetch,
     Freed,
@@ -32,7 +32,7 @@ from tensorstore_hooks._records import (
     Wait,
     dedup_key,
 )
-from tensorstore_hooks._stats import OffloadStats
+from tensorstore_hooks.pipeline._stats import OffloadStats
 
 N = 64  # bytes of every saved tensor below: 16 float32
 
@@ -539,7 +539,7 @@ def test_the_table_frees_without_its_owner_being_collected() -> None:
 
 # ------------------------------------------------------------ the written word
 def test_the_lifecycle_note_names_the_intents_that_exist(owner: Owner) -> None:
-    import tensorstore_hooks._records as records
+    import tensorstore_hooks.pipeline._records as records
 
     doc = records.__doc__ or ""
     note = doc.split("NOTE [ Record lifecycle ]")[1].split("Rules,")[0]

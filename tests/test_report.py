@@ -142,7 +142,7 @@ def test_report_refuses_bad_arguments() -> None:
 
 
 def test_step_figures_for_trainer_logs() -> None:
-    from tensorstore_hooks._report import step_figures
+    from tensorstore_hooks.hooks._report import step_figures
 
     stats = tsh.OffloadStats(bytes_offloaded=10, bytes_read=7, fallbacks=1, pack_stall_s=0.5)
     stats.per_rule["device_budget"] = tsh.RouteStats(2, 300)

@@ -21,7 +21,7 @@ from tensorstore_hooks import (
     StoreClosedError,
     StoreUnavailableError,
 )
-from tensorstore_hooks._retry import (
+from tensorstore_hooks.storage._retry import (
     Failure,
     Retrier,
     RetriesExhausted,

@@ -25,9 +25,15 @@ from torch import nn
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import StoreUnavailableError, TensorStore
-from tensorstore_hooks._chunkio import ChunkIO, FsspecIO
-from tensorstore_hooks._retry import Failure, Retrier, RetriesExhausted, RetryPolicy, classify
-from tensorstore_hooks._zarr_store import make_io
+from tensorstore_hooks.storage._retry import (
+    Failure,
+    Retrier,
+    RetriesExhausted,
+    RetryPolicy,
+    classify,
+)
+from tensorstore_hooks.storage.io import ChunkIO, FsspecIO
+from tensorstore_hooks.storage.zarr._store import make_io
 
 from .chunkio_conformance import ChunkIOConformance
 from .s3_fixtures import *  # noqa: F403 - the fixtures

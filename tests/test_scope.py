@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tensorstore_hooks import Policy, Rule
-from tensorstore_hooks._scope import ModuleScope
+from tensorstore_hooks.hooks._scope import ModuleScope
 
 
 class Probe(nn.Module):

@@ -372,7 +372,7 @@ def _journal(root: Path, ns: str) -> Path:
 
 
 def _record_offsets(raw: bytes) -> list[int]:
-    from tensorstore_hooks._index import MAGIC
+    from tensorstore_hooks.storage.zarr._index import MAGIC
 
     offsets, pos = [], 0
     while pos < len(raw):

@@ -54,7 +54,7 @@ class TestSmallChunksZstd(StoreConformance):
 
 # ------------------------------------------------------ NOTE [ Direct I/O ]
 def _direct_root(tmp_path: Path) -> Path:
-    from tensorstore_hooks._chunkio import probe_direct_io
+    from tensorstore_hooks.storage.io import probe_direct_io
 
     root = tmp_path / "root"
     root.mkdir()
@@ -70,7 +70,7 @@ class TestDirectIOOn(StoreConformance):
 
     @pytest.fixture
     def store(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TensorStore]:
-        from tensorstore_hooks import _chunkcodec
+        from tensorstore_hooks.storage.zarr import _chunkcodec
 
         monkeypatch.setattr(_chunkcodec, "DIRECT_MIN_CHUNK_BYTES", 4096)
         s = tsh.open_store(str(_direct_root(tmp_path)), direct_io="on", chunk_bytes="1MiB")

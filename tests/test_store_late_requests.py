@@ -3,7 +3,7 @@
 Found against SeaweedFS (``tests/test_seaweedfs.py``, the volume server stopped and
 started again): a PUT that timed out was applied by the S3 gateway once the volume
 server was back, over the chunk object that a key written since had been given. The
-rule (NOTE [ Requests that land late ] in ``_zarr_store.py``): a chunk run with a
+rule (NOTE [ Requests that land late ] in ``storage/zarr/_store.py``): a chunk run with a
 write or delete of unknown outcome is never handed out again. Here an fsspec
 filesystem that times out and applies the request later makes it deterministic,
 through the real ``FsspecIO`` and ``ZarrStore``.

@@ -12,8 +12,8 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, TensorStore
-from tensorstore_hooks._config import config_from_dict
-from tensorstore_hooks._registry import store_kinds
+from tensorstore_hooks.config._settings import config_from_dict
+from tensorstore_hooks.storage._registry import store_kinds
 
 # ------------------------------------------------------------- the three entry points
 

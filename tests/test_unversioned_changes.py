@@ -1,5 +1,5 @@
 """A saved tensor changed without a version bump while it is written (NOTE [ In-place
-checks ] in ``_writebehind.py``): ``batch_norm`` saves its running statistics and then
+checks ] in ``pipeline/_writebehind.py``): ``batch_norm`` saves its running statistics and then
 updates them in place, unversioned. Torch's backward sees the live tensor; so must
 ours, and a write that raced the change must never turn into a checksum error."""
 

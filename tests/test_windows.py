@@ -1,8 +1,12 @@
-"""Derived prefetch / max_inflight windows (NOTE [ Windows ] in ``_budgets.py``)."""
+"""Derived prefetch / max_inflight windows (NOTE [ Windows ] in ``pipeline/_budgets.py``)."""
 
 from __future__ import annotations
 
-from tensorstore_hooks._budgets import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, derive_windows
+from tensorstore_hooks.pipeline._budgets import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_PREFETCH,
+    derive_windows,
+)
 
 MiB = 1 << 20
 

@@ -129,7 +129,7 @@ def test_large_chunks_checksummed_while_written_and_read(
     """Chunks >= OVERLAP_BYTES are checksummed on the helper thread while they are
     written and read (NOTE [ Overlapped checksums ]), with O_DIRECT and without: every
     damage to a tensor's bytes is caught, and the padding after them is no tensor's."""
-    from tensorstore_hooks._checksum import OVERLAP_BYTES
+    from tensorstore_hooks.storage.zarr._checksum import OVERLAP_BYTES
 
     root = tmp_path / "root"
     gen = torch.Generator().manual_seed(3)
@@ -169,7 +169,7 @@ def test_large_chunks_checksummed_while_written_and_read(
 def test_running_crc_matches_and_reports_failures() -> None:
     import crc32c
 
-    from tensorstore_hooks._checksum import RunningCrc
+    from tensorstore_hooks.storage.zarr._checksum import RunningCrc
 
     blob = bytes(range(256)) * 40_000
     pieces = [memoryview(blob)[i : i + 1_000_003] for i in range(0, len(blob), 1_000_003)]

@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        from ..errors import TensorStoreError
+        from tensorstore_hooks.errors import TensorStoreError
 
         if isinstance(e, TensorStoreError):
             print(error_line(f"tensorstore-hooks {args.command}", e), file=sys.stderr)

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from tensorstore_hooks.cli import main
 
 sys.exit(main())

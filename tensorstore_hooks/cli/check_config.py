@@ -26,8 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate ``args.file``; print the effective config (exit 0) or the error (exit 1)."""
-    from .._config import dump_config, load_config
-    from ..errors import ConfigError
+    from tensorstore_hooks.config import dump_config, load_config
+    from tensorstore_hooks.errors import ConfigError
 
     if _is_daemon_config(args.file):
         return _check_daemon(args.file)
@@ -51,15 +51,15 @@ def _is_daemon_config(path: str) -> bool:
         return False  # the library loader reports it with file and line
     if not isinstance(data, dict) or {"store", "pipeline", "policy"} & set(data):
         return False
-    from ..server._config import DAEMON_KEYS
+    from tensorstore_hooks.server._config import DAEMON_KEYS
 
     return bool(DAEMON_KEYS & set(data))
 
 
 def _check_daemon(path: str) -> int:
-    from ..errors import ConfigError
-    from ..server import check_config
-    from ..server import load_config as load_daemon_config
+    from tensorstore_hooks.errors import ConfigError
+    from tensorstore_hooks.server import check_config
+    from tensorstore_hooks.server import load_config as load_daemon_config
 
     try:
         config = load_daemon_config(path)

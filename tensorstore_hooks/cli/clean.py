@@ -3,7 +3,7 @@
 A run killed with SIGKILL (or by the OOM killer) cannot close its store: its
 namespace under a shared root, or its whole temporary store, stays on disk. This
 removes the namespaces of dead processes on this host and their temporary roots
-(NOTE [ Stale namespaces ] in ``tensorstore_hooks._housekeeping``): only what the
+(NOTE [ Stale namespaces ] in ``tensorstore_hooks.storage.zarr._housekeeping``): only what the
 library made (its own attributes, its lock, its temporary-root marker); a live
 process's namespace, another program's files and symbolic links are never touched.
 It prints exactly what it removed, and what it had to leave and why. Stores also
@@ -45,8 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """List (and unless ``--dry-run`` remove) stale namespaces; 2 if ROOT is not a
     directory, 1 if something stale could not be removed."""
-    from .._housekeeping import Stale, find_stale, remove, temp_parent
-    from .._units import format_bytes
+    from tensorstore_hooks._units import format_bytes
+    from tensorstore_hooks.storage.zarr import Stale, find_stale, remove_stale, temp_parent
 
     root = args.root or temp_parent()
     if root.startswith("file://"):
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         done: list[tuple[Stale, str | None]] = [(item, None) for item in found]
         verb = "would remove"
     else:
-        done = [(r.item, r.error) for r in remove(found)]
+        done = [(r.item, r.error) for r in remove_stale(found)]
         verb = "removed"
     removed = [item for item, error in done if error is None]
     for item in removed:

@@ -267,7 +267,7 @@ class TorchPair:
     def __init__(self, cfg: Any) -> None:
         import torch
 
-        from .._demo_model import GPT
+        from tensorstore_hooks.cli._demo_model import GPT
 
         self.cfg = cfg
         self.models = {"ref": GPT(cfg, seed=0), "off": GPT(cfg, seed=0)}
@@ -283,7 +283,7 @@ class TorchPair:
         return tsh.offload(store, **options)
 
     def step(self, which: str, step: int, hooks: Any) -> None:
-        from .._demo_model import synthetic_batch
+        from tensorstore_hooks.cli._demo_model import synthetic_batch
 
         tokens, targets = synthetic_batch(self.cfg, step)
         with hooks if hooks is not None else contextlib.nullcontext():
@@ -310,7 +310,7 @@ class TorchPair:
 def _make_pair(framework: str, cfg: Any) -> Any:
     if framework == "paddle":
         try:
-            from ..paddle._demo_model import PaddlePair
+            from tensorstore_hooks.cli._paddle_demo import PaddlePair
         except ImportError as e:
             raise SystemExit(
                 f"demo: --framework paddle needs PaddlePaddle ({e}); "
@@ -324,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 if every gradient matched, 1 otherwise."""
     from tqdm import tqdm
 
-    from .._demo_model import config_for
-    from .._units import format_bytes
+    from tensorstore_hooks._units import format_bytes
+    from tensorstore_hooks.cli._demo_model import config_for
 
     if args.steps < 1:
         print("demo: --steps must be >= 1", file=sys.stderr)

@@ -71,7 +71,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     not be listed at all; ``problems`` gathers both, one line each. Raises
     :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root.
     """
-    from .._zarr_store import make_io
+    from tensorstore_hooks.storage.zarr import make_io
 
     # The store's own I/O layer (local files, or fsspec with its retries), without the
     # store: ZarrStore.__init__ would write the root layout and a namespace.
@@ -103,7 +103,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
 
 def _captured(io: Any) -> list[dict[str, Any]]:
     """The arrays ``tsh.capture`` wrote under ``ROOT/capture`` (NOTE [ Capture layout ])."""
-    from .._capture_layout import list_arrays
+    from tensorstore_hooks.capture import list_arrays
 
     return [
         {
@@ -119,8 +119,8 @@ def _captured(io: Any) -> list[dict[str, Any]]:
 
 def _direct_io_here(io: Any) -> str | None:
     """Whether the root's filesystem takes O_DIRECT, found without writing: ``None``
-    for roots that are not local directories (NOTE [ Direct I/O ] in ``_chunkio.py``)."""
-    from .._chunkio import LocalIO, direct_io_readonly_check
+    for roots that are not local directories (NOTE [ Direct I/O ] in ``storage/io/_local.py``)."""
+    from tensorstore_hooks.storage.io import LocalIO, direct_io_readonly_check
 
     if not isinstance(io, LocalIO):
         return None
@@ -164,7 +164,7 @@ def inspect_chain(
 
 
 def _not_a_root(io: Any, why: str) -> Exception:
-    from ..errors import ConfigError
+    from tensorstore_hooks.errors import ConfigError
 
     return ConfigError(
         f"inspect: {io.url} is not a tensorstore-hooks store root: {why} "
@@ -200,9 +200,8 @@ def _root_format(io: Any) -> Any:
 
 def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     """One namespace's listing (problems recorded in it), or None if ``name`` is not one."""
-    from .._index import IndexLog
-    from .._namespace import Entry
-    from ..errors import TensorStoreError
+    from tensorstore_hooks.errors import TensorStoreError
+    from tensorstore_hooks.storage.zarr import Entry, IndexLog
 
     attrs = _namespace_attrs(io, name)
     if attrs is None and not io.exists(f"{name}/index"):
@@ -275,8 +274,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def _format(listing: dict[str, Any]) -> str:
-    from .._units import format_bytes as fb
-    from .._zarr_store import FORMAT_VERSION
+    from tensorstore_hooks._units import format_bytes as fb
+    from tensorstore_hooks.storage.zarr import FORMAT_VERSION
 
     lines = [f"store {listing['url']}  (tensorstore-hooks format {listing['format']})"]
     if listing.get("direct_io") is not None:
@@ -325,7 +324,7 @@ def _format(listing: dict[str, Any]) -> str:
 
 
 def _format_chain(listing: dict[str, Any]) -> str:
-    from .._units import format_bytes as fb
+    from tensorstore_hooks._units import format_bytes as fb
 
     tiers = listing["tiers"]
     lines = [f"tier chain of {len(tiers)} stores, fastest first"]
@@ -354,7 +353,7 @@ def _targets(
     if args.config is not None:
         if urls:
             return "give URLs or --config, not both"
-        from .._config import load_config
+        from tensorstore_hooks.config import load_config
 
         store = load_config(args.config).store  # a ConfigError names the file and field
         if store.tiers:
@@ -386,9 +385,9 @@ def run(args: argparse.Namespace) -> int:
     """List the store at ``args.url`` (several: a chain); exit 0, or 1 with the reason on
     stderr (one line per problem: a root cannot be read, or an index is damaged; never
     a traceback)."""
-    from .._urls import DAEMON_SCHEMES, scheme_of
-    from ..errors import TensorStoreError
-    from . import error_line
+    from tensorstore_hooks.cli import error_line
+    from tensorstore_hooks.errors import TensorStoreError
+    from tensorstore_hooks.storage import DAEMON_SCHEMES, scheme_of
 
     try:
         targets = _targets(args)

@@ -85,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def demo_gpt() -> tuple[Any, tuple[Any, Any]]:
     """The demo's tiny GPT and one synthetic batch: ``model(tokens, targets)`` is the loss."""
-    from .._demo_model import GPT, config_for, synthetic_batch
+    from tensorstore_hooks.cli._demo_model import GPT, config_for, synthetic_batch
 
     cfg = config_for("tiny")
     return GPT(cfg, seed=0), synthetic_batch(cfg, 0)
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the steps and print the report; exit 0, or 1 with the error on stderr."""
     import json
 
-    from .._hooks import offload
+    from tensorstore_hooks.hooks import offload
 
     model, batch, loss_fn = load_entry(args.entry)
     overrides: dict[str, Any] = {}
@@ -140,7 +140,7 @@ def load_entry(entry: str) -> tuple[Any, Any, Callable[[Any], Any] | None]:
 
     Raises :class:`~tensorstore_hooks.ConfigError` naming the entry and what is wrong.
     """
-    from ..errors import ConfigError
+    from tensorstore_hooks.errors import ConfigError
 
     target, sep, name = entry.rpartition(":")
     if not sep or not target or not name.isidentifier():
@@ -182,7 +182,7 @@ def load_entry(entry: str) -> tuple[Any, Any, Callable[[Any], Any] | None]:
 
 
 def _import(target: str) -> Any:
-    from ..errors import ConfigError
+    from tensorstore_hooks.errors import ConfigError
 
     if target.endswith(".py"):
         if not os.path.isfile(target):
@@ -209,7 +209,7 @@ def _call(model: Any, batch: Any) -> Any:
 def _loss(output: Any, loss_fn: Callable[[Any], Any] | None) -> Any:
     import torch
 
-    from ..errors import ConfigError
+    from tensorstore_hooks.errors import ConfigError
 
     if loss_fn is not None:
         return loss_fn(output)

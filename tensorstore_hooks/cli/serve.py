@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(config: Any) -> int:
     """``serve --check``: what ``serve`` would refuse or warn about, without binding."""
-    from ..server import check_config
+    from tensorstore_hooks.server import check_config
 
     for warning in check_config(config):
         print(f"warning: {warning}", file=sys.stderr)
@@ -93,9 +93,9 @@ def _check(config: Any) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Load the settings, start the daemon, print the listening line; exit 0 after a drain."""
-    from ..errors import ConfigError
-    from ..server import load_config, serve
-    from . import error_line
+    from tensorstore_hooks.cli import error_line
+    from tensorstore_hooks.errors import ConfigError
+    from tensorstore_hooks.server import load_config, serve
 
     try:
         config = load_config(

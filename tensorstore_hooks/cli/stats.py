@@ -56,7 +56,7 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 def format_stats(snap: dict[str, Any]) -> str:
     """Render a STATS snapshot as the human-readable report ``stats`` prints."""
-    from .._units import format_bytes as fb
+    from tensorstore_hooks._units import format_bytes as fb
 
     lines = [
         f"daemon {snap.get('url', '?')}  (tensorstore-hooks {snap.get('server', '?')}, "
@@ -132,9 +132,9 @@ def format_stats(snap: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Fetch and print the statistics; exit 1 with a message if the daemon is unreachable."""
-    from .._daemon_client import fetch_stats
-    from ..errors import ConfigError, StoreUnavailableError
-    from . import error_line
+    from tensorstore_hooks.cli import error_line
+    from tensorstore_hooks.errors import ConfigError, StoreUnavailableError
+    from tensorstore_hooks.storage.daemon import fetch_stats
 
     token = None
     if args.token_file:

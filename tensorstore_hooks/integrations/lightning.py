@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import missing_framework
+from tensorstore_hooks.integrations import missing_framework
 
 try:
     from lightning.pytorch import Callback
@@ -69,11 +69,11 @@ class OffloadCallback(Callback):
         args = dict(self.offload_args)
         store = args.pop("store", None)
         if "modules" in args:
-            from .._wrap import wrap
+            from tensorstore_hooks.hooks import wrap
 
             self.hooks = wrap(pl_module, store, **args)
         else:
-            from .._hooks import offload
+            from tensorstore_hooks.hooks import offload
 
             self.hooks = offload(store, **args)
             if any(r.module is not None for r in self.hooks.policy.rules):
@@ -102,7 +102,7 @@ class OffloadCallback(Callback):
         self._leave()  # a step that returned no loss (skipped backward)
         if not self._open:
             return
-        from .._report import step_figures
+        from tensorstore_hooks.hooks import step_figures
 
         stats = self.hooks.stats
         figures = step_figures(stats.since(self._since), self.log_prefix)

@@ -43,7 +43,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from . import missing_framework
+from tensorstore_hooks.integrations import missing_framework
 
 try:
     from transformers import TrainerCallback
@@ -73,7 +73,7 @@ class OffloadCallback(TrainerCallback):
         self._since: Any = None  # stats at the last training log
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from .._wrap import wrap
+        from tensorstore_hooks.hooks import wrap
 
         model = kwargs.get("model")
         if model is None:
@@ -106,7 +106,7 @@ class OffloadCallback(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.hooks is None or not isinstance(logs, dict):
             return
-        from .._report import step_figures
+        from tensorstore_hooks.hooks import step_figures
 
         stats = self.hooks.stats
         if "loss" in logs:  # a training log: the figures of its period

@@ -16,7 +16,7 @@ returns a ``paddle.Tensor`` with the same dtype, shape, values, place and
 
 from __future__ import annotations
 
-from ._hooks import OffloadHooks, offload
-from ._scope import LayerScope
+from tensorstore_hooks.paddle._hooks import OffloadHooks, offload
+from tensorstore_hooks.paddle._scope import LayerScope
 
 __all__ = ["LayerScope", "OffloadHooks", "offload"]

@@ -25,10 +25,10 @@ import os
 import threading
 from typing import Any
 
-from .._caller import names_caller
-from .._codec import DTYPES
-from .._hooks import ConfigSource, HooksBase, make_pipeline
-from .._paddle_bridge import (
+from tensorstore_hooks._caller import names_caller
+from tensorstore_hooks._codec import DTYPES
+from tensorstore_hooks.hooks import ConfigSource, HooksBase, make_pipeline
+from tensorstore_hooks.paddle._bridge import (
     PaddleVersion,
     from_torch,
     paddle_unsupported_reason,
@@ -36,10 +36,9 @@ from .._paddle_bridge import (
     to_place,
     to_torch,
 )
-from .._pipeline import Pipeline
-from .._router import Host, Kept
-from .._store import TensorStore
-from ._scope import LayerScope
+from tensorstore_hooks.paddle._scope import LayerScope
+from tensorstore_hooks.pipeline import Host, Kept, Pipeline
+from tensorstore_hooks.storage import TensorStore
 
 __all__ = ["OffloadHooks", "offload"]
 
@@ -82,7 +81,7 @@ class OffloadHooks(HooksBase):
 
     def __init__(self, pipeline: Pipeline) -> None:
         super().__init__(pipeline)
-        self._scope = pipeline.scope
+        self._scope: LayerScope | None = None  # made at the first attach()
         self._layers: list[Any] = []
 
     # ------------------------------------------------------------ context

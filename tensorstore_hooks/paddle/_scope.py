@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._scope import ModuleScope
+from tensorstore_hooks.hooks import ModuleScope
 
 __all__ = ["LayerScope"]
 
 
 class LayerScope(ModuleScope):
-    """:class:`~tensorstore_hooks._scope.ModuleScope` over paddle Layers.
+    """:class:`~tensorstore_hooks.hooks._scope.ModuleScope` over paddle Layers.
 
     Paths come from ``named_sublayers`` (root ``""``), pushed by a forward pre-hook
     and popped by a forward post-hook on every sublayer. Paddle has no

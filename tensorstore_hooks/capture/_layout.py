@@ -1,0 +1,270 @@
+"""Where captured arrays live and what their ``zarr.json`` says: shared by the capture
+writer, :class:`~tensorstore_hooks.CaptureDataset` and ``inspect``.
+
+NOTE [ Capture layout ]
+Every captured (module, kind) is one plain Zarr v3 array under ``ROOT/capture/``::
+
+    ROOT/zarr.json                                 the store root (as ZarrStore writes it)
+    ROOT/capture/zarr.json                         group
+    ROOT/capture/[rank{R}/]MODULE/zarr.json        group, one per module
+    ROOT/capture/[rank{R}/]MODULE/KIND/zarr.json   array: shape (rows, *row_shape)
+    ROOT/capture/[rank{R}/]MODULE/KIND/c/I/0/...   chunk I: chunk_rows rows, then crc32c
+
+Rules:
+
+1. Axis 0 is the row axis (one row per sample: axis 0 of each captured tensor; a 0-d
+   tensor is one row). Chunks span whole rows, ``chunk_rows = max(1, chunk_bytes //
+   row_bytes)``, so appending writes whole chunk objects one after another.
+2. Codecs are ``bytes`` (little endian) then ``crc32c``: plain ``zarr`` reads and
+   verifies every chunk. Dtypes numpy lacks (bfloat16, float8, complex32) are stored
+   as the same-width unsigned integers; ``attributes.dtype`` names the torch dtype.
+3. The shape in ``zarr.json`` only ever covers rows whose chunks are written, and it
+   ends at a block boundary (a block is the rows of one hook call): a block whose
+   chunks were not all written is never visible, not even in part.
+4. ``attributes``: ``module``, ``kind`` (``output``, ``output.0``, ``input.x``, ...),
+   ``dtype`` (stored torch dtype), ``source_dtype``, ``rank`` (``None`` outside
+   ``torch.distributed``) and ``blocks``: runs ``[step, first_row, rows, count]``, each
+   ``count`` blocks of ``rows`` rows from ``first_row`` on, of steps ``step``,
+   ``step + 1``, ... (a training loop with a fixed batch size has one run).
+5. Under ``torch.distributed`` each rank writes its own group ``capture/rank{R}/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec
+
+from tensorstore_hooks._codec import DTYPES
+from tensorstore_hooks.errors import IntegrityError
+from tensorstore_hooks.storage.io import ChunkIO
+from tensorstore_hooks.storage.zarr import FORMAT_VERSION, root_doc, zarr_json_of
+
+__all__ = [
+    "CAPTURE_DIR",
+    "CAPTURE_FORMAT",
+    "ArrayInfo",
+    "GroupDocs",
+    "array_doc",
+    "chunk_path",
+    "group_doc",
+    "list_arrays",
+    "read_array",
+    "row_bytes",
+    "stored_dtype_name",
+]
+
+CAPTURE_DIR = "capture"
+"""The folder under the store root that holds every captured array."""
+CAPTURE_FORMAT = 1
+"""``attributes.tensorstore_hooks_capture`` of every capture node."""
+_MARK = "tensorstore_hooks_capture"
+_MAX_NDIM = 32
+_MAX_DOC_BYTES = 64 << 20  # a zarr.json larger than this is not ours
+_MAX_DEPTH = 4  # capture/[rankR/]MODULE/KIND
+
+
+def stored_dtype_name(dtype: torch.dtype) -> str | None:
+    """The Zarr ``data_type`` that holds ``dtype``'s bits (``None``: not storable)."""
+    name = str(dtype).removeprefix("torch.")
+    entry = DTYPES.get(name)
+    return None if entry is None else np.dtype(entry[1]).name
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayInfo:
+    """One captured array as its ``zarr.json`` describes it (NOTE [ Capture layout ])."""
+
+    path: str
+    """Its path under the store root (``capture/layers.0/output``)."""
+    rows: int
+    """Rows visible (axis 0 of its shape)."""
+    row_shape: tuple[int, ...]
+    """The shape of one row."""
+    chunk_rows: int
+    """Rows per chunk object."""
+    dtype: str
+    """The torch dtype of the values (``bfloat16`` even though Zarr sees ``uint16``)."""
+    attributes: dict[str, Any]
+    """Its attributes as stored (``module``, ``kind``, ``blocks``, ...)."""
+
+    @property
+    def name(self) -> str:
+        """The path under ``capture/`` (``[rankR/]MODULE/KIND``): what the dataset takes."""
+        return self.path[len(CAPTURE_DIR) + 1 :]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.row_shape, self.torch_dtype)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Payload bytes of one chunk object (without its 4-byte checksum)."""
+        return self.chunk_rows * self.row_bytes
+
+    @property
+    def chunks(self) -> int:
+        """Chunk objects that hold visible rows."""
+        return -(-self.rows // self.chunk_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one row of ``row_shape`` in ``dtype``."""
+    return math.prod(row_shape) * dtype.itemsize
+
+
+def chunk_path(array_path: str, index: int, ndim: int) -> str:
+    """The chunk object holding chunk ``index`` along axis 0 (the ``default`` key encoding)."""
+    return f"{array_path}/c/{index}" + "/0" * (ndim - 1)
+
+
+def group_doc() -> bytes:
+    """A capture group's ``zarr.json``."""
+    attrs = {_MARK: CAPTURE_FORMAT}
+    return zarr_json_of(lambda s: zarr.create_group(store=s, zarr_format=3, attributes=attrs))
+
+
+class GroupDocs:
+    """The group documents above capture arrays, each written once (where missing).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._made: set[str] = set()
+        self._lock = threading.Lock()
+
+    def ensure(self, io: ChunkIO, path: str) -> None:
+        """The store root's ``zarr.json`` and a group's for each folder above ``path``."""
+        parts = path.split("/")[:-1]
+        with self._lock:
+            if "" not in self._made:
+                if not io.exists("zarr.json"):
+                    io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+                self._made.add("")
+            for i in range(1, len(parts) + 1):
+                group = "/".join(parts[:i])
+                if group not in self._made:
+                    if not io.exists(f"{group}/zarr.json"):
+                        io.write(f"{group}/zarr.json", [group_doc()])
+                    self._made.add(group)
+
+
+def array_doc(row_shape: tuple[int, ...], chunk_rows: int, dtype: torch.dtype) -> dict[str, Any]:
+    """An empty capture array's ``zarr.json`` as a dict (zarr's own document, made once);
+    the writer sets ``shape`` and ``attributes`` before each write of it."""
+    data_type = stored_dtype_name(dtype)
+    if data_type is None:
+        raise ValueError(f"no Zarr data type holds {dtype}")
+    raw = zarr_json_of(
+        lambda s: zarr.create_array(
+            store=s,
+            shape=(0, *row_shape),
+            # Zarr wants chunk sides >= 1; a zero-sized side has no chunks anyway.
+            chunks=(chunk_rows, *(max(1, d) for d in row_shape)),
+            dtype=data_type,
+            fill_value=0,
+            serializer=BytesCodec(),
+            compressors=[Crc32cCodec()],
+            filters=None,
+            zarr_format=3,
+        )
+    )
+    doc: dict[str, Any] = json.loads(raw)
+    return doc
+
+
+def encode_doc(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, indent=2).encode()
+
+
+def read_array(io: ChunkIO, path: str) -> ArrayInfo | None:
+    """The capture array at ``path``, or ``None`` if there is none (missing, or not a
+    capture array). Raises :class:`IntegrityError` for a capture array whose
+    ``zarr.json`` is damaged or out of bounds."""
+    try:
+        raw = bytes(io.read(f"{path}/zarr.json"))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    if len(raw) > _MAX_DOC_BYTES:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("node_type") != "array":
+        return None
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict) or attrs.get(_MARK) != CAPTURE_FORMAT:
+        return None
+    return _parse(path, doc, attrs)
+
+
+def _parse(path: str, doc: dict[str, Any], attrs: dict[str, Any]) -> ArrayInfo:
+    def bad(why: str) -> IntegrityError:
+        return IntegrityError(f"capture array {path}: zarr.json {why}")
+
+    shape = doc.get("shape")
+    try:
+        chunks = doc["chunk_grid"]["configuration"]["chunk_shape"]
+    except (KeyError, TypeError):
+        raise bad("has no regular chunk grid") from None
+    ok = (
+        isinstance(shape, list)
+        and isinstance(chunks, list)
+        and 1 <= len(shape) == len(chunks) <= _MAX_NDIM
+        and all(isinstance(v, int) and v >= 0 for v in shape + chunks)
+    )
+    if not ok or not isinstance(shape, list):
+        raise bad(f"has a bad shape {shape!r} or chunk shape {chunks!r}")
+    dtype = attrs.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"names an unknown dtype {dtype!r}")
+    if doc.get("data_type") != stored_dtype_name(DTYPES[dtype][0]):
+        raise bad(f"stores {doc.get('data_type')!r}, which cannot hold {dtype}")
+    codecs = [c.get("name") if isinstance(c, dict) else c for c in doc.get("codecs", [])]
+    if codecs != ["bytes", "crc32c"]:
+        raise bad(f"has codecs {codecs!r}; capture arrays are written as bytes + crc32c")
+    if chunks[0] < 1 or list(chunks[1:]) != [max(1, d) for d in shape[1:]]:
+        raise bad(f"chunks {chunks!r} do not span whole rows of {shape!r}")
+    return ArrayInfo(
+        path=path,
+        rows=shape[0],
+        row_shape=tuple(shape[1:]),
+        chunk_rows=chunks[0],
+        dtype=dtype,
+        attributes=attrs,
+    )
+
+
+def list_arrays(io: ChunkIO, under: str = CAPTURE_DIR) -> Iterator[ArrayInfo]:
+    """Every capture array under ``under`` (default: all of ``ROOT/capture``), sorted
+    by path."""
+    yield from _walk(io, under, 0)
+
+
+def _walk(io: ChunkIO, path: str, depth: int) -> Iterator[ArrayInfo]:
+    info = read_array(io, path)
+    if info is not None:
+        yield info
+        return
+    if depth >= _MAX_DEPTH:
+        return
+    for name in io.listdir(path):
+        if name in ("zarr.json", "c") or name.startswith("."):
+            continue
+        yield from _walk(io, f"{path}/{name}", depth + 1)

@@ -1,0 +1,322 @@
+"""``OffloadHooks`` and ``offload()``: the public entry points.
+
+``OffloadHooks`` only wires pack and unpack (like ``torch.autograd.graph.save_on_cpu``)
+to its pipeline's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
+(:mod:`tensorstore_hooks.pipeline._pipeline` wires its units) and the store. :class:`HooksBase`
+is what both ``OffloadHooks`` (PyTorch and Paddle) give a caller over their pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+
+from tensorstore_hooks._caller import names_caller
+from tensorstore_hooks.config import EffectiveConfig, StoreSettings
+from tensorstore_hooks.errors import ConfigError
+from tensorstore_hooks.hooks._compose import block_abort, block_enter, block_exit
+from tensorstore_hooks.hooks._diagnose import after_forward, before_forward
+from tensorstore_hooks.hooks._report import Report
+from tensorstore_hooks.hooks._scope import ModuleScope
+from tensorstore_hooks.pipeline import (
+    Pipeline,
+    Timeline,
+    describe_pipeline,
+    forward_begin,
+    forward_end,
+)
+from tensorstore_hooks.runtime import shield_signals
+from tensorstore_hooks.storage import (
+    TensorStore,
+    chain_from_settings,
+    open_store,
+    options_from_config,
+)
+
+__all__ = ["HooksBase", "OffloadHooks", "make_pipeline", "offload"]
+
+log = logging.getLogger("tensorstore_hooks")
+
+ConfigSource = str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] | None
+"""What ``offload(config=...)`` takes: a YAML path, a loaded config, a dict, or nothing."""
+
+
+class HooksBase:
+    """What an ``OffloadHooks`` (PyTorch or Paddle) gives a caller over its pipeline.
+
+    Attributes: ``stats`` (:class:`~tensorstore_hooks.OffloadStats`, live: readable
+    during and after backward), ``store`` (the :class:`~tensorstore_hooks.TensorStore`
+    saved tensors go to), ``policy`` (the :class:`~tensorstore_hooks.Policy` in force),
+    ``settings`` (the config's ``pipeline:`` section, resolved) and ``router`` (the
+    :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks).
+    """
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+        self.stats, self.store, self.policy = pipeline.stats, pipeline.store, pipeline.policy
+        self.settings, self.router = pipeline.settings, pipeline.router
+        # An owned store is closed when the hooks are collected and nothing is live.
+        self._finalizer = weakref.finalize(self, pipeline.close)
+        self._finalizer.atexit = False
+
+    @property
+    def live_records(self) -> int:
+        """Saved tensors in the store or in flight whose graph is still alive (0 once freed)."""
+        return self._pipeline.live_records
+
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Timeline]:
+        """Record a Chrome/Perfetto timeline of these hooks' work while the block runs.
+
+        ``with hooks.trace("trace.json"): ...train steps...``: forward and backward
+        spans, and every pack, unpack, unpack wait, write and read (with its thread),
+        saved as Chrome trace JSON at ``path`` on exit (open it in
+        https://ui.perfetto.dev). See NOTE [ Profiler ranges ] for torch.profiler.
+        """
+        from tensorstore_hooks.pipeline import record
+
+        return record(self._pipeline, path)
+
+    def report(
+        self, budgets: Sequence[int | str] | None = None, *, depth: int | None = None
+    ) -> Report:
+        """What the policy decided in the last finished forward, per module path.
+
+        A table of rows (module path, tensors saved, bytes, action, the rule that
+        decided) and the ``device_budget`` curve: for each budget, what would stay on
+        the device and what would move per step (``budgets``: sizes such as
+        ``"64MiB"``; default 0, 25, 50, 100 and 200% of what the rules move). Call it
+        after a step (forward and backward). ``print(hooks.report())`` for text,
+        ``hooks.report().to_json()`` for tools. ``depth``: count submodules under
+        their path's first ``depth`` parts (``2``: ``layers.3.linear1`` as ``layers.3``;
+        ``None``: whole paths). Module paths need a model
+        (``tsh.offload(model=...)``, ``hooks.attach(model)`` or ``tsh.wrap``).
+        See NOTE [ Report ledger ].
+        """
+        from tensorstore_hooks.hooks._report import report_from_settings
+
+        if depth is not None and (
+            isinstance(depth, bool) or not isinstance(depth, int) or depth < 1
+        ):
+            raise ConfigError(
+                f"OffloadHooks.report: depth must be an int >= 1 or None, got {depth!r}"
+            )
+
+        points = None if budgets is None else [_budget_point(b) for b in budgets]
+        pipeline = self._pipeline
+        return report_from_settings(
+            pipeline.router.ledger,
+            scoped=pipeline.scope is not None,
+            policy=self.policy,
+            settings=self.settings,
+            stats=self.stats,
+            budgets=points,
+            depth=depth,
+        )
+
+    def flush(self) -> None:
+        """Block until every pending write has reached the store.
+
+        Leaving the ``with`` block does not wait: backward wants the newest tensors
+        first and may take them straight from memory.
+        """
+        self._pipeline.flush()
+
+    def close(self) -> None:
+        """Stop offloading; an owned store is closed once backward has freed every key.
+
+        A fallback warning still pending (a write refused after the last hook
+        call) is issued here, so a refusal is never silent.
+        """
+        self._pipeline.close()
+        self._pipeline.emit_warning()
+
+
+class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that offload what autograd saves into a :class:`TensorStore`.
+
+    Use as a context manager around forward; backward may run after the block has
+    exited. Nests like the torch original (the innermost active hooks win) and
+    composes with ``torch.utils.checkpoint(use_reentrant=False)``. Made by
+    :func:`offload`; the object can be entered again for the next step, and inside
+    its own block (module tracking lasts until the outermost block exits).
+    Entering is all or nothing: if it fails, no hooks are left installed.
+    """
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        HooksBase.__init__(self, pipeline)
+        self._scope: ModuleScope | None = None  # made at the first attach()
+        self._models: list[torch.nn.Module] = []
+        self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
+        self._depth_lock = threading.Lock()
+        self._refused: str | None = None  # NOTE [ torch.compile ], rule 2
+        torch.autograd.graph.saved_tensors_hooks.__init__(
+            self, pipeline.router.pack, pipeline.router.unpack
+        )
+
+    # ------------------------------------------------------------ context
+    def __enter__(self) -> OffloadHooks:  # type: ignore[override]
+        if torch.compiler.is_compiling():  # entered in traced code: NOTE [ torch.compile ]
+            from tensorstore_hooks.hooks._compile import offload_block_traced
+
+            offload_block_traced(self)
+        if self._refused is not None:
+            raise ConfigError(self._refused)
+        if self._pipeline.closed:
+            raise RuntimeError(
+                "these OffloadHooks were closed; make new ones with tsh.offload(...)"
+            )
+        shield_signals()  # NOTE [ Signals and finalizers ], NOTE [ Process-wide effects ]
+        if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
+            return self
+        pushed = counted = outermost = False
+        try:
+            super().__enter__()  # may refuse (disable_saved_tensors_hooks): attach nothing
+            pushed = True
+            with self._depth_lock:
+                self._depth += 1
+                counted = True
+                outermost = self._depth == 1
+            if outermost:  # nested re-entry: tracking lasts until the outermost exit
+                forward_begin(self._pipeline)
+                has_scope = self._scope is not None and bool(self._models)
+                before_forward(self, self.policy, has_scope)
+                if self._scope is not None:
+                    for model in self._models:
+                        self._scope.attach(model)
+        except BaseException:
+            # All or nothing: a failed enter leaves no hooks and no module tracking.
+            if counted:
+                with self._depth_lock:
+                    self._depth -= 1
+            if outermost and self._scope is not None:
+                self._scope.detach()
+            if pushed:
+                super().__exit__(None, None, None)
+            block_abort()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not block_exit():
+            return
+        super().__exit__(*exc)
+        with self._depth_lock:
+            self._depth -= 1
+            last = self._depth == 0
+        if not last:
+            return
+        forward_end(self._pipeline)
+        if self._scope is not None:
+            self._scope.detach()
+            after_forward(self, self.policy, self._scope.visible_paths())
+
+    # ------------------------------------------------------------- public
+    def attach(self, model: torch.nn.Module) -> OffloadHooks:
+        """Track ``model``'s module paths for ``module`` rules while the hooks are active.
+
+        Forward hooks are added on entering the ``with`` block and removed on leaving it.
+        Raises :class:`ConfigError` if ``model`` is not a ``torch.nn.Module``.
+        """
+        _check_model(model, "OffloadHooks.attach(model)")
+        if self._scope is None:
+            self._scope = self._pipeline.scope = ModuleScope()
+        self._models.append(model)
+        if self._is_active():
+            self._scope.attach(model)
+        return self
+
+    def _is_active(self) -> bool:
+        stack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return stack is not None and stack[0] is self.pack_hook
+
+    def __repr__(self) -> str:
+        return f"OffloadHooks(store={self._pipeline.store.url!r}, {self.stats.summary()})"
+
+
+def _budget_point(value: int | str) -> int:
+    from tensorstore_hooks._units import parse_bytes
+
+    try:
+        return parse_bytes(value, what="OffloadHooks.report: budgets")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_model(model: object, where: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{where}: expected a torch.nn.Module whose module paths `module` rules "
+            f"match, got {type(model).__name__} {model!r:.60}; pass the model itself"
+        )
+
+
+def _store_options(url: object, store_cfg: StoreSettings) -> dict[str, object]:
+    # The store kind (registry) says which store: settings its factory takes.
+    return options_from_config(
+        url,
+        store_cfg.codec,
+        store_cfg.chunk_bytes,
+        store_cfg.storage_options,
+        store_cfg.direct_io,
+    )
+
+
+@names_caller("tsh.offload")
+def offload(
+    store: str | os.PathLike[str] | TensorStore | None = None,
+    *,
+    config: ConfigSource = None,
+    model: torch.nn.Module | None = None,
+    **overrides: object,
+) -> OffloadHooks:
+    """Offload the tensors autograd saves during forward into a store.
+
+    ``store``: a URL (``"file:///scratch/acts"``, ``"memory://"``, ``"s3://b/p"``,
+    ``"tsh://127.0.0.1:7077"``), a :class:`TensorStore`, or ``None`` for the config's
+    store, else a fresh temporary local Zarr store removed at close/exit.
+    ``config``: a YAML file (or ``tsh.load_config(...)`` result); the ``TSH_CONFIG``
+    environment variable names a default. Keyword overrides win over the file:
+    ``min_bytes``, ``skip_parameters``, ``prefetch``, ``max_inflight``, ``rules``,
+    ``default``, ``writer_threads``, ``read_deadline_s``, ``release_heap_every``, ``codec``,
+    ``chunk_bytes``, ``storage_options``, ``direct_io``.
+    ``model``: track its module paths for ``module`` rules (or ``hooks.attach(model)``).
+
+    Raises :class:`ConfigError` for bad options, before anything is changed.
+    """
+    if model is not None:
+        _check_model(model, "offload(model=...)")
+    hooks = OffloadHooks(make_pipeline(store, config, overrides))
+    if model is not None:
+        hooks.attach(model)
+    return hooks
+
+
+def make_pipeline(
+    store: str | os.PathLike[str] | TensorStore | None,
+    config: ConfigSource,
+    overrides: Mapping[str, object],
+) -> Pipeline:
+    """Resolve the config, open (or adopt) the store and build the pipeline behind the hooks.
+
+    Shared by the torch and paddle ``offload()``; arguments as :func:`offload` takes them.
+    """
+    from tensorstore_hooks.config import resolve_config
+
+    cfg = resolve_config(config, overrides)
+    if isinstance(store, TensorStore):
+        st, owned = store, False
+    elif store is None and cfg.store.tiers:
+        st, owned = chain_from_settings(cfg.store), True
+    else:
+        url = store if store is not None else cfg.store.url
+        # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
+        st, owned = open_store(url, **_store_options(url, cfg.store)), True
+    pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    log.info("%s", describe_pipeline(pipeline))
+    return pipeline

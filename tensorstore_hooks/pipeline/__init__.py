@@ -1,0 +1,47 @@
+"""The pipeline behind one ``OffloadHooks``: the router (keep / host / store for each
+saved tensor), the record table, write-behind, prefetch, the I/O pool, device
+staging and the host tier, budgets, stats and the timeline.
+"""
+
+from __future__ import annotations
+
+from tensorstore_hooks.pipeline._budgets import BUDGET_LABEL, derive_windows, plan_keep
+from tensorstore_hooks.pipeline._iopool import READ, WRITE, IOPool
+from tensorstore_hooks.pipeline._ledger import DecisionLedger, Forward
+from tensorstore_hooks.pipeline._pipeline import Pipeline
+from tensorstore_hooks.pipeline._router import Host, Kept, Router
+from tensorstore_hooks.pipeline._staging import CopyEvent, CudaOps, DeviceOps, PinnedPool
+from tensorstore_hooks.pipeline._stats import OffloadStats, RouteStats
+from tensorstore_hooks.pipeline._timeline import (
+    Timeline,
+    describe_pipeline,
+    forward_begin,
+    forward_end,
+    record,
+)
+
+__all__ = [
+    "BUDGET_LABEL",
+    "CopyEvent",
+    "CudaOps",
+    "DeviceOps",
+    "Host",
+    "Forward",
+    "IOPool",
+    "Kept",
+    "DecisionLedger",
+    "OffloadStats",
+    "PinnedPool",
+    "Pipeline",
+    "READ",
+    "RouteStats",
+    "Router",
+    "Timeline",
+    "WRITE",
+    "derive_windows",
+    "describe_pipeline",
+    "forward_begin",
+    "forward_end",
+    "plan_keep",
+    "record",
+]

@@ -1,0 +1,371 @@
+"""The device stager: accelerator tensors to host memory at pack, and back at unpack.
+
+Pack starts an asynchronous device-to-host copy into a host buffer
+(:func:`~tensorstore_hooks.pipeline._staging.copy_to_host`, NOTE [ Stream ordering ]) and
+keeps the device tensor only until that copy's event has completed: then the device
+memory is free, long before the store write ends. Unpack copies back on a dedicated
+stream, and the consuming stream waits on the copy's event. A buffer a copy still
+uses goes back to its pool or tier when that copy's event is seen complete (polled at
+every call here), never by blocking the caller (rule 9 of NOTE [ Stream ordering ]).
+CPU tensors never come here.
+Every device-specific step goes through ``ops``
+(:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`), the seam CPU tests drive. What a
+record's host copy is and when it changes hands is the record table's
+(:class:`~tensorstore_hooks.pipeline._records.HostCopy`, NOTE [ Record lifecycle ]); the stager
+only allocates, copies and gives buffers back.
+
+NOTE [ Host tier wiring ]
+Without ``host_budget`` the host buffers come from a :class:`PinnedPool`: a tensor
+stays in one only while its write runs (``max_inflight`` bounds them). With a
+``host_budget`` every pinned buffer of the pipeline comes from one
+:class:`~tensorstore_hooks.pipeline._host_tier.HostTier` capped by it (NOTE [ Host tier ]):
+
+1. A tensor the rules send to the store (or to ``host``), small enough for the cap,
+   is *held*: its record starts HELD and its bytes are copied into a tier buffer,
+   and nothing is written. :meth:`DeviceStager.hold` makes room first: the oldest
+   held records spill (``spill(rec)``: HELD -> QUEUED, written from their host copy
+   by the write-behind, whose completion gives the buffer back), and pack waits for
+   that room (``stats.pack_stall_s``).
+2. A tensor larger than the whole cap is never held, nor one no buffer can take now
+   (rule 4 of NOTE [ Host tier ]) or that found no room within ``hold_timeout_s``: it
+   is written from the device, copied out on the copy stream into pageable memory by
+   the writing I/O thread (:meth:`to_pageable`, after an event recorded on its
+   producer at pack: rule 8 of NOTE [ Stream ordering ]); ``max_inflight`` bounds
+   those.
+3. Backward reads a held record from its host buffer (:meth:`from_host`, through the
+   prefetcher's read-ahead, newest first), a spilled one from the store through a
+   buffer borrowed from the tier (``try_take``, rule 5 of NOTE [ Host tier ]); with no
+   room to borrow, the copy to the device goes from pageable memory instead (slower,
+   never over the cap).
+4. A buffer returns to the tier only when no copy uses it any more: a copy to host
+   still running into it, or a copy back to the device still reading it, defers the
+   return until its event completes (polled, never waited for on the caller's
+   thread), and a read still using a record's copy defers it to that read's end
+   (``HostCopy.readers``, rule 4 of NOTE [ Record lifecycle ]).
+5. The tier counts the pinned memory the allocator really holds (rule 1 of NOTE
+   [ Host tier ]): each buffer at the allocator's size (torch rounds every pinned
+   allocation up to a power of two, :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
+   and buffers are never dropped while the pipeline lives (torch keeps freed pinned
+   blocks cached, so dropping one would free nothing).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from tensorstore_hooks._codec import span_of
+from tensorstore_hooks.pipeline._host_tier import HostTier
+from tensorstore_hooks.pipeline._records import HostCopies, HostCopy, Record
+from tensorstore_hooks.pipeline._staging import (
+    CopyEvent,
+    CudaOps,
+    DeviceOps,
+    Loaded,
+    PinnedPool,
+    span_bytes,
+)
+from tensorstore_hooks.pipeline._stats import OffloadStats
+
+__all__ = ["DeviceStager"]
+
+
+class DeviceStager:
+    """Host buffers (a pool, or the host tier when ``host_budget > 0``) and device copies.
+
+    ``idle_cap``: idle pooled buffers kept without a host tier. ``stats``: the
+    pipeline's counters (``pinned_allocations``, ``peak_host_tier_bytes``).
+    ``hold_timeout_s``: the longest pack waits for room in the tier before it writes
+    the tensor from the device instead.
+    """
+
+    def __init__(
+        self,
+        copies: HostCopies,
+        *,
+        idle_cap: int,
+        host_budget: int = 0,
+        stats: OffloadStats | None = None,
+        hold_timeout_s: float = 60.0,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        self._copies = copies
+        self._idle_cap = idle_cap
+        self._stats = stats
+        self.hold_timeout_s = hold_timeout_s
+        self.ops: DeviceOps = CudaOps() if ops is None else ops
+        """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
+        self.pinned: PinnedPool | None = None
+        self.tier: HostTier[torch.Tensor] | None = (
+            HostTier(
+                host_budget,
+                self._allocate,
+                block_bytes=self._pinned_bytes,
+                keeps_freed=True,  # rule 5 of NOTE [ Host tier wiring ]
+            )
+            if host_budget > 0
+            else None
+        )
+        """The host tier (``None`` without a ``host_budget``)."""
+        self._copying: deque[Record] = deque()  # copies to host not yet seen complete
+        self._copying_lock = threading.Lock()
+        # Buffer returns waiting for a copy's event (rule 4), oldest first.
+        self._waiting: deque[tuple[CopyEvent, Callable[[], None]]] = deque()
+        self._waiting_lock = threading.Lock()
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self._stats is not None:
+            self._stats.pinned_allocations += 1
+        return self.ops.allocate(nbytes)
+
+    def _pinned_bytes(self, nbytes: int) -> int:
+        return self.ops.pinned_bytes(nbytes)
+
+    def _pool(self) -> PinnedPool:
+        if self.pinned is None:
+            self.pinned = PinnedPool(cap_bytes=self._idle_cap, allocate=self._allocate)
+        return self.pinned
+
+    def _note_peak(self) -> None:
+        if self._stats is not None and self.tier is not None:
+            used = self.tier.used_bytes
+            if used > self._stats.peak_host_tier_bytes:
+                self._stats.peak_host_tier_bytes = used
+
+    # --------------------------------------------------------------- routing
+    def accelerated(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` leave it through this stager."""
+        return bool(self.ops.accelerated(device))
+
+    def capturing(self, device: torch.device) -> bool:
+        """Whether a graph is being captured on ``device`` (rule 10 of NOTE [ Stream
+        ordering ]: nothing may query or wait on an event then)."""
+        return self.accelerated(device) and bool(self.ops.capturing(device))
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` goes to the host tier (rule 1) rather than straight to a write."""
+        tier = self.tier
+        return (
+            tier is not None
+            and self.accelerated(t.device)
+            and self._pinned_bytes(span_bytes(t)) <= tier.cap_bytes
+        )
+
+    def stages(self, t: torch.Tensor) -> bool:
+        """Whether a write of ``t`` goes through a pooled buffer (no tier: rule 2 otherwise)."""
+        return self.tier is None and self.accelerated(t.device)
+
+    # ----------------------------------------------------------------- pack
+    def stage(self, rec: Record, t: torch.Tensor) -> None:
+        """Start copying ``t`` of QUEUED ``rec`` into a pooled buffer."""
+        self._poll()
+        buf = self._pool().take(span_bytes(t))
+        self._started(rec, t, buf)
+
+    def hold(
+        self, rec: Record, t: torch.Tensor, spill: Callable[[Record], None]
+    ) -> tuple[bool, float]:
+        """Copy ``t`` of HELD ``rec`` into the tier, spilling the oldest held records first.
+
+        ``spill(victim)`` is called for each record that must leave the tier to make
+        room (rule 1). Returns ``(held, waited_s)``: ``held`` is ``False`` when no room
+        came within ``hold_timeout_s`` (the caller then writes the tensor from the
+        device).
+        """
+        tier = self.tier
+        assert tier is not None
+        victims = tier.make_room(rec, span_bytes(t))
+        if victims is None:  # no buffer can take it now (rule 4 of NOTE [ Host tier ])
+            return False, 0.0
+        for victim in victims:
+            assert isinstance(victim, Record)  # the tier's keys here are records
+            spill(victim)
+        t0 = time.perf_counter()
+        if self._waiting and not tier.can_take(rec):
+            self._settle()  # buffers waiting on copies may be the room pack needs
+        try:
+            buf = tier.take(rec, self.hold_timeout_s)
+        except TimeoutError:
+            return False, time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self._note_peak()
+        self._started(rec, t, buf)
+        return True, waited
+
+    def _started(self, rec: Record, t: torch.Tensor, buf: torch.Tensor) -> None:
+        host, event = self.ops.to_host(t, buf)
+        copy = HostCopy(host, buf, event)
+        if not self._copies.attach(rec, copy):  # gone meanwhile (an interrupted pack)
+            self.give_back(rec, copy)
+            return
+        with self._copying_lock:
+            self._copying.append(rec)
+        self._reap()
+        self._poll()
+
+    def _reap(self) -> None:
+        """Drop device tensors whose copy to host has finished (frees device memory early)."""
+        while True:
+            with self._copying_lock:
+                if not self._copying:
+                    return
+                copy = self._copying[0].staged
+                if copy is not None and copy.event is not None and not copy.event.query():
+                    return
+                rec = self._copying.popleft()
+            self.give_back(rec, self._copies.done(rec))
+
+    def producer_event(self, t: torch.Tensor) -> CopyEvent:
+        """At pack, for ``t`` written without a host copy: an event on its producer,
+        for :meth:`to_pageable` on the writing thread (rule 8)."""
+        return self.ops.producer_event(t)
+
+    def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
+        """``t``'s bytes in pageable host memory, copied on the copy stream after
+        ``ready`` (:meth:`producer_event`); blocks the calling (I/O) thread until done."""
+        return self.ops.to_pageable(t, ready)
+
+    def pin(self, t: torch.Tensor) -> Loaded:
+        """A ``host`` rule's pinned copy of ``t`` (no ``host_budget``: not the tier's),
+        queued on the producing stream, and the event recorded there after it (rule 8
+        of NOTE [ Stream ordering ]): the caller keeps both, for :meth:`unpin`."""
+        return self.ops.pin(t)
+
+    def unpin(
+        self, host: torch.Tensor, device: torch.device, ready: CopyEvent | None
+    ) -> torch.Tensor:
+        """A ``host`` rule's tensor back on ``device``, on the current stream once it
+        has waited (on the device) for ``ready``, the event :meth:`pin` returned: pack
+        and unpack may run on different streams."""
+        return self.ops.unpin(host, device, ready)
+
+    # ----------------------------------------------------------- buffer returns
+    def give_back(self, rec: Record, copy: HostCopy | None) -> None:
+        """Return ``rec``'s host copy (taken from it by :class:`HostCopies`) to its pool
+        or tier: now, or once a copy to host still writing into it has completed."""
+        if copy is None:
+            return
+        # The closure holds ``copy`` (and a saved tensor it keeps) until the copy is done.
+        self._after(copy.event, lambda: self._return(rec, copy))
+
+    def _return(self, rec: Record, copy: HostCopy) -> None:
+        if self.tier is not None:
+            self.tier.release(rec)
+        elif self.pinned is not None:
+            self.pinned.give(copy.buf)
+
+    def _after(self, event: CopyEvent | None, release: Callable[[], None]) -> None:
+        """Run ``release`` once ``event`` has completed: now if it has (or is ``None``),
+        else at a later :meth:`_poll` (rule 9: nobody blocks on it)."""
+        if event is None:
+            release()
+            return
+        with self._waiting_lock:
+            self._waiting.append((event, release))
+        self._poll()
+
+    def _poll(self) -> None:
+        """Run the buffer returns whose copies have completed (never blocks)."""
+        if not self._waiting:  # the common case: one read, no lock
+            return
+        done: list[Callable[[], None]] = []
+        with self._waiting_lock:
+            left: deque[tuple[CopyEvent, Callable[[], None]]] = deque()
+            for event, release in self._waiting:
+                if event.query():
+                    done.append(release)
+                else:
+                    left.append((event, release))
+            self._waiting = left
+        for release in done:
+            release()
+
+    def _settle(self) -> None:
+        """Wait for every copy a buffer return waits on, then return the buffers (pack
+        about to wait for room in the tier; at close)."""
+        while True:
+            with self._waiting_lock:
+                if not self._waiting:
+                    return
+                event, release = self._waiting.popleft()
+            event.synchronize()
+            release()
+
+    # --------------------------------------------------------------- unpack
+    def from_host(self, rec: Record) -> Loaded | None:
+        """Start copying ``rec`` back to its device from its host copy (``None``: it has
+        none). The copy waits on the device for a copy to host still running; the
+        buffer stays ``rec``'s until the copy back has completed (rule 4 of NOTE
+        [ Host tier wiring ]). Runs on I/O threads and the unpacking thread.
+        """
+        self._poll()
+        copy = self._copies.borrow(rec)
+        if copy is None:
+            return None
+        try:
+            out = self.ops.to_device(copy.host, rec.device, copy.event)
+        except BaseException:
+            self._end_read(rec, copy)
+            raise
+        self._after(out[1], lambda: self._end_read(rec, copy))
+        return out
+
+    def _end_read(self, rec: Record, copy: HostCopy) -> None:
+        if self._copies.end_read(copy):
+            self.give_back(rec, copy)
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> Loaded:
+        """Start copying host tensor ``t`` (read from the store) onto ``device``.
+
+        Goes through a pinned buffer (the pool's, or one borrowed from the tier, rule 3)
+        so the copy is asynchronous; the buffer goes back when the copy has completed.
+        """
+        self._poll()
+        n = span_bytes(t)
+        tier = self.tier
+        if tier is not None:
+            key = object()
+            buf = tier.try_take(key, n)
+            self._note_peak()
+            if buf is None:  # no room in the tier: pageable copy, never over the cap
+                return self.ops.to_device(t, device)
+            return self._through(t, device, buf, lambda: tier.release(key))
+        pool = self._pool()
+        buf = pool.take(n)
+        return self._through(t, device, buf, lambda: pool.give(buf))
+
+    def _through(
+        self,
+        t: torch.Tensor,
+        device: torch.device,
+        buf: torch.Tensor,
+        release: Callable[[], None],
+    ) -> Loaded:
+        try:
+            span = span_of(tuple(t.shape), tuple(t.stride()))
+            flat = t.as_strided((span,), (1,), t.storage_offset())
+            staged = buf[: span * t.element_size()].view(t.dtype)
+            staged.copy_(flat)  # host to pinned host: synchronous
+            dev, done = self.ops.to_device(staged.as_strided(t.shape, t.stride(), 0), device)
+        except BaseException:
+            release()
+            raise
+        self._after(done, release)
+        return dev, done
+
+    def finish(self, out: Loaded) -> torch.Tensor:
+        """The tensor unpack returns: a device copy is ordered on the current stream."""
+        t, done = out
+        return t if done is None else self.ops.finish(t, done)
+
+    def clear(self) -> None:
+        """Drop the idle host buffers (the pipeline is closed)."""
+        self._settle()
+        if self.pinned is not None:
+            self.pinned.clear()
+        if self.tier is not None:
+            self.tier.clear()

@@ -1,0 +1,239 @@
+"""Background I/O threads shared by every pipeline on one store.
+
+A small priority pool: reads (backward is waiting) go before writes. Threads start on
+first use and stop on :meth:`IOPool.shutdown`, which runs when the owning store is
+closed and at interpreter exit (an ``atexit`` handler registered only while a pool
+exists: NOTE [ Process-wide effects ] in ``runtime/_effects.py``). A task's exception is
+delivered through its Future, never lost in the thread.
+
+One pool serves every pipeline on a store, sized by the first pipeline that asks
+(``writer_threads + 2``); see :func:`pool_for` for what a later pipeline with another
+size gets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorstore_hooks.storage import TensorStore
+
+from tensorstore_hooks.runtime import foreign
+
+__all__ = [
+    "READ",
+    "WRITE",
+    "IOPool",
+    "StorePool",
+    "at_exit_registered",
+    "on_io_thread",
+    "pool_for",
+    "shutdown_pool",
+]
+
+log = logging.getLogger("tensorstore_hooks")
+
+READ = 0
+WRITE = 1
+_STOP = 99
+
+_WORKER = threading.local()
+
+
+def on_io_thread() -> bool:
+    """True on a worker thread of any :class:`IOPool` (it must never wait for its own queue)."""
+    return getattr(_WORKER, "pool", None) is not None
+
+
+class IOPool:
+    """A fixed number of daemon threads draining a priority queue of callables."""
+
+    def __init__(self, threads: int, name: str = "tsh-io") -> None:
+        self.threads = max(1, threads)
+        self._name = name
+        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._counter = itertools.count()
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()  # NOTE [ Fork safety ]: a forked child has none of its threads
+        self.retired = False  # counted out of the pools that keep the exit handler
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` ran, or in a forked child of the process that made
+        the pool (its threads do not exist there); a closed pool takes no more tasks."""
+        return self._closed or foreign(self._pid)
+
+    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on a pool thread; lower ``priority`` runs first."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("tensorstore-hooks I/O pool is shut down")
+            if len(self._workers) < self.threads:
+                self._start_worker()
+        self._queue.put((priority, next(self._counter), (fut, fn, args)))
+        return fut
+
+    def _start_worker(self) -> None:
+        t = threading.Thread(
+            target=self._run, name=f"{self._name}-{len(self._workers)}", daemon=True
+        )
+        self._workers.append(t)
+        t.start()
+
+    def _run(self) -> None:
+        _WORKER.pool = self
+        while True:
+            priority, _, item = self._queue.get()
+            if priority == _STOP:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                del fut, fn, args, item
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # delivered to whoever waits on the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+                # An idle thread must not keep the last tensor it read alive (and its
+                # read buffer out of the pool) until its next task.
+                del result
+            del fut, fn, args, item  # drop references to tensors promptly
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Finish queued tasks, then stop the threads (waits up to ``timeout_s``).
+
+        A no-op in a forked child (the threads are its parent's)."""
+        with self._lock:
+            if self.closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+        for _ in workers:
+            self._queue.put((_STOP, next(self._counter), None))
+        for t in workers:
+            if t is not threading.current_thread():
+                t.join(timeout_s)
+
+    @property
+    def alive_threads(self) -> int:
+        return sum(t.is_alive() for t in self._workers)
+
+
+_POOLS: weakref.WeakKeyDictionary[Any, IOPool] = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.RLock()  # re-entered by _count_pool from pool_for
+
+
+def pool_for(store: Any, threads: int) -> IOPool:
+    """The pool shared by all pipelines on ``store``, made with ``threads`` on first use.
+
+    The first caller sizes the pool. A later caller asking for another size gets the
+    existing pool unchanged (its pipelines share those threads), and a log warning
+    naming both sizes; call :func:`shutdown_pool` first to resize.
+    """
+    with _POOLS_LOCK:
+        pool = _POOLS.get(store)
+        if pool is None or pool.closed:
+            pool = _POOLS[store] = IOPool(threads)
+            _count_pool(+1)  # NOTE [ Process-wide effects ] (effect 5)
+            # Idle workers hold no reference to the store: once it is collected, stop
+            # them (without joining: a finalizer may run on any thread, even a worker).
+            weakref.finalize(store, _collected, pool).atexit = False
+        elif pool.threads != max(1, threads):
+            log.warning(
+                "tensorstore-hooks: the store %s already has an I/O pool of %d threads; "
+                "these hooks asked for %d and share the existing %d (writer_threads "
+                "applies to the first hooks on a store)",
+                getattr(store, "url", store),
+                pool.threads,
+                threads,
+                pool.threads,
+            )
+        return pool
+
+
+class StorePool:
+    """A pipeline's way to its store and the store's pool: ``pool()`` is :func:`pool_for`,
+    cached.
+
+    A pool shut down (its store closed by another pipeline) is replaced on next use.
+    """
+
+    __slots__ = ("_pool", "_threads", "store")
+
+    def __init__(self, store: TensorStore, threads: int) -> None:
+        self.store = store
+        """The store the pool's tasks read and write."""
+        self._threads = threads
+        self._pool: IOPool | None = None
+
+    def __call__(self) -> IOPool:
+        pool = self._pool
+        if pool is None or pool.closed:
+            pool = self._pool = pool_for(self.store, self._threads)
+        return pool
+
+
+def shutdown_pool(store: Any) -> None:
+    with _POOLS_LOCK:
+        pool = _POOLS.pop(store, None)
+    if pool is not None:
+        _retire(pool)
+        pool.shutdown()
+
+
+def _collected(pool: IOPool) -> None:
+    # The store was collected (its entry leaves _POOLS with it): stop the pool's threads.
+    _retire(pool)
+    pool.shutdown(0.0)
+
+
+_pools = 0  # pools made and not yet retired; guarded by _POOLS_LOCK
+_exit_registered = False
+
+
+def _retire(pool: IOPool) -> None:
+    with _POOLS_LOCK:
+        if pool.retired:
+            return
+        pool.retired = True
+    _count_pool(-1)
+
+
+def _count_pool(delta: int) -> None:
+    """Register :func:`_shutdown_all` at exit while pools exist, unregister after."""
+    global _pools, _exit_registered
+    with _POOLS_LOCK:
+        _pools += delta
+        if _pools > 0 and not _exit_registered:
+            atexit.register(_shutdown_all)
+            _exit_registered = True
+        elif _pools <= 0 and _exit_registered:
+            atexit.unregister(_shutdown_all)
+            _exit_registered = False
+
+
+def at_exit_registered() -> bool:
+    """Whether the exit handler that stops the I/O threads is registered now."""
+    return _exit_registered
+
+
+def _shutdown_all() -> None:  # pragma: no cover - exercised by subprocess tests
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.shutdown(timeout_s=5.0)

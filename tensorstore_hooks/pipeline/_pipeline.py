@@ -1,0 +1,205 @@
+"""The pipeline: the units behind one ``OffloadHooks``, built and wired together.
+
+A saved tensor goes, in order, through (see ``docs/life-of-a-saved-tensor.md``):
+
+* :class:`~tensorstore_hooks.pipeline._router.Router` - pack decides keep / host / store;
+* :class:`~tensorstore_hooks.pipeline._records.RecordTable` - a record per stored tensor and
+  every change to it (NOTE [ Record lifecycle ]), dedup, the handles' finalizers;
+* :class:`~tensorstore_hooks.pipeline._writebehind.WriteBehind` - its bytes into the store on
+  I/O threads, bounded by ``max_inflight`` (accelerator tensors staged to pinned host
+  memory first by :class:`~tensorstore_hooks.pipeline._device.DeviceStager`, or held there
+  within ``host_budget`` and spilled oldest first: NOTE [ Host tier wiring ]);
+* :class:`~tensorstore_hooks.pipeline._prefetch.Prefetcher` - back from the store ahead of
+  backward, newest first, within ``prefetch`` bytes; unpack returns it.
+
+The pipeline owns those units and the close sequence: when the last record is freed
+after :meth:`Pipeline.close`, an owned store closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+
+from tensorstore_hooks.config import PipelineSettings, Policy
+from tensorstore_hooks.pipeline._budgets import BudgetControl, pinned_idle_cap
+from tensorstore_hooks.pipeline._device import DeviceStager
+from tensorstore_hooks.pipeline._iopool import StorePool, on_io_thread, shutdown_pool
+from tensorstore_hooks.pipeline._prefetch import Prefetcher
+from tensorstore_hooks.pipeline._records import Record, RecordTable
+from tensorstore_hooks.pipeline._router import ModulePaths, Router
+from tensorstore_hooks.pipeline._stats import OffloadStats
+from tensorstore_hooks.pipeline._timeline import Timeline
+from tensorstore_hooks.pipeline._writebehind import WriteBehind
+from tensorstore_hooks.runtime import HeapReleaser, PipelineEffects, foreign
+from tensorstore_hooks.storage import TensorStore
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger("tensorstore_hooks")
+
+
+class Pipeline:
+    """The pipeline behind one :class:`~tensorstore_hooks.OffloadHooks` (torch or Paddle).
+
+    ``policy`` decides per tensor (keep / host / store); ``settings`` is the config's
+    ``pipeline:`` section as it is (:class:`~tensorstore_hooks.config._settings.PipelineSettings`);
+    ``owns_store``: close ``store`` once the pipeline is closed and nothing is live.
+    Hooks pack and unpack through :attr:`router`.
+    """
+
+    def __init__(
+        self,
+        store: TensorStore,
+        *,
+        policy: Policy,
+        settings: PipelineSettings,
+        owns_store: bool = False,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.settings = settings
+        self.owns_store = owns_store
+        self._pid = os.getpid()  # NOTE [ Fork safety ]
+        self.stats = stats = OffloadStats()
+        # Counters bump ``stats`` directly: a bound method of ours would be a cycle.
+        self.heap = HeapReleaser(  # NOTE [ Heap release ]
+            settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
+        )
+        io = StorePool(store, settings.writer_threads + 2)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.table = table = RecordTable(self._release, stats)
+        # Budgets first: host_budget "auto" is derived now (NOTE [ Auto budgets ]).
+        self.budget = budget = BudgetControl.for_pipeline(policy, settings, stats)
+        self.stager = stager = DeviceStager(  # NOTE [ Host tier wiring ]
+            table.copies,
+            idle_cap=pinned_idle_cap(settings),
+            host_budget=budget.host_budget,
+            stats=stats,
+            hold_timeout_s=settings.read_deadline_s,
+        )
+        self.writer = WriteBehind(table, io, stager=stager, heap=self.heap, stats=stats)
+        self.prefetcher = Prefetcher(
+            table.reads,
+            io,
+            stager=stager,
+            heap=self.heap,
+            stats=stats,
+            read_deadline_s=settings.read_deadline_s,
+        )
+        _wire_direct_io(self, store, owns_store)
+        # Sets both windows now and after every forward (NOTE [ Windows ]).
+        budget.connect(self.writer, self.prefetcher, stager.tier)
+        self.router = Router(
+            policy=policy,
+            stats=stats,
+            table=table,
+            writer=self.writer,
+            prefetcher=self.prefetcher,
+            stager=stager,
+            budget=budget,
+        )
+        # Last, once nothing can fail: both are given back by _close_now. NOTE [ Closed
+        # while in use ] (storage/zarr/_store.py), NOTE [ Process-wide effects ] (runtime/_effects.py).
+        self._unuse = store._use()
+        trim_every = settings.release_heap_every if self.heap.enabled else 0
+        self._effects = PipelineEffects(settings.mmap_threshold, trim_every)
+
+    @property
+    def scope(self) -> ModulePaths | None:
+        """Where ``module`` rules read the running module's path (``None``: no model)."""
+        return self.router.scope
+
+    @scope.setter
+    def scope(self, scope: ModulePaths | None) -> None:
+        self.router.scope = scope
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline ``hooks.trace()`` records into (``None``: not recording)."""
+        return self.router.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self.router.timeline = self.writer.timeline = self.prefetcher.timeline = timeline
+
+    # -------------------------------------------------------------- release
+    def _release(self, rec: Record) -> None:
+        """Finalizer of a handle: the record table frees the record; this cleans up."""
+        try:
+            freed = self.table.free(rec)
+            if freed is None:
+                return
+            self.stager.give_back(rec, freed.give_back)
+            if freed.key is not None:
+                self.writer.discard(freed.key)
+            elif freed.write_running is not None and not on_io_thread():
+                # Rule 2 of NOTE [ Record lifecycle ]: "graph freed => every key gone"
+                # holds when `del loss` returns. (An I/O thread must not wait: the
+                # write may be queued behind it.)
+                freed.write_running.wait(self.settings.read_deadline_s)
+            if freed.last:
+                self._close_now()
+        except Exception:  # pragma: no cover - a finalizer must never raise
+            log.debug("release failed", exc_info=True)
+
+    # ------------------------------------------------------------- lifecycle
+    def emit_warning(self) -> None:
+        """Issue the pending one-time fallback warning (on the caller's thread)."""
+        self.router.emit_warning()
+
+    def flush(self) -> None:
+        """Block until every pending write of this pipeline has reached the store."""
+        self.writer.flush()
+        self.emit_warning()
+
+    @property
+    def live_records(self) -> int:
+        """Records whose graph is still alive."""
+        return self.table.live
+
+    def close(self) -> None:
+        """Stop taking tensors; close the store (if owned) once every record is freed."""
+        if foreign(self._pid):  # a forked child: no lock, no store (NOTE [ Fork safety ])
+            return  # (its router keeps every tensor it packs)
+        if self.table.close():
+            self._close_now()
+
+    def _close_now(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.stager.clear()
+        self._unuse()
+        self._effects.end()
+        if self.owns_store:
+            shutdown_pool(self.store)
+            with contextlib.suppress(Exception):
+                self.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _wire_direct_io(pipeline: Pipeline, store: TensorStore, owns_store: bool) -> None:
+    """``stats.direct_io`` says how the store moves chunk files; a store the pipeline
+    owns keeps at most ``max(prefetch window, its default)`` idle aligned read buffers
+    (NOTE [ Aligned buffers ] rule 4: the window's memory, parked between backward
+    passes and reused by the next one)."""
+    status = getattr(store, "direct_io", None)
+    describe = getattr(status, "describe", None)
+    if callable(describe):
+        pipeline.stats.direct_io = str(describe())
+    resize = getattr(store, "set_buffer_pool_bytes", None)
+    if owns_store and callable(resize):
+        floor = store.buffers.idle_limit_bytes  # type: ignore[attr-defined]
+        pipeline.prefetcher.on_window = lambda window: resize(max(window, floor))
+
+
+def _bump(stats: OffloadStats, name: str) -> None:
+    setattr(stats, name, getattr(stats, name) + 1)

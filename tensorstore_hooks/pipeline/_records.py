@@ -1,0 +1,921 @@
+"""The record table: one record per offloaded tensor, and every change made to one.
+
+NOTE [ Record lifecycle ]
+A tensor the pipeline stores has one :class:`Record` from pack until the last handle
+to it dies. This module is the only code that changes a record. The pipeline's units
+say what they want through the intent methods of :class:`RecordTable` (and of its
+parts ``copies``, the host copies, and ``reads``, the read-ahead); each takes
+the table's one lock, checks the move against :data:`TRANSITIONS` (through
+:meth:`Record.move`: any other move raises :class:`IllegalTransition`, a bug in
+tensorstore-hooks) and returns what the caller must do outside the lock. The units
+(write-behind, prefetcher, device stager) only do I/O.
+
+    intent              move                              the caller then
+    add                 new QUEUED, or new HELD           starts the write, or the copy
+                        (held in the host tier)           into the host tier
+    share               none: one more handle (dedup)     -
+    spill               HELD -> QUEUED                    submits the write (host copy)
+    write_directly      HELD -> QUEUED                    writes from the device
+    copies.done         HELD/QUEUED/WRITING -> DIRTY      gives the worthless copy back
+                        (modified before the copy ran)
+    begin_write         QUEUED -> WRITING                 puts the bytes in the store
+    end_write           WRITING -> STORED                 -
+                        WRITING -> MEMORY (write failed)  warns once (fallback)
+                        WRITING -> DIRTY (modified)       deletes what it wrote
+    claim_for_unpack    QUEUED/WRITING -> MEMORY          returns the tensor itself
+                        (the tail shortcut)               (or reads, waits, raises)
+    free                any -> FREED                      deletes the key, or waits for
+                                                          the write under way
+
+Rules, numbered so code can cite them:
+
+1. A record holds the saved tensor until its bytes are in the store or in a host copy,
+   then drops it: that is what frees activation memory.
+2. Stored bytes are deleted only when the last handle dies (a weak reference's
+   callback, shielded from signals: NOTE [ Signals and finalizers ] in
+   ``runtime/_signals.py``), never on unpack: unpack may run many times
+   (``retain_graph=True``, double backward).
+3. A record counts in flight (``max_inflight``) from QUEUED until its write has
+   finished (:meth:`RecordTable.write_finished`), whatever state it ends in.
+4. A host copy goes back to its pool or tier only when no copy to the device reads
+   it any more (rule 4 of NOTE [ Host tier wiring ] in ``pipeline/_device.py``).
+5. Dedup: a tensor saved twice (``exp`` saves its output, and so do the ``sin`` and
+   ``cos`` that read it) is written once. The key is the storage address plus view
+   and version, but the allocator reuses an address as soon as a tensor dies, so a
+   hit is trusted only while a weak reference proves the first saver is still alive.
+6. The lock is re-entrant: a handle's finalizer may run, and free a record, while it
+   is held (dropping a tensor can free a graph).
+
+NOTE [ Detached aliases ]
+The pack hook receives the saved tensor with its ``grad_fn``; for ops that save their
+own output (ReLU, attention) that ``grad_fn`` is the very node that holds our handle.
+Anything we keep that references the tensor itself closes a cycle through C++ that
+Python's collector cannot see: the graph would outlive ``del loss`` (forever for a
+kept tensor, until its write ends for a stored one). So records and kept handles hold
+``t.detach()``: the same storage and the same version counter, no autograd history.
+Unpack returns it as is; autograd re-attaches the history it saved itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+import torch
+
+from tensorstore_hooks.errors import StoreUnavailableError
+from tensorstore_hooks.pipeline._staging import CopyEvent, Loaded, returned_bytes
+from tensorstore_hooks.pipeline._stats import OffloadStats
+from tensorstore_hooks.runtime import foreign, never_compiled, shielded
+
+__all__ = [
+    "TRANSITIONS",
+    "HostCopies",
+    "ReadAhead",
+    "Claim",
+    "DedupKey",
+    "Fetch",
+    "Freed",
+    "Handle",
+    "HostCopy",
+    "IllegalTransition",
+    "Ready",
+    "Record",
+    "RecordTable",
+    "Refused",
+    "State",
+    "VersionCounter",
+    "Wait",
+    "WriteEnd",
+    "WriteJob",
+    "dedup_key",
+    "inplace_error",
+]
+
+
+class State(enum.IntEnum):
+    """Where a record's bytes are: see NOTE [ Record lifecycle ]."""
+
+    QUEUED = 0
+    WRITING = 1
+    STORED = 2
+    MEMORY = 3
+    DIRTY = 4
+    FREED = 5
+    HELD = 6
+
+
+TRANSITIONS: Mapping[State, frozenset[State]] = {
+    State.QUEUED: frozenset({State.WRITING, State.MEMORY, State.DIRTY, State.FREED}),
+    State.WRITING: frozenset({State.STORED, State.MEMORY, State.DIRTY, State.FREED}),
+    State.STORED: frozenset({State.FREED}),
+    State.MEMORY: frozenset({State.FREED}),
+    State.DIRTY: frozenset({State.FREED}),
+    State.FREED: frozenset(),
+    State.HELD: frozenset({State.QUEUED, State.DIRTY, State.FREED}),
+}
+"""The allowed moves of NOTE [ Record lifecycle ]: state -> states it may move to."""
+
+_IN_MEMORY = (State.QUEUED, State.WRITING, State.MEMORY)
+"""States in which unpack may return the saved tensor itself (the tail shortcut)."""
+_COPYING = (State.HELD, State.QUEUED, State.WRITING)
+"""States in which a finished copy to host replaces the saved tensor (rule 1)."""
+_READABLE = (State.STORED, State.HELD)
+"""What the read-ahead reads: stored records, and held ones (from the host tier)."""
+
+
+class IllegalTransition(RuntimeError):
+    """Internal error: a record was asked to make a move the lifecycle forbids (a bug)."""
+
+
+class VersionCounter(Protocol):
+    """What in-place checks read: a torch tensor, or another framework's counter."""
+
+    @property
+    def _version(self) -> int: ...
+
+
+DedupKey: TypeAlias = tuple[
+    int, int | torch.SymInt, tuple[int, ...], tuple[int, ...], int, torch.dtype, torch.device
+]
+"""Storage address, offset, shape, strides, version, dtype, device: rule 5."""
+
+
+def inplace_error(what: str) -> RuntimeError:
+    """Torch's error for a saved tensor modified in place (NOTE [ In-place checks ])."""
+    return RuntimeError(_inplace_message(what))
+
+
+def _inplace_message(what: str) -> str:
+    return (
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation ({what} was saved for backward by an offloaded op and changed "
+        "afterwards). tensorstore-hooks keeps torch's rule: do not modify saved tensors in "
+        "place, or clone them before modifying."
+    )
+
+
+class HostCopy:
+    """A record's copy in host memory: ``host`` is the view, ``buf`` the buffer it is in.
+
+    ``event``: the copy to host still running (``None`` once it has completed).
+    ``readers``: copies back to the device running out of ``buf``; ``orphaned``: the
+    buffer goes back when the last of them ends (rule 4). ``keep``: the saved tensor of
+    a record freed while ``event`` was still running, which that copy still reads: it
+    lives as long as this copy is not given back (rule 2 of NOTE [ Stream ordering ]).
+    """
+
+    __slots__ = ("buf", "event", "host", "keep", "orphaned", "readers")
+
+    def __init__(self, host: torch.Tensor, buf: torch.Tensor, event: CopyEvent | None) -> None:
+        self.host = host
+        self.buf = buf
+        self.event = event
+        self.readers = 0
+        self.orphaned = False
+        self.keep: torch.Tensor | None = None
+
+
+class Record:
+    """One offloaded tensor. Read anywhere; changed only by :class:`RecordTable`."""
+
+    __slots__ = (
+        "dedup_key",
+        "device",
+        "device_nbytes",
+        "error",
+        "fetch",
+        "guard",
+        "guard_ref",
+        "host_rule",
+        "key",
+        "nbytes",
+        "pos",
+        "refs",
+        "source",
+        "staged",
+        "state",
+        "version",
+        "write_started",
+        "writing_done",
+    )
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        nbytes: int,
+        pos: int,
+        guard: VersionCounter | None = None,
+        state: State = State.QUEUED,
+    ) -> None:
+        # The saved tensor until its bytes are elsewhere, detached: NOTE [ Detached aliases ].
+        self.source: torch.Tensor | None = t.detach()
+        # What in-place checks read ``_version`` from: the tensor itself, or for another
+        # framework's tensor (seen here through a zero-copy alias) that tensor's counter.
+        self.guard: VersionCounter | None = self.source if guard is None else guard
+        self.version: int = self.source._version if guard is None else guard._version
+        # Outlives ``guard``: see NOTE [ In-place checks ].
+        self.guard_ref = _weak(t if guard is None else guard)
+        self.nbytes = nbytes
+        # What it takes on its device when read back (its span, rounded): the
+        # read-ahead window counts this (rule 7 of NOTE [ Stream ordering ]).
+        self.device_nbytes = returned_bytes(t)
+        self.device = t.device
+        self.state = state
+        self.host_rule = False  # sent here by a ``host`` rule (counted as host, not offloaded)
+        self.key: str | None = None
+        self.refs = 1
+        self.pos = pos
+        self.fetch: Future[Loaded] | None = None  # the read running ahead, if any
+        self.staged: HostCopy | None = None  # the copy in host memory, if any
+        self.dedup_key: DedupKey | None = None
+        self.error: BaseException | None = None  # why the write failed (fallback)
+        self.write_started = False
+        self.writing_done = threading.Event()  # set when the writer is finished with it
+
+    def move(self, to: State) -> None:
+        """Change state along :data:`TRANSITIONS`; raises :class:`IllegalTransition`."""
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(
+                f"tensorstore-hooks internal error: a record of {self.nbytes} bytes cannot "
+                f"move {self.state.name} -> {to.name} (see NOTE [ Record lifecycle ]); "
+                "please report this"
+            )
+        self.state = to
+
+    def modified(self) -> bool:
+        """True if the saved tensor changed in place since pack (NOTE [ In-place checks ]).
+
+        After the write the tensor is gone from the record but its weak reference
+        is not: a tensor still alive is still checked.
+        """
+        guard = self.guard
+        if guard is None and self.guard_ref is not None:
+            guard = self.guard_ref()
+        return guard is not None and guard._version != self.version
+
+    def _drop_source(self) -> None:
+        self.source = self.guard = None
+
+
+def _weak(obj: VersionCounter) -> weakref.ref[VersionCounter] | None:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # another framework's guard without weak references
+        return None
+
+
+def dedup_key(t: torch.Tensor) -> DedupKey:
+    """Identity of a saved view; trusted only with a live weak reference (rule 5)."""
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t._version,
+        t.dtype,
+        t.device,
+    )
+
+
+# ------------------------------------------------------------- what callers get
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Unpack: the saved tensor is in memory; return it (moved to ``device``)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """Unpack: read the bytes back; ``read`` is the read running ahead (``None``: read now)."""
+
+    read: Future[Loaded] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Unpack: the bytes are being written from the device; wait, then claim again."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Unpack: the tensor cannot be given back; raise :meth:`error`."""
+
+    kind: type[Exception]
+    """``RuntimeError`` (torch's in-place error) or ``StoreUnavailableError``."""
+    message: str
+
+    def error(self) -> Exception:
+        """The exception to raise (made here, so a caller's frame holds no cycle
+        through its traceback that would keep the graph alive)."""
+        return self.kind(self.message)
+
+
+def _modified(what: str) -> Refused:
+    return Refused(RuntimeError, _inplace_message(what))
+
+
+Claim: TypeAlias = Ready | Fetch | Wait | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJob:
+    """A write to do: ``source`` into the store, after ``event`` (the copy to host)."""
+
+    source: torch.Tensor | None
+    event: CopyEvent | None
+    from_device: bool = False
+    """``source`` is the saved tensor itself, not a host copy of it (on an accelerator,
+    the writer copies it out first: rule 8 of NOTE [ Stream ordering ])."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEnd:
+    """What a finished write leaves the writer to do outside the lock."""
+
+    discard: str | None
+    """A key whose bytes nobody wants (freed, served from memory or modified): delete it."""
+    give_back: HostCopy | None
+    """A host copy to return to its pool or tier."""
+    error: BaseException | None
+    """The write failed and the record fell back to memory (warn once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Freed:
+    """What freeing a record leaves to do outside the lock."""
+
+    key: str | None
+    """Stored bytes to delete."""
+    write_running: threading.Event | None
+    """A write under way that deletes what it wrote; wait for it (rule 2)."""
+    give_back: HostCopy | None
+    """A host copy to return to its pool or tier."""
+    last: bool
+    """This was the last live record of a table that is closing: close now."""
+
+
+# ------------------------------------------------------------------ handles
+class Handle:
+    """What autograd keeps for an offloaded tensor: a pointer to its record."""
+
+    __slots__ = ("__weakref__", "rec")
+
+    def __init__(self, rec: Record) -> None:
+        self.rec = rec
+
+
+class _Finalizer(weakref.ref[Handle]):
+    """A weak reference to a handle whose callback gives up its record: the finalizer.
+
+    A plain ``weakref.ref`` callback rather than ``weakref.finalize``, whose own
+    Python ``__call__`` would run before any shielded code (NOTE [ Signals and
+    finalizers ]). Kept alive by :data:`_finalizers` (as ``weakref.finalize`` keeps
+    its registry), which holds ``release`` strongly and the table not at all.
+    """
+
+    __slots__ = ("pid", "rec", "release")
+    pid: int
+    rec: Record
+    release: Callable[[Record], None]
+
+    def __new__(cls, handle: Handle, rec: Record, release: Callable[[Record], None]) -> _Finalizer:
+        self = super().__new__(cls, handle, _handle_died)
+        self.rec = rec
+        self.release = release
+        self.pid = os.getpid()  # NOTE [ Fork safety ]: a forked child's copy frees nothing
+        return self
+
+    def __init__(self, handle: Handle, rec: Record, release: Callable[[Record], None]) -> None:
+        super().__init__(handle, _handle_died)  # type: ignore[call-arg]
+
+
+_finalizers: set[_Finalizer] = set()
+"""The finalizers of live handles (set operations are atomic under the GIL)."""
+
+
+@never_compiled  # may run inside compiled code: NOTE [ torch.compile ], rule 3
+@shielded  # NOTE [ Signals and finalizers ]: a signal must not cut this in half
+def _handle_died(ref: _Finalizer) -> None:
+    _finalizers.discard(ref)
+    if not foreign(ref.pid):
+        ref.release(ref.rec)
+
+
+# ----------------------------------------------------------- the table's parts
+class HostCopies:
+    """The records' host copies: attached, completed, lent to reads, taken back.
+
+    Part of the record table (:attr:`RecordTable.copies`, under its lock); the device
+    stager and the write-behind call it. A copy a read still uses is given back by
+    its last reader (rule 4).
+    """
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+
+    def attach(self, rec: Record, copy: HostCopy) -> bool:
+        """``rec``'s copy to host has started into ``copy``; ``False``: the record is
+        gone (an interrupted pack) and the caller gives ``copy`` back."""
+        with self._lock:
+            if rec.state not in (State.HELD, State.QUEUED):
+                return False
+            rec.staged = copy
+            return True
+
+    def done(self, rec: Record) -> HostCopy | None:
+        """``rec``'s copy to host has completed: drop the saved tensor (rule 1).
+
+        A tensor modified in place before the copy ran moves to DIRTY (NOTE [ In-place
+        checks ]); its copy is worthless and is returned for the caller to give back.
+        """
+        with self._lock:
+            copy = rec.staged
+            if copy is None:
+                return None
+            copy.event = None
+            if rec.source is not None and rec.state in _COPYING:
+                if rec.modified():
+                    rec.move(State.DIRTY)
+                rec._drop_source()
+            return self._take(rec) if rec.state == State.DIRTY else None
+
+    def take(self, rec: Record) -> HostCopy | None:
+        """Detach ``rec``'s host copy for the caller to give back (``None``: it has
+        none, or a read still uses it and its last reader gives it back)."""
+        with self._lock:
+            return self._take(rec)
+
+    def _take(self, rec: Record) -> HostCopy | None:
+        copy, rec.staged = rec.staged, None
+        if copy is None:
+            return None
+        if copy.readers:
+            copy.orphaned = True
+            return None
+        return copy
+
+    def borrow(self, rec: Record) -> HostCopy | None:
+        """``rec``'s host copy for a copy back to the device (``None``: it has none).
+
+        Follow with :meth:`end_read` once that copy has completed.
+        """
+        if rec.staged is None:  # the common case (CPU tensors, stored ones): no lock
+            return None
+        with self._lock:
+            copy = rec.staged
+            if copy is not None:
+                copy.readers += 1
+            return copy
+
+    def end_read(self, copy: HostCopy) -> bool:
+        """A read of ``copy`` has ended; ``True``: it was the last one of a copy its
+        record let go of, and the caller gives it back (rule 4)."""
+        with self._lock:
+            copy.readers -= 1
+            if copy.orphaned and copy.readers == 0:
+                copy.orphaned = False
+                return True
+            return False
+
+
+class ReadAhead:
+    """The read-ahead's claims on records: its cursor and its window.
+
+    Part of the record table (:attr:`RecordTable.reads`, under its lock, over its
+    pack order): NOTE [ Prefetch order ] in ``pipeline/_prefetch.py``. The prefetcher plans and
+    submits reads; unpack and free take them back through the table.
+    """
+
+    def __init__(
+        self, lock: threading.RLock, order: list[Record | None], stats: OffloadStats
+    ) -> None:
+        self._lock = lock
+        self._order = order  # the table's, changed in place only
+        self._stats = stats
+        self.cursor = -1  # pack position the next read ahead looks at
+        self._window = 0  # bytes read ahead and not yet unpacked
+
+    def restart(self) -> None:
+        """A backward begins: read ahead from the newest record down."""
+        with self._lock:
+            self.cursor = len(self._order) - 1
+
+    def plan(self, window_bytes: int) -> list[tuple[Record, Future[Loaded]]]:
+        """The next records to read ahead, newest first, within ``window_bytes``, each
+        with the future its read completes (the caller runs each read into it).
+
+        Each is claimed (its device bytes count in the window) and its future is the
+        one unpack will find: there is no moment a record's read ahead is a
+        placeholder an unpack could claim and wait on forever. A record whose saved
+        tensor is still in memory (a held record whose copy to host has not been seen
+        complete) is skipped: unpack returns that tensor, nothing need come back.
+        """
+        out: list[tuple[Record, Future[Loaded]]] = []
+        with self._lock:
+            while 0 <= self.cursor < len(self._order):
+                rec = self._order[self.cursor]
+                if (
+                    rec is not None
+                    and rec.state in _READABLE
+                    and rec.fetch is None
+                    and rec.source is None
+                ):
+                    size = rec.device_nbytes
+                    if self._window and self._window + size > window_bytes:
+                        break
+                    fut: Future[Loaded] = Future()
+                    rec.fetch = fut
+                    self._window += size
+                    self._stats.hold(size)
+                    out.append((rec, fut))
+                self.cursor -= 1
+        return out
+
+    def _claim(self, rec: Record) -> Future[Loaded] | None:
+        """Unpack takes the read running ahead for ``rec``, or the cursor jumps to just
+        below it (lock held)."""
+        fut = rec.fetch
+        if fut is not None:
+            rec.fetch = None
+            self._window -= rec.device_nbytes
+            self._stats.hold(-rec.device_nbytes)
+        else:
+            self.cursor = rec.pos - 1
+        return fut
+
+    def _forget(self, rec: Record) -> None:
+        """``rec`` is freed: cancel its read ahead (lock held)."""
+        if rec.fetch is not None:
+            rec.fetch.cancel()
+            rec.fetch = None
+            self._window -= rec.device_nbytes
+            self._stats.hold(-rec.device_nbytes)
+
+    def _reset(self) -> None:
+        """Nothing is live: start over (lock held)."""
+        self.cursor = -1
+        self._stats.hold(-self._window)
+        self._window = 0
+
+
+# -------------------------------------------------------------------- table
+class RecordTable:
+    """Records in pack order, their every change, and the counts that follow them.
+
+    Owns, under its one lock: the records' states and fields, dedup (rule 5), the
+    bytes in flight (rule 3), and ``stats`` that move with them; its parts
+    :attr:`copies` (host copies) and :attr:`reads` (the read-ahead's cursor and
+    window) share the lock.
+
+    ``on_last_handle(rec)`` runs (on whatever thread drops the last reference) when a
+    handle dies; it calls :meth:`free`. It must be a bound method: the table keeps it
+    weakly and each handle's finalizer strongly, so its owner lives while any handle
+    does, yet owner -> table -> owner is no reference cycle (plain reference counting
+    frees a pipeline and its store, with no wait for the collector).
+    """
+
+    _COMPACT_MIN = 1024
+
+    def __init__(self, on_last_handle: Callable[[Record], None], stats: OffloadStats) -> None:
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._on_last_handle = weakref.WeakMethod(on_last_handle)
+        self._stats = stats
+        self._order: list[Record | None] = []
+        self._live = 0
+        self._dedup: dict[DedupKey, tuple[weakref.ref[torch.Tensor], Record]] = {}
+        self._inflight = 0  # bytes queued or being written (rule 3)
+        self._closing = False
+        self.copies = HostCopies(self._lock)
+        """The records' host copies (the device stager's buffers)."""
+        self.reads = ReadAhead(self._lock, self._order, stats)
+        """The read-ahead's cursor and window over the pack order."""
+
+    # ------------------------------------------------------------ reading
+    @property
+    def live(self) -> int:
+        """Records not yet freed."""
+        return self._live
+
+    @property
+    def inflight(self) -> int:
+        """Bytes queued or being written (rule 3)."""
+        return self._inflight
+
+    @property
+    def closing(self) -> bool:
+        """Set by :meth:`close`: the pipeline takes no more tensors."""
+        return self._closing
+
+    def records(self) -> list[Record]:
+        """The live records, in pack order."""
+        with self._lock:
+            return [r for r in self._order if r is not None]
+
+    # ---------------------------------------------------------------- pack
+    @shielded  # a reference taken must get its handle: NOTE [ Signals and finalizers ]
+    def share(self, t: torch.Tensor, key: DedupKey | None) -> Handle | None:
+        """A new handle to the live record already holding ``t`` (rule 5), or ``None``."""
+        if key is None:
+            return None
+        with self._lock:
+            hit = self._dedup.get(key)
+            if hit is None:
+                return None
+            ref, rec = hit
+            alive = ref()
+            stale = alive is None or alive.untyped_storage().data_ptr() != key[0]
+            if stale or rec.state == State.FREED:
+                return None
+            rec.refs += 1
+            self._stats.dedup_hits += 1
+            return self._handle(rec)
+
+    def wait_for_room(self, nbytes: int, max_inflight: int) -> float:
+        """Block while ``nbytes`` more would put more than ``max_inflight`` in flight.
+
+        A single record larger than the window still goes, alone. Returns the seconds
+        waited (backpressure).
+        """
+        with self._lock:
+            if not self._inflight or self._inflight + nbytes <= max_inflight:
+                return 0.0
+            t0 = time.perf_counter()
+            while self._inflight and self._inflight + nbytes > max_inflight:
+                self._cond.wait(0.05)
+            return time.perf_counter() - t0
+
+    def add(
+        self,
+        t: torch.Tensor,
+        nbytes: int,
+        *,
+        guard: VersionCounter | None,
+        key: DedupKey | None,
+        held: bool,
+        host_rule: bool,
+    ) -> Handle:
+        """A new record for ``t``, last in pack order, and its first handle.
+
+        QUEUED (counted in flight: the caller starts its write), or HELD (the caller
+        copies it into the host tier). ``host_rule``: a ``host`` rule sent it (counted
+        as host, not as offloaded).
+        """
+        with self._lock:
+            rec = Record(t, nbytes, len(self._order), guard, State.HELD if held else State.QUEUED)
+            rec.host_rule = host_rule
+            self._order.append(rec)
+            self._live += 1
+            if key is not None:
+                rec.dedup_key = key
+                self._dedup[key] = (weakref.ref(t), rec)
+            if not host_rule:
+                self._stats.tensors_offloaded += 1
+                self._stats.bytes_offloaded += nbytes
+            if not held:
+                self._count_inflight(rec)
+            return self._handle(rec)
+
+    def _handle(self, rec: Record) -> Handle:
+        release = self._on_last_handle()
+        if release is None:
+            raise IllegalTransition("tensorstore-hooks internal error: the pipeline is gone")
+        handle = Handle(rec)
+        _finalizers.add(_Finalizer(handle, rec, release))
+        return handle
+
+    def _count_inflight(self, rec: Record) -> None:
+        self._inflight += rec.nbytes
+        self._stats.hold(rec.nbytes)
+
+    def spill(self, rec: Record) -> bool:
+        """HELD ``rec`` leaves the host tier for the store (counted in flight and as a
+        spill); ``False``: freed meanwhile, and its free gave the room back."""
+        with self._lock:
+            if rec.state != State.HELD:
+                return False
+            rec.move(State.QUEUED)
+            self._count_inflight(rec)
+            self._stats.tensors_spilled += 1
+            self._stats.bytes_spilled += rec.nbytes
+            return True
+
+    def write_directly(self, rec: Record) -> bool:
+        """HELD ``rec`` found no room in the host tier in time: it is written from the
+        device instead. ``False``: it no longer needs that (spilled or freed)."""
+        with self._lock:
+            if rec.state != State.HELD:
+                return False
+            rec.move(State.QUEUED)
+            self._count_inflight(rec)
+            return True
+
+    # ---------------------------------------------------------------- write
+    def begin_write(self, rec: Record) -> WriteJob | None:
+        """QUEUED -> WRITING: what to write. ``None``: the write is not wanted (freed,
+        or served from memory, before it ran): call :meth:`end_write` with nothing."""
+        with self._lock:
+            if rec.state != State.QUEUED:
+                return None
+            rec.move(State.WRITING)
+            rec.write_started = True
+            copy = rec.staged
+            if copy is not None:
+                return WriteJob(copy.host, copy.event)
+            return WriteJob(rec.source, None, from_device=True)
+
+    def unchanged(self, rec: Record) -> bool:
+        """Whether ``rec``'s bytes may still be written: not DIRTY and, while the saved
+        tensor is held, not modified since pack (NOTE [ In-place checks ])."""
+        guard = rec.guard
+        return rec.state != State.DIRTY and (guard is None or guard._version == rec.version)
+
+    def end_write(
+        self,
+        rec: Record,
+        *,
+        key: str | None,
+        error: BaseException | None,
+        dirty: bool,
+        keep_live: bool = False,
+    ) -> WriteEnd:
+        """The write of ``rec`` is over (or was skipped: :meth:`begin_write` said so).
+
+        ``key``: what was written; ``error``: why the write failed; ``dirty``: the
+        saved tensor changed in place; ``keep_live``: it changed without a version bump
+        (NOTE [ In-place checks ]). WRITING -> STORED (the saved tensor is dropped:
+        rule 1), MEMORY (the tensor stays: a failed write, a fallback; or ``keep_live``)
+        or DIRTY. Bytes nobody wants any more are returned as ``discard``, and a host
+        copy nobody wants as ``give_back``. Follow with :meth:`write_finished`.
+        """
+        with self._lock:
+            give_back = None
+            failed = None
+            if dirty:
+                if rec.state == State.WRITING:
+                    rec.move(State.DIRTY)
+                if rec.state == State.DIRTY:
+                    rec._drop_source()
+            elif error is not None or keep_live:
+                if rec.state == State.WRITING:
+                    give_back = self._fall_back(rec, error)
+                    failed = error
+            elif key is not None and rec.state == State.WRITING:
+                rec.move(State.STORED)
+                rec.key = key
+                rec._drop_source()
+                key = None
+                give_back = self.copies._take(rec)
+            if rec.state in (State.FREED, State.DIRTY):
+                give_back = self.copies._take(rec)  # freed mid-write, or worthless
+            return WriteEnd(key, give_back, failed)
+
+    def _fall_back(self, rec: Record, error: BaseException | None) -> HostCopy | None:
+        """``rec`` stays in memory, kept: its write failed, or (``None``) it changed."""
+        rec.move(State.MEMORY)
+        rec.error = error
+        give_back = None
+        if rec.source is None and rec.staged is not None:
+            # The device tensor is gone already: a pageable copy of the host copy is the
+            # tensor now (unpack moves it back to its device); the buffer goes back.
+            rec.source = rec.staged.host.clone()
+            give_back = self.copies._take(rec)
+        stats = self._stats
+        stats.fallbacks += error is not None
+        if not rec.host_rule:
+            stats.tensors_offloaded -= 1
+            stats.bytes_offloaded -= rec.nbytes
+            stats.tensors_kept += 1
+            stats.bytes_kept += rec.nbytes
+        return give_back
+
+    def write_finished(self, rec: Record) -> None:
+        """The writer is done with ``rec``, clean-up included: it leaves the bytes in
+        flight (rule 3), and whoever waits for the write (a free, ``flush()``) goes on."""
+        with self._lock:
+            self._inflight -= rec.nbytes
+            self._stats.hold(-rec.nbytes)
+            self._cond.notify_all()
+        rec.writing_done.set()
+
+    def wait_for_writes(self) -> None:
+        """Block until no write is queued or running (``flush()``)."""
+        with self._lock:
+            while self._inflight > 0:
+                self._cond.wait(0.1)
+
+    # --------------------------------------------------------------- unpack
+    def claim_for_unpack(self, rec: Record) -> Claim:
+        """What unpack does for ``rec``: :class:`Ready`, :class:`Fetch`, :class:`Wait`
+        or :class:`Refused`. Never deletes anything (rule 2).
+
+        In memory (not yet written, or kept after a failed write): the tensor itself,
+        and a pending write is cancelled (the tail shortcut, ``stats.tail_hits``).
+        Stored, held, or written from a host copy: the read ahead for it, if one runs
+        (it leaves the window), else the read-ahead cursor jumps to just below it.
+        """
+        with self._lock:
+            state = rec.state
+            src = rec.source
+            if src is not None and state in _IN_MEMORY:
+                if state != State.MEMORY:
+                    rec.move(State.MEMORY)  # its write is not wanted any more
+                    self._stats.tail_hits += 1
+                if rec.modified():
+                    return _modified(f"a tensor of shape {tuple(src.shape)}")
+                return Ready(src)
+            if state == State.HELD and src is not None:
+                # Its copy to host has not been reaped yet: the tensor itself.
+                if rec.modified():
+                    return _modified(f"a tensor of shape {tuple(src.shape)}")
+                return Ready(src)
+            if state == State.DIRTY:
+                return _modified("a tensor")
+            if state in (State.MEMORY, State.FREED):
+                return Refused(
+                    StoreUnavailableError,
+                    f"offload: a saved tensor is no longer available ({state.name.lower()}); "
+                    "was the graph freed or were the hooks closed?",
+                )
+            if state in _READABLE or rec.staged is not None:
+                # No need to wait for a write: stored, held, or with its host copy.
+                if rec.modified():  # NOTE [ In-place checks ]
+                    return _modified(f"a tensor of {rec.nbytes} bytes")
+                return Fetch(self.reads._claim(rec))
+            return Wait(rec.writing_done)  # written from the device
+
+    # ----------------------------------------------------------------- free
+    def free(self, rec: Record) -> Freed | None:
+        """A handle of ``rec`` died. On the last: any -> FREED, and what to clean up.
+
+        Returns ``None`` while other handles remain (or if already freed).
+        """
+        with self._lock:
+            rec.refs -= 1
+            if rec.refs > 0 or rec.state == State.FREED:
+                return None
+            prev = rec.state
+            rec.move(State.FREED)
+            if rec.dedup_key is not None:
+                hit = self._dedup.get(rec.dedup_key)
+                if hit is not None and hit[1] is rec:
+                    del self._dedup[rec.dedup_key]
+            self._order[rec.pos] = None
+            self._live -= 1
+            key, rec.key = rec.key, None
+            self.reads._forget(rec)
+            copy = rec.staged
+            source = rec.source  # dropped below, outside the lock: it may free graph pieces
+            if copy is not None and copy.event is not None and source is not None:
+                copy.keep = source  # a copy to host still reads it: it goes with the copy
+            # A write under way gives its host copy back when it ends (end_write).
+            give_back = None if prev in (State.QUEUED, State.WRITING) else self.copies._take(rec)
+            rec._drop_source()
+            idle = self._live == 0
+            if idle:
+                self._order.clear()
+                self.reads._reset()
+            elif self._wants_compaction():
+                self._compact()
+            running = None
+            if key is None and rec.write_started and not rec.writing_done.is_set():
+                # A write in progress deletes what it wrote once it sees the record
+                # unwanted: waiting for it keeps "graph freed => every key gone".
+                running = rec.writing_done
+            last = idle and self._closing
+        del source
+        return Freed(key, running, give_back, last)
+
+    def close(self) -> bool:
+        """Take no more tensors; ``True`` if nothing is live (close now)."""
+        with self._lock:
+            self._closing = True
+            return self._live == 0
+
+    def _wants_compaction(self) -> bool:
+        return len(self._order) > self._COMPACT_MIN and self._live * 4 < len(self._order)
+
+    def _compact(self) -> None:
+        """Drop freed slots; the read-ahead cursor keeps pointing at the same record."""
+        order = self._order
+        cursor_rec = None
+        for i in range(min(self.reads.cursor, len(order) - 1), -1, -1):
+            if order[i] is not None:
+                cursor_rec = order[i]
+                break
+        live = [r for r in order if r is not None]
+        for i, r in enumerate(live):
+            r.pos = i
+        order[:] = live  # in place: the read-ahead walks this very list
+        self.reads.cursor = cursor_rec.pos if cursor_rec is not None else -1

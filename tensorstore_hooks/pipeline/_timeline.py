@@ -1,0 +1,265 @@
+"""Visibility: profiler ranges for our work, and a Chrome/Perfetto timeline of our I/O.
+
+NOTE [ Profiler ranges ]
+Every piece of work the hooks do runs inside a ``torch.profiler.record_function``
+range (and an NVTX range when CUDA is initialised, for Nsight Systems):
+
+    tsh::pack          the pack hook (policy, queueing; a max_inflight stall inside)
+    tsh::unpack        the unpack hook
+    tsh::unpack_wait   unpack waiting for bytes from the store (inside tsh::unpack)
+    tsh::write         a writer thread putting one tensor into the store
+    tsh::read          a reader thread getting one tensor (prefetch or on demand)
+
+torch.profiler records the training thread by default, so pack, unpack and the
+waits show in any trace; our I/O threads show with
+``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
+``hooks.trace(path)`` records all of them, plus forward and backward spans, into a
+Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing) with no
+profiler at all.
+
+Cost when nothing listens: one ``record_function`` enter/exit per tensor (about a
+microsecond), which is noise next to a tensor's write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PACK_RANGE",
+    "READ_RANGE",
+    "UNPACK_RANGE",
+    "UNPACK_WAIT_RANGE",
+    "WRITE_RANGE",
+    "Timeline",
+    "describe_pipeline",
+    "forward_begin",
+    "forward_end",
+    "record",
+    "span",
+]
+
+PACK_RANGE = "tsh::pack"
+UNPACK_RANGE = "tsh::unpack"
+UNPACK_WAIT_RANGE = "tsh::unpack_wait"
+WRITE_RANGE = "tsh::write"
+READ_RANGE = "tsh::read"
+
+_record_function = torch.profiler.record_function
+
+
+def _nvtx() -> Any:
+    # Only once CUDA is initialised: asking earlier would initialise it.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.nvtx
+    return None
+
+
+class Timeline:
+    """Chrome trace events of one pipeline, collected from any thread.
+
+    ``span()`` adds a complete event; forward and backward spans come from
+    :meth:`forward_begin`/:meth:`forward_end` and the unpacks between forwards.
+    :meth:`write` saves ``{"traceEvents": [...]}`` JSON (times in microseconds).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._threads: dict[int, str] = {}
+        self._t0_ns = time.perf_counter_ns()
+        self._pid = os.getpid()
+        self._forward_ns: int | None = None
+        self._backward: list[int] | None = None  # [first unpack start, last unpack end]
+
+    def now_ns(self) -> int:
+        return time.perf_counter_ns()
+
+    def span(
+        self, name: str, start_ns: int, end_ns: int, args: dict[str, Any] | None = None
+    ) -> None:
+        """Record ``name`` from ``start_ns`` to ``end_ns`` (``perf_counter_ns``) on this thread."""
+        thread = threading.current_thread()
+        event: dict[str, Any] = {
+            "name": name,
+            "cat": "tensorstore-hooks",
+            "ph": "X",
+            "ts": (start_ns - self._t0_ns) / 1e3,
+            "dur": max(end_ns - start_ns, 0) / 1e3,
+            "pid": self._pid,
+            "tid": thread.ident,
+        }
+        if args:
+            event["args"] = args
+        with self._lock:
+            self._events.append(event)
+            if thread.ident is not None and thread.ident not in self._threads:
+                self._threads[thread.ident] = thread.name
+        if name == UNPACK_RANGE:
+            self._note_unpack(start_ns, end_ns)
+
+    def _note_unpack(self, start_ns: int, end_ns: int) -> None:
+        with self._lock:
+            if self._backward is None:
+                self._backward = [start_ns, end_ns]
+            else:
+                self._backward[1] = max(self._backward[1], end_ns)
+
+    def _close_backward(self) -> None:
+        with self._lock:
+            bwd, self._backward = self._backward, None
+        if bwd is not None:
+            self._phase("backward", bwd[0], bwd[1])
+
+    def _phase(self, name: str, start_ns: int, end_ns: int) -> None:
+        with self._lock:
+            self._events.append(
+                {
+                    "name": name,
+                    "cat": "phase",
+                    "ph": "X",
+                    "ts": (start_ns - self._t0_ns) / 1e3,
+                    "dur": max(end_ns - start_ns, 0) / 1e3,
+                    "pid": self._pid,
+                    "tid": 0,
+                }
+            )
+
+    def forward_begin(self) -> None:
+        """A forward under the hooks starts: the previous backward (if any) ended."""
+        self._close_backward()
+        self._forward_ns = self.now_ns()
+
+    def forward_end(self) -> None:
+        start, self._forward_ns = self._forward_ns, None
+        if start is not None:
+            self._phase("forward", start, self.now_ns())
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The events so far, metadata included (a copy)."""
+        self._close_backward()
+        with self._lock:
+            meta = [
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": self._pid,
+                    "tid": tid,
+                    "args": {"name": name},
+                }
+                for tid, name in sorted(self._threads.items())
+            ]
+            meta.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": self._pid,
+                    "tid": 0,
+                    "args": {"name": "forward / backward"},
+                }
+            )
+            meta.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": self._pid,
+                    "tid": 0,
+                    "args": {"name": "tensorstore-hooks"},
+                }
+            )
+            return meta + list(self._events)
+
+    def write(self) -> None:
+        """Save the timeline as Chrome trace JSON at :attr:`path`."""
+        doc = {"traceEvents": self.events, "displayTimeUnit": "ms"}
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+
+
+@contextlib.contextmanager
+def span(
+    name: str, timeline: Timeline | None, args: dict[str, Any] | None = None
+) -> Iterator[None]:
+    """A profiler range (NOTE [ Profiler ranges ]) that also lands in ``timeline`` if given."""
+    nvtx = _nvtx()
+    start = time.perf_counter_ns() if timeline is not None else 0
+    if nvtx is not None:
+        nvtx.range_push(name)
+    try:
+        with _record_function(name):
+            yield
+    finally:
+        if nvtx is not None:
+            nvtx.range_pop()
+        if timeline is not None:
+            timeline.span(name, start, time.perf_counter_ns(), args)
+
+
+@contextlib.contextmanager
+def record(pipeline: Any, path: str | os.PathLike[str]) -> Iterator[Timeline]:
+    """Record ``pipeline``'s work into a :class:`Timeline` saved at ``path`` on exit.
+
+    ``pipeline`` is a :class:`~tensorstore_hooks.pipeline._pipeline.Pipeline` (its ``timeline``
+    attribute is set while the block runs). The file is written even if the block
+    raises.
+    """
+    if pipeline.timeline is not None:
+        raise RuntimeError("hooks.trace(): these hooks are already recording a timeline")
+    timeline = Timeline(path)
+    pipeline.timeline = timeline
+    try:
+        yield timeline
+    finally:
+        pipeline.flush()  # writes still running belong in the picture
+        pipeline.timeline = None
+        timeline.write()
+
+
+def forward_begin(pipeline: Any) -> None:
+    """A forward under ``pipeline``'s hooks starts (for the timeline, if recording)."""
+    timeline = pipeline.timeline
+    if timeline is not None:
+        timeline.forward_begin()
+
+
+def forward_end(pipeline: Any) -> None:
+    """The forward under ``pipeline``'s hooks ended."""
+    timeline = pipeline.timeline
+    if timeline is not None:
+        timeline.forward_end()
+
+
+def describe_pipeline(pipeline: Any) -> str:
+    """One line: the store and every setting of ``pipeline``, for the INFO log at open."""
+    from tensorstore_hooks.config import exact_size
+
+    policy, settings, store = pipeline.policy, pipeline.settings, pipeline.store
+
+    def size(n: object, unset: str) -> object:
+        # A budget may be a share of the memory there is ("auto", "60%"): shown as such.
+        return unset if n is None else exact_size(n) if isinstance(n, int) else str(n)
+
+    temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
+    rules = ", ".join(f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())) or "none"
+    return (
+        f"offload pipeline: store {store.url}{temporary}; policy min_bytes="
+        f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "
+        f"default={policy.default} device_budget={size(policy.device_budget, 'none')} "
+        f"rules: {rules}; pipeline max_inflight={size(settings.max_inflight, 'derived')} "
+        f"prefetch={size(settings.prefetch, 'derived')} "
+        f"host_budget={size(settings.host_budget or None, 'none')} "
+        f"memory_headroom={size(settings.memory_headroom, 'none')} "
+        f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
+    )

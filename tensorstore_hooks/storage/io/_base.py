@@ -1,0 +1,197 @@
+"""Moving whole objects (chunk files, metadata documents) under one root: the interface.
+
+Three backends share one small interface: :class:`LocalIO` talks to the OS directly
+(one ``open``/``write`` per chunk, ``readinto`` a caller's buffer: no extra copy; with
+``O_DIRECT`` where the filesystem allows it,
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensorstore_hooks.errors import ConfigError
+
+__all__ = ["DIRECT_IO_MODES", "Buffer", "ChunkIO", "DirectIOStatus"]
+
+log = logging.getLogger("tensorstore_hooks")
+
+Buffer = Any  # bytes, bytearray, memoryview or a numpy array
+
+
+DIRECT_IO_MODES = ("auto", "on", "off")
+"""The values of ``store.direct_io``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DirectIOStatus:
+    """Whether a backend does chunk I/O with ``O_DIRECT`` (NOTE [ Direct I/O ])."""
+
+    enabled: bool
+    """True: chunk objects are written and read with ``O_DIRECT``."""
+    mode: str
+    """What was asked: ``auto``, ``on`` or ``off``."""
+    reason: str
+    """Why it is off (empty when on)."""
+
+    def describe(self) -> str:
+        """``"on"`` or ``"off (why)"``, for logs and ``inspect``."""
+        return "on" if self.enabled else f"off ({self.reason})"
+
+
+class ChunkIO(ABC):
+    """Reads and writes whole objects relative to a root. Thread-safe."""
+
+    supports_append: bool = False
+    """True if :meth:`open_append` works (cheap durable journals)."""
+
+    supports_rewrite_in_place: bool = False
+    """True if rewriting an existing object costs less than deleting it and writing a
+    new one (local files), so freed chunk objects are worth keeping for reuse."""
+
+    supports_direct_read: bool = False
+    """True if :meth:`readinto` reads straight into the caller's buffers piece by piece
+    (no intermediate copy; ``filled`` is called between pieces), so a reader can
+    checksum while reading. Otherwise :meth:`readinto` is a whole-object read + copy."""
+
+    is_private_memory: bool = False
+    """True if the objects live only in this process and die with this object
+    (nothing to persist, nothing another process can see)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @abstractmethod
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Write the concatenation of ``parts`` as object ``path`` (replacing it)."""
+
+    def write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
+        for path, parts in items:
+            self.write(path, parts)
+
+    def write_sized(self, path: str, parts: Sequence[Buffer], size: int) -> None:
+        """Write object ``path`` of ``size`` bytes that starts with the concatenation of
+        ``parts``; the bytes after them are zeros in a new object and unspecified in one
+        rewritten in place (here: always zeros)."""
+        n = sum(memoryview(p).nbytes for p in parts)
+        self.write(path, [*parts, bytes(size - n)] if size > n else parts)
+
+    # ------------------------------------------------------- NOTE [ Direct I/O ]
+    direct_io: DirectIOStatus | None = None
+    """Set by :meth:`configure_direct_io`; ``None`` until then (buffered)."""
+
+    @property
+    def uses_direct_io(self) -> bool:
+        """True once :meth:`configure_direct_io` turned ``O_DIRECT`` on."""
+        return self.direct_io is not None and self.direct_io.enabled
+
+    def configure_direct_io(self, mode: str, probe_path: str) -> DirectIOStatus:
+        """Turn direct I/O on where ``mode`` (``auto``/``on``/``off``) and the backend
+        allow it (NOTE [ Direct I/O ] rule 1); ``probe_path`` names a scratch object
+        the probe may create and remove. Raises :class:`ConfigError` for ``on`` where
+        it cannot be had. Call once, before any chunk I/O."""
+        if mode == "on":
+            raise ConfigError(
+                f"direct_io='on' needs a local directory, but {self.url} is not one "
+                "(O_DIRECT is a local-filesystem feature); use direct_io='auto' or 'off'"
+            )
+        self.direct_io = DirectIOStatus(False, mode, "not a local directory")
+        return self.direct_io
+
+    def write_aligned(self, path: str, views: Sequence[memoryview], size: int) -> None:
+        """Write the concatenation of ``views`` at offset 0 of ``path`` with ``O_DIRECT``,
+        then make the object ``size`` bytes (NOTE [ Direct I/O ] rule 4). Each view must
+        start on a ``BLOCK_BYTES`` boundary and be a multiple of it long."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct I/O")
+
+    def read_aligned(self, path: str, view: memoryview) -> tuple[int, int]:
+        """Fill ``view`` (aligned as for :meth:`write_aligned`) from offset 0 of ``path``
+        with ``O_DIRECT``; returns (bytes read, object size). Fewer bytes are read only
+        at the end of the object. Raises ``FileNotFoundError`` if absent."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct I/O")
+
+    @abstractmethod
+    def read(self, path: str) -> Buffer:
+        """Return the bytes of ``path``. Raises ``FileNotFoundError`` if absent."""
+
+    def read_many(self, paths: Sequence[str]) -> list[Buffer]:
+        return [self.read(p) for p in paths]
+
+    def readinto(
+        self,
+        path: str,
+        views: Sequence[memoryview],
+        filled: Callable[[int], None] | None = None,
+    ) -> int:
+        """Fill ``views`` in order from the start of ``path``; return the object's size.
+
+        Views beyond the end of the object are left partly unfilled; the caller
+        compares the returned size with what it expected. ``filled(i)``, if given, is
+        called as soon as view ``i`` is complete (local files: before the next is read),
+        so the caller can checksum while the rest is read.
+        """
+        data = memoryview(self.read(path)).cast("B")
+        pos = 0
+        for i, v in enumerate(views):
+            n = min(len(v), len(data) - pos)
+            v[:n] = data[pos : pos + n]
+            pos += n
+            if n < len(v):
+                break
+            if filled is not None:
+                filled(i)
+        return len(data)
+
+    @abstractmethod
+    def delete(self, paths: Sequence[str]) -> None:
+        """Delete objects; missing ones are ignored."""
+
+    def take_uncertain(self, paths: Sequence[str]) -> bool:
+        """Whether a write or delete of any of ``paths`` had an attempt fail in a way
+        that may still take effect later (the service may apply a request after the
+        client gave up on it); the paths are forgotten. Always False where an
+        operation's outcome is known when it returns (local files, memory).
+        NOTE [ Requests that land late ] in ``storage/zarr/_store.py``."""
+        return False
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) of the entries under ``path``; empty if it does not exist."""
+
+    @abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Remove ``path`` and everything under it; absent is fine."""
+
+    def open_append(self, path: str) -> Any:
+        """An unbuffered binary file opened for appending (only if ``supports_append``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot append")
+
+    def truncate(self, path: str) -> None:
+        """Empty ``path`` in place (only if ``supports_append``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot truncate")
+
+    def replace(self, src: str, dst: str) -> None:
+        """Move ``src`` over ``dst``, atomically where the backend can."""
+        self.write(dst, [self.read(src)])
+        self.delete([src])
+
+    def lock(self, path: str) -> Callable[[], None] | None:
+        """Take an exclusive lock named by ``path`` for as long as this process holds it
+        (released by the returned function, or when the process dies).
+
+        Returns None where the backend has no locks (object stores, private memory).
+        Raises ``BlockingIOError`` whose ``strerror`` names the holder if another
+        object (in this or another process) holds it. Never waits.
+        """
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
+        """Release connections or sessions this object holds (idempotent; default none)."""
+
+
