@@ -47,7 +47,7 @@ def _fresh_fakes() -> Iterator[None]:
     (``tests/fake_accelerator.py``) unnoticed: after the test body, every fake made
     during the test must have recorded no violation. A test that breaks the rules on
     purpose checks what it expected and clears it (``ops.violations.clear()``)."""
-    from .fake_accelerator import broken_rules
+    from tests.fake_accelerator import broken_rules
 
     broken_rules()  # forget fakes made before this test (at import, by other tests)
     yield

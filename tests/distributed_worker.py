@@ -1,4 +1,4 @@
-"""The rank processes of ``tests/test_distributed.py`` (spawned; no pytest in here).
+"""The rank processes of ``tests/hooks/test_distributed.py`` (spawned; no pytest in here).
 
 Each rank joins a gloo process group on 127.0.0.1, runs every check in
 :data:`CHECKS` in order, and writes ``{check: "ok" | traceback}`` to

@@ -24,8 +24,7 @@ import torch
 
 from tensorstore_hooks import OffloadHooks
 from tensorstore_hooks.pipeline._staging import CopyEvent, CudaOps, Loaded
-
-from .fake_cuda import FakeCuda, FakeEvent
+from tests.fake_cuda import FakeCuda, FakeEvent
 
 __all__ = [
     "CpuAsAccelerator",

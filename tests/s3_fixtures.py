@@ -46,7 +46,7 @@ try:
 except ImportError:  # moto >= 5.2 serves with werkzeug's own handler
     from werkzeug.serving import WSGIRequestHandler as _BaseHandler
 
-from .seaweedfs import SeaweedFS
+from tests.seaweedfs import SeaweedFS
 
 __all__ = [
     "SEAWEED_BUCKET",
