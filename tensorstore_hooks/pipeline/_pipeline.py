@@ -191,13 +191,12 @@ def _wire_direct_io(pipeline: Pipeline, store: TensorStore, owns_store: bool) ->
     owns keeps at most ``max(prefetch window, its default)`` idle aligned read buffers
     (NOTE [ Aligned buffers ] rule 4: the window's memory, parked between backward
     passes and reused by the next one)."""
-    status = getattr(store, "direct_io", None)
-    describe = getattr(status, "describe", None)
-    if callable(describe):
-        pipeline.stats.direct_io = str(describe())
-    resize = getattr(store, "set_buffer_pool_bytes", None)
-    if owns_store and callable(resize):
-        floor = store.buffers.idle_limit_bytes  # type: ignore[attr-defined]
+    status = store.direct_io
+    if status is not None:
+        pipeline.stats.direct_io = status.describe()
+    floor = store.buffer_pool_bytes
+    if owns_store and floor is not None:
+        resize = store.set_buffer_pool_bytes
         pipeline.prefetcher.on_window = lambda window: resize(max(window, floor))
 
 

@@ -25,7 +25,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorstore_hooks.storage import TensorStore
 
 __all__ = ["OffloadStats", "RouteStats", "count_transfer"]
 
@@ -245,16 +248,15 @@ class OffloadStats:
         )
 
 
-def count_transfer(stats: OffloadStats, store: Any, key: str, nbytes: int) -> None:
+def count_transfer(stats: OffloadStats, store: TensorStore, key: str, nbytes: int) -> None:
     """Count ``nbytes`` of ``key`` moved to or from ``store`` as ``bytes_direct`` or
-    ``bytes_buffered`` (stores without ``moves_direct`` count neither). The caller
-    holds its lock on ``stats``."""
-    moves = getattr(store, "moves_direct", None)
-    if moves is None:
-        return
+    ``bytes_buffered`` (a store whose ``moves_direct`` says nothing counts neither).
+    The caller holds its lock on ``stats``."""
     try:
-        direct = bool(moves(key))
+        direct = store.moves_direct(key)
     except Exception:  # the key was deleted meanwhile: nothing to count
+        return
+    if direct is None:
         return
     if direct:
         stats.bytes_direct += nbytes

@@ -251,7 +251,7 @@ def describe_pipeline(pipeline: Any) -> str:
         # A budget may be a share of the memory there is ("auto", "60%"): shown as such.
         return unset if n is None else exact_size(n) if isinstance(n, int) else str(n)
 
-    temporary = " (temporary, removed at close)" if getattr(store, "temporary", False) else ""
+    temporary = " (temporary, removed at close)" if store.temporary else ""
     rules = ", ".join(f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())) or "none"
     return (
         f"offload pipeline: store {store.url}{temporary}; policy min_bytes="

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -12,7 +13,23 @@ import torch
 
 from tensorstore_hooks._codec import TensorMeta, decode, encode
 
-__all__ = ["BlobStore", "TensorStore"]
+__all__ = ["BlobStore", "DirectIOStatus", "TensorStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class DirectIOStatus:
+    """Whether a backend does chunk I/O with ``O_DIRECT`` (NOTE [ Direct I/O ])."""
+
+    enabled: bool
+    """True: chunk objects are written and read with ``O_DIRECT``."""
+    mode: str
+    """What was asked: ``auto``, ``on`` or ``off``."""
+    reason: str
+    """Why it is off (empty when on)."""
+
+    def describe(self) -> str:
+        """``"on"`` or ``"off (why)"``, for logs and ``inspect``."""
+        return "on" if self.enabled else f"off ({self.reason})"
 
 
 class TensorStore(ABC):
@@ -29,6 +46,9 @@ class TensorStore(ABC):
       pipeline writes and prefetches in the background): make them thread-safe.
     * ``put`` may raise :class:`~tensorstore_hooks.QuotaExceededError` to refuse a
       write; the offload hooks then keep the tensor in memory (a fallback).
+    * Capabilities are declared here, off by default (``temporary``, ``direct_io``,
+      ``moves_direct``, ``buffer_pool_bytes``/``set_buffer_pool_bytes``, ``flush``):
+      override the ones your store has; callers ask them, never probe for them.
     """
 
     @abstractmethod
@@ -61,6 +81,41 @@ class TensorStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release resources. Idempotent. A temporary store deletes its data."""
+
+    # ----------------------------------------------------------- capabilities
+    # Declared with their defaults (as zarr's ``Store.supports_*``): callers ask
+    # these, never ``getattr`` a store for them. A store overrides what it has.
+    @property
+    def temporary(self) -> bool:
+        """True if :meth:`close` removes everything this store holds (a temporary
+        root). Default: False."""
+        return False
+
+    @property
+    def direct_io(self) -> DirectIOStatus | None:
+        """How chunk objects move (NOTE [ Direct I/O ]): ``O_DIRECT`` or the page
+        cache, and why. Default ``None``: the store has no chunk files to say it of."""
+        return None
+
+    def moves_direct(self, key: str) -> bool | None:
+        """Whether ``key``'s bytes were written (and are read) with ``O_DIRECT``;
+        ``None`` if the store does not say (the default). May raise
+        :class:`~tensorstore_hooks.KeyNotFoundError` for a key deleted meanwhile."""
+        return None
+
+    @property
+    def buffer_pool_bytes(self) -> int | None:
+        """Idle aligned buffer bytes the store keeps for reuse now (NOTE [ Aligned
+        buffers ]); ``None`` if it keeps no such pool (the default)."""
+        return None
+
+    def set_buffer_pool_bytes(self, nbytes: int) -> None:  # noqa: B027 - optional
+        """Keep up to ``nbytes`` idle aligned buffer bytes from now on (trimming at
+        once if lower). Default: nothing to size (``buffer_pool_bytes`` is ``None``)."""
+
+    def flush(self) -> None:  # noqa: B027 - optional: most stores write through
+        """Block until what this store buffers (an index where the backend cannot
+        append) has reached its medium. Default: nothing is buffered."""
 
     # ----------------------------------------------------------- conveniences
     @property

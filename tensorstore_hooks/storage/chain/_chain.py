@@ -139,7 +139,7 @@ class TierChain(TensorStore):
     @property
     def temporary(self) -> bool:
         """True if every tier is a temporary store (all removed at close)."""
-        return all(getattr(t.store, "temporary", False) for t in self._core.ledger.tiers)
+        return all(t.store.temporary for t in self._core.ledger.tiers)
 
     def close(self) -> None:
         """Stop the movers (waiting for moves in flight), then close the owned tiers.
@@ -181,9 +181,7 @@ class TierChain(TensorStore):
     def flush(self) -> None:
         """Persist each tier's index where it needs it (object stores)."""
         for t in self._core.ledger.tiers:
-            flush = getattr(t.store, "flush", None)
-            if callable(flush):
-                flush()
+            t.store.flush()
 
     def __repr__(self) -> str:
         budgets = ", ".join(format_bytes(b) for b in self.budgets)

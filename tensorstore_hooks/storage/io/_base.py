@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tensorstore_hooks.errors import ConfigError
+from tensorstore_hooks.storage._store import DirectIOStatus
 
 __all__ = ["DIRECT_IO_MODES", "Buffer", "ChunkIO", "DirectIOStatus"]
 
@@ -24,22 +24,6 @@ Buffer = Any  # bytes, bytearray, memoryview or a numpy array
 
 DIRECT_IO_MODES = ("auto", "on", "off")
 """The values of ``store.direct_io``."""
-
-
-@dataclass(frozen=True, slots=True)
-class DirectIOStatus:
-    """Whether a backend does chunk I/O with ``O_DIRECT`` (NOTE [ Direct I/O ])."""
-
-    enabled: bool
-    """True: chunk objects are written and read with ``O_DIRECT``."""
-    mode: str
-    """What was asked: ``auto``, ``on`` or ``off``."""
-    reason: str
-    """Why it is off (empty when on)."""
-
-    def describe(self) -> str:
-        """``"on"`` or ``"off (why)"``, for logs and ``inspect``."""
-        return "on" if self.enabled else f"off ({self.reason})"
 
 
 class ChunkIO(ABC):

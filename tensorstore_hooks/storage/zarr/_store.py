@@ -477,6 +477,11 @@ class ZarrStore(BlobStore):
         return self._pool.stats
 
     @property
+    def buffer_pool_bytes(self) -> int:
+        """Idle aligned buffer bytes this store keeps for reuse now."""
+        return self._pool.stats.idle_limit_bytes
+
+    @property
     def buffer_bytes(self) -> int:
         """Bytes of aligned buffers this store holds right now (idle + in use): memory
         beyond the tensors themselves that a caller's budget should count."""
