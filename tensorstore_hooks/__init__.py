@@ -11,36 +11,35 @@ prefetched and rehydrated onto their original device, bit-identically::
     loss.backward()
     print(hooks.stats)
 
-Module map (a saved tensor's path, in order: ``docs/life-of-a-saved-tensor.md``):
+Module map: subpackages by layer, top first; an import never points up (a layers
+contract in CI: docs/architecture.md). A saved tensor's path through them is
+``docs/life-of-a-saved-tensor.md``.
 
-* ``hooks/_offload.py`` / ``paddle/`` - ``offload()`` and ``OffloadHooks``: pack and unpack
-  wired to the pipeline's router (``HooksBase``: what both give a caller).
-* ``pipeline/_pipeline.py`` - ``Pipeline``: builds and wires the units below, and closes them.
-* ``pipeline/_router.py`` - ``Router``: keep / host / store for each saved tensor, and unpack.
-* ``pipeline/_records.py`` - the record table: every change to a record (intent methods, the
-  lifecycle), pack order, dedup, finalizers.
-* ``pipeline/_writebehind.py`` - bytes into the store on I/O threads, backpressure, fallback.
-* ``pipeline/_device.py``, ``pipeline/_staging.py``, ``pipeline/_host_tier.py`` - staging: accelerator tensors
-  through pinned host buffers, and the host tier.
-* ``pipeline/_prefetch.py`` - reads ahead of backward, newest first.
-* ``pipeline/_iopool.py``, ``runtime/_heap.py`` - the shared I/O threads; freed heap back to the OS.
-* ``storage/_retry.py`` - the one retry loop, with each layer's failure classifier;
-  ``runtime/_signals.py`` - Ctrl-C kept out of the finalizers that free saved tensors.
-* ``storage/_store.py``, ``storage/zarr/_store.py``, ``storage/io/_local.py``, ``storage/daemon/_client.py``,
-  ``storage/_registry.py`` - the stores and ``open_store`` (one registry entry per URL
-  scheme); ``storage/chain/_chain.py`` - ``TierChain``, several stores as one, fastest first;
-  ``storage/_urls.py`` the only store URL parser; ``storage/zarr/_options.py`` chunk size
-  and codec checks.
-* ``_codec.py``, ``_adapters.py``, ``paddle/_bridge.py`` - tensor <-> bytes; other
-  frameworks' tensors through adapters.
-* ``config/_settings.py``, ``config/_policy.py``, ``hooks/_scope.py``, ``_units.py`` - settings and rules.
-* ``hooks/_report.py`` - ``hooks.report()`` (per module path: what was saved, the action and
-  the rule; the device-budget curve) and the figures the trainer callbacks log;
-  ``_caller.py`` - errors that name the public function the user called.
-* ``capture/_capture.py`` - ``capture()``: module hooks streaming intermediates and gradients
-  into plain Zarr arrays under ``ROOT/capture/`` (``capture/_writer.py`` appends them on
-  I/O threads, ``capture/_layout.py`` is their layout); ``capture/_dataset.py`` -
-  ``CaptureDataset`` reads them back (``capture/_source.py``: from a URL or an object).
+* ``cli/`` - the ``tensorstore-hooks`` command (demo, plan, inspect, clean, serve,
+  stats, check-config); ``testing/`` - the store and ChunkIO conformance suites, for
+  users' own stores.
+* ``integrations/`` - the HF Trainer and Lightning callbacks; ``paddle/`` - the same
+  hooks under PaddlePaddle.
+* ``hooks/`` - ``offload()``/``OffloadHooks``, ``wrap()``/``unwrap()``, composition
+  with checkpointing and ``torch.compile``, the module scope, ``hooks.report()``;
+  ``capture/`` - ``capture()`` into plain Zarr arrays and ``CaptureDataset``.
+* ``pipeline/`` - what one hooks object runs: the router, the record table,
+  write-behind, prefetch, the I/O pool, device staging and the host tier, budgets,
+  stats, the decision ledger and the timeline.
+* ``config/`` - settings, the YAML loader, the policy, and the one module-glob
+  selector (NOTE [ Module globs ]).
+* ``storage/`` - the ``TensorStore`` API with its declared capabilities, the registry
+  behind ``open_store``, URLs and the one retry loop; ``storage/zarr/`` the Zarr
+  store, ``storage/io/`` one module per backend (local with direct I/O, memory,
+  fsspec), ``storage/chain/`` tier chains, ``storage/daemon/`` the daemon's client.
+* ``runtime/`` - process-wide effects (only while a pipeline lives), the memory there
+  is, fork safety, frames dynamo must not compile.
+* Beside them, at the bottom: ``errors`` (public), ``protocol`` (the daemon's wire
+  format), ``_codec``/``_adapters`` (tensor <-> bytes, other frameworks), ``_units``,
+  ``_warn``, ``_caller``.
+
+The daemon (``server/`` in the source tree) installs as ``tensorstore_hooks.server``;
+the library never imports it (the CLI's ``serve`` does, when it runs).
 """
 
 from __future__ import annotations
