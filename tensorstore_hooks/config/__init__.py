@@ -4,7 +4,8 @@ loader, and the policy rules that decide what each saved tensor gets.
 
 from __future__ import annotations
 
-from tensorstore_hooks.config._policy import Decision, Policy, Rule, exact_size
+from tensorstore_hooks.config._policy import Decision, Policy, Rule
+from tensorstore_hooks.config._schema import exact_size
 from tensorstore_hooks.config._select import (
     check_globs,
     compile_module_glob,

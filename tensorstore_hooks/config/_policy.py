@@ -5,21 +5,32 @@ path, so everything it needs (compiled globs, dtype sets, the ``Decision`` objec
 it returns) is built once at construction; ``decide`` only compares and returns.
 
 A rule is validated in one place: the ``rule_*`` field checks and
-:func:`check_rule_conditions` below, which ``Rule.__init__`` runs. The YAML schema
-(``_config``) calls the same field checks so its errors name the field path
-(``policy.rules[2].ndim``), and builds each :class:`Rule` once through ``Rule``.
+:func:`check_rule_conditions` below, which ``Rule.__init__`` runs. ``Rule``'s and
+``Policy``'s fields are also the YAML keys of a rule and of the ``policy:`` section
+(NOTE [ One declaration per setting ] in ``_schema.py``): their annotations carry the
+same field checks, so YAML errors name the field path (``policy.rules[2].ndim``), and
+each :class:`Rule` is built once, through ``Rule``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Annotated, Literal, TypeVar, get_args
 
 import torch
+from pydantic import AfterValidator, BeforeValidator, PlainValidator
 
-from tensorstore_hooks._units import MemoryShare, check_size
+from tensorstore_hooks._units import MemoryShare, OptBudget, OptSize, Size, check_size
+from tensorstore_hooks.config._schema import (
+    budget_value,
+    exact_size,
+    is_none,
+    opt_size,
+    required,
+    setting,
+)
 from tensorstore_hooks.config._select import compile_module_glob, path_matches
 from tensorstore_hooks.errors import ConfigError
 
@@ -29,7 +40,11 @@ __all__ = [
     "Decision",
     "Policy",
     "Rule",
+    "RuleAction",
+    "RuleDtypes",
     "RuleError",
+    "RuleModule",
+    "RuleNdims",
     "check_rule_conditions",
     "compile_module_glob",
     "dtype_name",
@@ -46,7 +61,9 @@ Action = Literal["keep", "host", "store"]
 """``keep``: leave the tensor where it is · ``host``: a (pinned) CPU copy, like
 ``save_on_cpu`` · ``store``: write it to the configured store."""
 
-ACTIONS: tuple[str, ...] = get_args(Action)
+ACTIONS: tuple[Action, ...] = get_args(Action)
+
+T = TypeVar("T")
 
 _PATH_CACHE_LIMIT = 65536  # module paths remembered per rule (models have far fewer)
 
@@ -88,28 +105,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def exact_size(n: int) -> int | str:
-    """``8388608`` -> ``"8MiB"``: the largest binary unit that divides ``n`` exactly, else ``n``."""
-    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return n
-
-
 # ---------------------------------------------------------------------------------------
 # Rule validation: the one place. Each check raises ValueError with what is allowed
 # (not the value: callers show it) and returns the normalised value.
 # ---------------------------------------------------------------------------------------
 
 
-def rule_action(value: Any) -> Action:
+def rule_action(value: object) -> Action:
     """``keep``, ``host`` or ``store``."""
-    if not isinstance(value, str) or value not in ACTIONS:
-        raise ValueError("expected one of 'keep', 'host' or 'store'")
-    return value  # type: ignore[return-value]  # checked against ACTIONS just above
+    if isinstance(value, str):
+        for action in ACTIONS:
+            if value == action:
+                return action
+    raise ValueError("expected one of 'keep', 'host' or 'store'")
 
 
-def rule_module(value: Any) -> str | None:
+def rule_module(value: object) -> str | None:
     """A module glob (see :func:`compile_module_glob`), or ``None``."""
     if value is None:
         return None
@@ -119,7 +130,7 @@ def rule_module(value: Any) -> str | None:
     return value
 
 
-def rule_dtypes(value: Any) -> tuple[torch.dtype, ...] | None:
+def rule_dtypes(value: object) -> tuple[torch.dtype, ...] | None:
     """One dtype (name or ``torch.dtype``) or a non-empty list of them -> a tuple, or ``None``."""
     if value is None:
         return None
@@ -133,23 +144,25 @@ def rule_dtypes(value: Any) -> tuple[torch.dtype, ...] | None:
     return tuple(parse_dtype(v) for v in items)
 
 
-def rule_ndims(value: Any) -> tuple[int, ...] | None:
+def rule_ndims(value: object) -> tuple[int, ...] | None:
     """One number of dimensions or a non-empty list of them -> a tuple, or ``None``."""
     if value is None:
         return None
     if isinstance(value, int):
-        items: tuple[Any, ...] = (value,)
+        items: tuple[object, ...] = (value,)
+    elif isinstance(value, Iterable) and not isinstance(value, str | Mapping):
+        items = tuple(value)
     else:
-        iterable = isinstance(value, Iterable) and not isinstance(value, str | Mapping)
-        items = tuple(value) if iterable else ()
-    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items):
+        items = ()
+    ndims = tuple(v for v in items if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    if not items or len(ndims) != len(items):
         raise ValueError(
             "expected a non-negative int or a non-empty list of them, e.g. 4 or [3, 4]"
         )
-    return tuple(items)
+    return ndims
 
 
-def rule_size(value: Any) -> int | None:
+def rule_size(value: object) -> int | None:
     """A size (``_units``: whole bytes, int or ``"4MiB"``), or ``None``."""
     return None if value is None else check_size(value)
 
@@ -185,12 +198,39 @@ class RuleError(ConfigError):
     """A :class:`Rule` that cannot be built: ``field`` (``None``: the rule as a whole)
     and ``reason`` (what is allowed) for callers that report the place themselves."""
 
-    def __init__(self, field: str | None, reason: str, value: Any = None) -> None:
+    def __init__(self, field: str | None, reason: str, value: object = None) -> None:
         self.field = field
         self.reason = reason
         where = f"Rule: {field}: " if field is not None else "Rule: "
         got = f"; got {value!r}" if field is not None else ""
         super().__init__(f"{where}{reason}{got}")
+
+
+RuleModule = Annotated[str | None, AfterValidator(rule_module)]
+"""YAML type of ``module``: a glob (:func:`rule_module`)."""
+RuleDtypes = Annotated[tuple[torch.dtype, ...] | None, PlainValidator(rule_dtypes)]
+"""YAML type of ``dtype``: a dtype name or a list of them (:func:`rule_dtypes`)."""
+RuleNdims = Annotated[tuple[int, ...] | None, PlainValidator(rule_ndims)]
+"""YAML type of ``ndim``: an int or a list of them (:func:`rule_ndims`)."""
+RuleAction = Annotated[Action, BeforeValidator(rule_action)]
+"""YAML type of ``action`` (:func:`rule_action`)."""
+
+
+def _dtype_names(dtypes: tuple[torch.dtype, ...] | None) -> str | list[str] | None:
+    names = None if dtypes is None else [dtype_name(d) for d in dtypes]
+    return names[0] if names is not None and len(names) == 1 else names
+
+
+def _ndims(ndims: tuple[int, ...] | None) -> int | list[int] | None:
+    return None if ndims is None else ndims[0] if len(ndims) == 1 else list(ndims)
+
+
+def _checked(key: str, check: Callable[[object], T], value: object) -> T:
+    """``check(value)``, its ``ValueError`` raised as the :class:`RuleError` of field ``key``."""
+    try:
+        return check(value)
+    except ValueError as e:
+        raise RuleError(key, str(e), value) from None
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -207,16 +247,20 @@ class Rule:
     * ``dtype``: one dtype or several (names like ``"bool"`` or ``torch.dtype``).
     * ``min_bytes`` / ``max_bytes``: inclusive bounds on ``numel * element_size``.
     * ``ndim``: one number of dimensions or several.
+
+    The fields are also a YAML rule's keys, in this order (NOTE [ One declaration per
+    setting ] in ``_schema.py``).
     """
 
-    action: Action
-    module: str | None
-    dtype: tuple[torch.dtype, ...] | None
-    min_bytes: int | None
-    max_bytes: int | None
-    ndim: tuple[int, ...] | None
-    name: str | None
+    name: str | None = setting(None, omit=is_none)
     """Optional label for stats (replaces the generated description)."""
+    module: RuleModule = setting(None, omit=is_none)
+    dtype: RuleDtypes = setting(None, dump=_dtype_names, omit=is_none)
+    min_bytes: OptSize = setting(None, dump=opt_size, omit=is_none)
+    max_bytes: OptSize = setting(None, dump=opt_size, omit=is_none)
+    ndim: RuleNdims = setting(None, dump=_ndims, omit=is_none)
+    # kw_only: a field without a default after fields with one (__init__ is Rule's own).
+    action: RuleAction = field(kw_only=True, metadata=required())
     _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
     _dtypes: frozenset[torch.dtype] | None = field(init=False, repr=False, compare=False)
     _ndims: frozenset[int] | None = field(init=False, repr=False, compare=False)
@@ -235,31 +279,22 @@ class Rule:
     ) -> None:
         # Inputs are normalised here (one dtype -> a tuple, "4MiB" -> 4194304), so the
         # stored fields always have the narrow types above.
-        given = (
-            ("action", rule_action, action),
-            ("module", rule_module, module),
-            ("dtype", rule_dtypes, dtype),
-            ("min_bytes", rule_size, min_bytes),
-            ("max_bytes", rule_size, max_bytes),
-            ("ndim", rule_ndims, ndim),
-        )
-        checked: dict[str, Any] = {}
-        for key, check, value in given:
-            try:
-                checked[key] = check(value)
-            except ValueError as e:
-                raise RuleError(key, str(e), value) from None
-        dtypes, lo, hi, ndims = (checked[k] for k in ("dtype", "min_bytes", "max_bytes", "ndim"))
+        checked_action = _checked("action", rule_action, action)
+        checked_module = _checked("module", rule_module, module)
+        dtypes = _checked("dtype", rule_dtypes, dtype)
+        lo = _checked("min_bytes", rule_size, min_bytes)
+        hi = _checked("max_bytes", rule_size, max_bytes)
+        ndims = _checked("ndim", rule_ndims, ndim)
         try:
-            check_rule_conditions(module, dtypes, lo, hi, ndims)
+            check_rule_conditions(checked_module, dtypes, lo, hi, ndims)
         except ValueError as e:
             raise RuleError(None, str(e)) from None
         if name is not None and not isinstance(name, str):
             raise RuleError("name", "expected a string (the rule's label in the stats)", name)
-        glob = None if module is None else compile_module_glob(module)
+        glob = None if checked_module is None else compile_module_glob(checked_module)
         values: dict[str, object] = {
-            "action": action,
-            "module": module,
+            "action": checked_action,
+            "module": checked_module,
             "dtype": dtypes,
             "min_bytes": lo,
             "max_bytes": hi,
@@ -327,17 +362,20 @@ class Policy:
     ``skip_parameters``), then ``rules`` (first match wins), then ``min_bytes``
     (smaller tensors are kept), then ``default``. Rules therefore see small tensors
     too: a rule can send a 1 KiB bool mask to ``host`` even below ``min_bytes``.
+
+    The public fields are the ``policy:`` section's keys (NOTE [ One declaration per
+    setting ] in ``_schema.py``).
     """
 
-    min_bytes: int = 65536
+    min_bytes: Size = setting(65536, dump=exact_size)
     """Tensors smaller than this (payload bytes) stay where they are, unless a rule matches."""
-    skip_parameters: bool = True
+    skip_parameters: bool = setting(True)
     """Keep ``nn.Parameter`` s and views of them: they live on anyway, storing them only costs."""
-    rules: tuple[Rule, ...] = ()
+    rules: tuple[Rule, ...] = setting((), items=Rule)
     """Checked in order; the first that matches decides."""
-    default: Action = "store"
+    default: Action = setting("store")
     """The action for tensors no rule matched (and at least ``min_bytes`` large)."""
-    device_budget: int | MemoryShare | None = None
+    device_budget: OptBudget = setting(None, dump=budget_value)
     """Bytes of saved tensors the rules would move that may stay where they were made,
     per forward, newest first (``None``: no plan), or a share of the memory there is
     (``MemoryShare``: ``"auto"``, ``"60%"``). NOTE [ Device budget plan ] and NOTE

@@ -9,6 +9,13 @@ source (file and line, or the ``offload()`` keyword), the field path such as
 ``policy.rules[2].action``, the bad value and what is allowed. Validation happens
 completely before anything is returned: nothing half-applies.
 
+Each setting is declared once, as a field of its settings class (:class:`StoreSettings`,
+:class:`TierSettings`, :class:`PipelineSettings`, ``Policy``, ``Rule``); the pydantic
+models, the ``offload()`` keywords (:data:`OVERRIDE_KEYS`) and :meth:`EffectiveConfig.to_dict`
+are derived from those fields (NOTE [ One declaration per setting ] in ``_schema.py``).
+To add a setting, add its field (YAML type as annotation, ``setting(default, dump=...)``,
+a docstring) to its class and a row to ``docs/config.md``; nothing else lists settings.
+
 Precedence: ``offload()`` keywords > the file given as ``config=`` > the file named
 by ``TSH_CONFIG`` (only when ``config=`` is not given) > built-in defaults.
 """
@@ -17,20 +24,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Annotated, Any
+import types
+from collections.abc import Callable, Mapping, Set
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Annotated, TypeVar, get_type_hints
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    model_validator,
-)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
+from pydantic import Field as SchemaField
 from pydantic import ValidationError as _PydanticValidationError
 
 from tensorstore_hooks._units import (
@@ -38,23 +39,24 @@ from tensorstore_hooks._units import (
     Budget,
     Duration,
     Headroom,
-    MemoryShare,
-    OptBudget,
     OptSize,
     Size,
     check_size,
 )
-from tensorstore_hooks.config._policy import (
-    Action,
-    Policy,
-    Rule,
-    RuleError,
-    dtype_name,
+from tensorstore_hooks.config._policy import Policy, Rule, RuleError
+from tensorstore_hooks.config._schema import (
+    SETTING,
+    Section,
+    Setting,
+    budget_value,
     exact_size,
-    rule_action,
-    rule_dtypes,
-    rule_module,
-    rule_ndims,
+    is_empty,
+    is_none,
+    opt_size,
+    required,
+    seconds,
+    section,
+    setting,
 )
 from tensorstore_hooks.config._yaml import LineOf, format_validation_error, line_finder, read_yaml
 from tensorstore_hooks.errors import ConfigError
@@ -66,16 +68,26 @@ from tensorstore_hooks.storage.zarr import (
     parse_direct_io,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = [
     "CONFIG_ENV",
     "OVERRIDE_KEYS",
+    "ChunkBytes",
+    "Codec",
+    "DirectIO",
     "Duration",
     "EffectiveConfig",
+    "MmapThreshold",
     "OptSize",
     "PipelineSettings",
     "Size",
     "StoreSettings",
+    "StoreURL",
     "TierSettings",
+    "TierURL",
+    "WriterThreads",
     "config_from_dict",
     "dump_config",
     "format_validation_error",
@@ -86,194 +98,24 @@ __all__ = [
 CONFIG_ENV = "TSH_CONFIG"
 """Environment variable naming the config file used when ``offload()`` gets no ``config=``."""
 
-
-# ---------------------------------------------------------------------------------------
-# Settings: what the rest of the library reads (plain dataclasses, no pydantic)
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """The ``store:`` section: where offloaded tensors go."""
-
-    url: str | None = None
-    """Store URL (bare path, ``file://``, ``memory://``, ``s3://...``, ``tsh://HOST:PORT``);
-    ``None``: a temporary local directory removed at exit."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """Passed through to fsspec (credentials, endpoint_url, ...)."""
-    codec: str = "none"
-    """``none``, ``lz4``, ``zstd`` (level 3) or ``zstd:LEVEL``: 1..22 or -131072..-1
-    (``_zarr_options.CODEC_HELP``; ``zstd:0`` is refused)."""
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Zarr chunk size in bytes: a power of two >= 4 KiB."""
-    direct_io: str = "auto"
-    """Local directories: ``auto`` (``O_DIRECT`` where the filesystem allows it), ``on``
-    (required) or ``off`` (page cache). See NOTE [ Direct I/O ] in ``storage/io/_local.py``."""
-    tiers: tuple[TierSettings, ...] = ()
-    """A tier chain instead of ``url`` (fastest first); empty: one store at ``url``."""
-
-
-@dataclass(frozen=True)
-class TierSettings:
-    """One entry of ``store.tiers``: a tier of a chain (NOTE [ Tier chain ], ``_chain_core``)."""
-
-    url: str
-    """The tier's store URL."""
-    budget: int | None = None
-    """Bytes the tier may hold; every tier but the last has one, the last none."""
-    storage_options: dict[str, Any] | None = None
-    """This tier's fsspec options (``None``: the section's ``storage_options``)."""
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    """The ``pipeline:`` section: background writing and read-ahead."""
-
-    max_inflight: int | None = None
-    """Bytes written behind before pack blocks (0: every write finishes before pack returns;
-    ``None``: derived from what the hooks saw, see NOTE [ Windows ] in ``pipeline/_budgets.py``)."""
-    prefetch: int | None = None
-    """Bytes read ahead during backward (0: no read-ahead; ``None``: derived, as above)."""
-    writer_threads: int = 2
-    """Background writer threads (1..64)."""
-    read_deadline_s: float = 30.0
-    """How long a failing read is retried before its error is raised."""
-    release_heap_every: int = 128 << 20
-    """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
-    (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``runtime/_heap.py``."""
-    mmap_threshold: int | None = 1 << 20
-    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a pipeline starts: freed buffers
-    of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
-    at most 32 MiB). See NOTE [ Mmap threshold ] in ``runtime/_heap.py``."""
-    host_budget: int | MemoryShare = 0
-    """Pinned host memory that tensors leaving an accelerator may occupy before they
-    spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]. Bytes,
-    or a share of the memory there is (``"auto"``, ``"60%"``: NOTE [ Auto budgets ]
-    in ``pipeline/_budgets.py``)."""
-    memory_headroom: int | MemoryShare = DEFAULT_HEADROOM
-    """What ``auto`` and percentage budgets leave unused: bytes, or a share of the
-    memory limit (default 10%). NOTE [ Auto budgets ]."""
-
-
-@dataclass(frozen=True)
-class EffectiveConfig:
-    """A validated configuration with every default filled in (``tsh.load_config`` returns one)."""
-
-    store: StoreSettings = field(default_factory=StoreSettings)
-    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
-    policy: Policy = field(default_factory=Policy)
-    source: str | None = None
-    """The file it came from (``None``: defaults, a dict, or keywords only)."""
-
-    def to_dict(self, *, redact: bool = False) -> dict[str, Any]:
-        """The config as plain YAML-ready data, loadable again by ``config_from_dict``.
-
-        Sizes are written with the largest exact binary unit (``"8MiB"``). With
-        ``redact``, ``storage_options`` values whose key looks secret are masked.
-        """
-        def shown(options: Mapping[str, Any]) -> dict[str, Any]:
-            if not redact:
-                return dict(options)
-            return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
-
-        store: dict[str, Any] = {
-            "url": self.store.url,
-            "storage_options": shown(self.store.storage_options),
-            "codec": self.store.codec,
-            "chunk_bytes": exact_size(self.store.chunk_bytes),
-            "direct_io": self.store.direct_io,
-        }
-        if self.store.tiers:
-            del store["url"]
-            store["tiers"] = [_tier_to_dict(t, shown) for t in self.store.tiers]
-        return {
-            "store": store,
-            "pipeline": {
-                "max_inflight": _opt_exact(self.pipeline.max_inflight),
-                "prefetch": _opt_exact(self.pipeline.prefetch),
-                "writer_threads": self.pipeline.writer_threads,
-                "read_deadline_s": _duration_str(self.pipeline.read_deadline_s),
-                "release_heap_every": exact_size(self.pipeline.release_heap_every),
-                "mmap_threshold": _opt_exact(self.pipeline.mmap_threshold),
-                "host_budget": _budget_value(self.pipeline.host_budget),
-                "memory_headroom": _budget_value(self.pipeline.memory_headroom),
-            },
-            "policy": {
-                "min_bytes": exact_size(self.policy.min_bytes),
-                "skip_parameters": self.policy.skip_parameters,
-                "rules": [_rule_to_dict(r, sizes_as_str=True) for r in self.policy.rules],
-                "default": self.policy.default,
-                "device_budget": _budget_value(self.policy.device_budget),
-            },
-        }
-
-
-_SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
-
-
-def _tier_to_dict(tier: TierSettings, shown: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"url": tier.url}
-    if tier.budget is not None:
-        out["budget"] = exact_size(tier.budget)
-    if tier.storage_options is not None:
-        out["storage_options"] = shown(tier.storage_options)
-    return out
-
-
-def _opt_exact(n: int | None) -> int | str | None:
-    return None if n is None else exact_size(n)
-
-
-def _budget_value(n: int | MemoryShare | None) -> int | str | None:
-    """A budget as YAML writes it: a size, ``"auto"`` or ``"60%"``."""
-    return str(n) if isinstance(n, MemoryShare) else _opt_exact(n)
-
-
-def _duration_str(s: float) -> str:
-    return f"{int(s)}s" if float(s).is_integer() else f"{s}s"
-
-
-def _rule_to_dict(rule: Rule, *, sizes_as_str: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if rule.name is not None:
-        out["name"] = rule.name
-    if rule.module is not None:
-        out["module"] = rule.module
-    if rule.dtype is not None:
-        names = [dtype_name(d) for d in rule.dtype]
-        out["dtype"] = names[0] if len(names) == 1 else names
-    for key in ("min_bytes", "max_bytes"):
-        value = getattr(rule, key)
-        if value is not None:
-            out[key] = exact_size(value) if sizes_as_str else value
-    if rule.ndim is not None:
-        out["ndim"] = rule.ndim[0] if len(rule.ndim) == 1 else list(rule.ndim)
-    out["action"] = rule.action
-    return out
+S = TypeVar("S", bound="DataclassInstance")
 
 
 # ---------------------------------------------------------------------------------------
-# Field checks: each calls the one validator of its value (``_units``, ``_zarr_options``,
-# the store registry, ``_policy``'s rule checks); ``Size``/``Duration`` live in ``_units``.
+# Field checks: each calls the one validator of its value (``_units``, ``storage.zarr``'s
+# options, the store registry); ``Size``/``Duration`` live in ``_units``, the rule
+# checks in ``_policy``.
 # ---------------------------------------------------------------------------------------
 
 
-def _mmap_threshold(value: Any) -> int | None:
+def _mmap_threshold(value: object) -> int | None:
     n = None if value is None else check_size(value)
     if n is not None and not 0 < n <= 32 << 20:
         raise ValueError("expected a size from 1 byte to 32MiB (glibc's limit), or null")
     return n
 
 
-def _chunk_size(value: Any) -> int:
-    return check_chunk_bytes(value)
-
-
-def _direct_io(value: Any) -> str:
-    return parse_direct_io(value)
-
-
-def _codec(value: Any) -> Any:
+def _codec(value: object) -> object:
     parse_codec(value)  # also refuses None and other non-strings, with the allowed forms
     return value
 
@@ -290,164 +132,290 @@ def _url(value: str | None) -> str | None:
         raise ValueError(e.reason) from None  # the error report shows the value itself
 
 
+StoreURL = Annotated[str | None, AfterValidator(_url)]
+"""YAML type of ``store.url``: checked by the store registry."""
+TierURL = Annotated[str, AfterValidator(_url)]
+"""YAML type of a tier's ``url``."""
+Codec = Annotated[str, BeforeValidator(_codec)]
+"""YAML type of ``store.codec`` (``storage.zarr.parse_codec``)."""
+ChunkBytes = Annotated[int, BeforeValidator(check_chunk_bytes)]
+"""YAML type of ``store.chunk_bytes``: a size, a power of two >= 4 KiB."""
+DirectIO = Annotated[str, BeforeValidator(parse_direct_io)]
+"""YAML type of ``store.direct_io``: ``auto``, ``on`` or ``off``."""
+WriterThreads = Annotated[int, SchemaField(ge=1, le=64)]
+"""YAML type of ``pipeline.writer_threads``."""
+MmapThreshold = Annotated[int | None, BeforeValidator(_mmap_threshold)]
+"""YAML type of ``pipeline.mmap_threshold``: 1 byte to 32 MiB, or null."""
+
+
+def _options(options: Mapping[str, object] | None) -> dict[str, object] | None:
+    return None if options is None else dict(options)
+
+
 # ---------------------------------------------------------------------------------------
-# The schema (pydantic): strict types, unknown keys are errors
+# Settings: what the rest of the library reads (plain dataclasses, no pydantic). Each
+# field is one setting: NOTE [ One declaration per setting ] in _schema.py.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """One entry of ``store.tiers``: a tier of a chain (NOTE [ Tier chain ], ``_chain_core``)."""
+
+    url: TierURL = field(metadata=required(keyword=False))
+    """The tier's store URL."""
+    budget: OptSize = setting(None, dump=opt_size, omit=is_none)
+    """Bytes the tier may hold; every tier but the last has one, the last none."""
+    storage_options: dict[str, object] | None = setting(
+        None, dump=_options, omit=is_none, secret=True
+    )
+    """This tier's fsspec options (``None``: the section's ``storage_options``)."""
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The ``store:`` section: where offloaded tensors go."""
+
+    url: StoreURL = setting(None, keyword=False)
+    """Store URL (bare path, ``file://``, ``memory://``, ``s3://...``, ``tsh://HOST:PORT``);
+    ``None``: a temporary local directory removed at exit. ``offload(store=...)`` replaces it."""
+    storage_options: dict[str, object] = setting(factory=dict, dump=_options, secret=True)
+    """Passed through to fsspec (credentials, endpoint_url, ...)."""
+    codec: Codec = setting("none")
+    """``none``, ``lz4``, ``zstd`` (level 3) or ``zstd:LEVEL``: 1..22 or -131072..-1
+    (``storage.zarr``'s ``CODEC_HELP``; ``zstd:0`` is refused)."""
+    chunk_bytes: ChunkBytes = setting(DEFAULT_CHUNK_BYTES, dump=exact_size)
+    """Zarr chunk size in bytes: a power of two >= 4 KiB."""
+    direct_io: DirectIO = setting("auto")
+    """Local directories: ``auto`` (``O_DIRECT`` where the filesystem allows it), ``on``
+    (required) or ``off`` (page cache). See NOTE [ Direct I/O ] in ``storage/io/_local.py``."""
+    tiers: tuple[TierSettings, ...] = setting(
+        (), items=TierSettings, omit=is_empty, keyword=False
+    )
+    """A tier chain instead of ``url`` (fastest first); empty: one store at ``url``."""
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The ``pipeline:`` section: background writing and read-ahead."""
+
+    max_inflight: OptSize = setting(None, dump=opt_size)
+    """Bytes written behind before pack blocks (0: every write finishes before pack returns;
+    ``None``: derived from what the hooks saw, see NOTE [ Windows ] in ``pipeline/_budgets.py``)."""
+    prefetch: OptSize = setting(None, dump=opt_size)
+    """Bytes read ahead during backward (0: no read-ahead; ``None``: derived, as above)."""
+    writer_threads: WriterThreads = setting(2)
+    """Background writer threads (1..64)."""
+    read_deadline_s: Duration = setting(30.0, dump=seconds)
+    """How long a failing read is retried before its error is raised."""
+    release_heap_every: Size = setting(128 << 20, dump=exact_size)
+    """Bytes the I/O threads move between two hand-backs of freed heap memory to the OS
+    (glibc ``malloc_trim``; 0: never). See NOTE [ Heap release ] in ``runtime/_heap.py``."""
+    mmap_threshold: MmapThreshold = setting(1 << 20, dump=opt_size)
+    """glibc ``M_MMAP_THRESHOLD`` set (process-wide) when a pipeline starts: freed buffers
+    of at least this size leave RSS at once (``null``: leave glibc's dynamic threshold;
+    at most 32 MiB). See NOTE [ Mmap threshold ] in ``runtime/_heap.py``."""
+    host_budget: Budget = setting(0, dump=budget_value)
+    """Pinned host memory that tensors leaving an accelerator may occupy before they
+    spill to the store, oldest first (0: no host tier). See NOTE [ Host tier ]. Bytes,
+    or a share of the memory there is (``"auto"``, ``"60%"``: NOTE [ Auto budgets ]
+    in ``pipeline/_budgets.py``)."""
+    memory_headroom: Headroom = setting(DEFAULT_HEADROOM, dump=budget_value)
+    """What ``auto`` and percentage budgets leave unused: bytes, or a share of the
+    memory limit (default 10%). NOTE [ Auto budgets ]."""
+
+
+def _check_chain(store: StoreSettings, given: Set[str]) -> None:
+    """The ``store:`` section's checks across fields, once ``tiers`` is given."""
+    # NOTE [ Tier chain ] in storage/chain/_core.py: a budget for every tier but the last.
+    if "tiers" not in given:
+        return
+    if store.url is not None:
+        raise ValueError("url and tiers are exclusive: a chain names its URLs in tiers")
+    if len(store.tiers) < 2:
+        raise ValueError("tiers needs two or more tiers (fastest first); for one store use url")
+    for i, tier in enumerate(store.tiers[:-1]):
+        if tier.budget is None:
+            raise ValueError(
+                f"tiers[{i}].budget is missing: every tier but the last needs one "
+                "(the bytes it may hold, e.g. budget: 64GiB)"
+            )
+    if store.tiers[-1].budget is not None:
+        raise ValueError(
+            f"tiers[{len(store.tiers) - 1}] is the last tier and takes no budget: it "
+            "holds what the tiers above cannot"
+        )
+
+
+def _chain_hides_url(store: StoreSettings) -> Set[str]:
+    """A chain's dump writes ``tiers`` and no ``url`` (the two are exclusive)."""
+    return {"url"} if store.tiers else set()
+
+
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """A validated configuration with every default filled in (``tsh.load_config`` returns one)."""
+
+    store: StoreSettings = section(StoreSettings, check=_check_chain, hide=_chain_hides_url)
+    pipeline: PipelineSettings = section(PipelineSettings)
+    policy: Policy = section(Policy)
+    source: str | None = None
+    """The file it came from (``None``: defaults, a dict, or keywords only)."""
+
+    def to_dict(self, *, redact: bool = False) -> dict[str, object]:
+        """The config as plain YAML-ready data, loadable again by ``config_from_dict``.
+
+        Sizes are written with the largest exact binary unit (``"8MiB"``). With
+        ``redact``, ``storage_options`` values whose key looks secret are masked.
+        """
+        return _dump(self, redact=redact)
+
+
+# ---------------------------------------------------------------------------------------
+# Derived from the settings classes: the pydantic models (strict, unknown keys are
+# errors) and the YAML a config is written as. NOTE [ One declaration per setting ].
 # ---------------------------------------------------------------------------------------
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class _TierModel(_Model):
-    url: Annotated[str, AfterValidator(_url)]
-    budget: OptSize = None
-    storage_options: dict[str, Any] | None = None
-
-
-class _StoreModel(_Model):
-    url: Annotated[str | None, AfterValidator(_url)] = None
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    codec: Annotated[str, BeforeValidator(_codec)] = "none"
-    chunk_bytes: Annotated[int, BeforeValidator(_chunk_size)] = DEFAULT_CHUNK_BYTES
-    direct_io: Annotated[str, BeforeValidator(_direct_io)] = "auto"
-    tiers: list[_TierModel] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _chain(self) -> _StoreModel:
-        # NOTE [ Tier chain ] in storage/chain/_core.py: a budget for every tier but the last.
-        if "tiers" not in self.model_fields_set:
-            return self
-        if self.url is not None:
-            raise ValueError(
-                "url and tiers are exclusive: a chain names its URLs in tiers"
-            )
-        if len(self.tiers) < 2:
-            raise ValueError(
-                "tiers needs two or more tiers (fastest first); for one store use url"
-            )
-        for i, tier in enumerate(self.tiers[:-1]):
-            if tier.budget is None:
-                raise ValueError(
-                    f"tiers[{i}].budget is missing: every tier but the last needs one "
-                    "(the bytes it may hold, e.g. budget: 64GiB)"
-                )
-        if self.tiers[-1].budget is not None:
-            raise ValueError(
-                f"tiers[{len(self.tiers) - 1}] is the last tier and takes no budget: it "
-                "holds what the tiers above cannot"
-            )
-        return self
-
-
-class _PipelineModel(_Model):
-    max_inflight: OptSize = PipelineSettings.max_inflight
-    prefetch: OptSize = PipelineSettings.prefetch
-    writer_threads: Annotated[int, Field(ge=1, le=64)] = PipelineSettings.writer_threads
-    read_deadline_s: Duration = PipelineSettings.read_deadline_s
-    release_heap_every: Size = PipelineSettings.release_heap_every
-    mmap_threshold: Annotated[int | None, BeforeValidator(_mmap_threshold)] = (
-        PipelineSettings.mmap_threshold
+    # arbitrary types: a rule's dtype is validated by its own check into torch.dtype.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True
     )
-    host_budget: Budget = PipelineSettings.host_budget
-    memory_headroom: Headroom = PipelineSettings.memory_headroom
 
 
-class _RuleModel(_Model):
-    """A rule's keys and their types; the checks are ``_policy``'s (see its docstring)."""
+def _annotated(tp: object, *metadata: object) -> object:
+    """``Annotated[tp, *metadata]`` for a type made at run time."""
+    return Annotated[(tp, *metadata)]
 
-    name: str | None = None
-    module: Annotated[str | None, AfterValidator(rule_module)] = None
-    dtype: Annotated[Any, BeforeValidator(rule_dtypes)] = None
-    min_bytes: OptSize = None
-    max_bytes: OptSize = None
-    ndim: Annotated[Any, BeforeValidator(rule_ndims)] = None
-    action: Annotated[Action, BeforeValidator(rule_action)]
-    _rule: Rule = PrivateAttr()
 
-    @model_validator(mode="after")
-    def _build(self) -> _RuleModel:
-        # The checks across fields run once, in Rule's constructor.
+def _none_is_empty(value: object) -> object:
+    # "policy:" followed only by comments is null in YAML: read it as an empty section.
+    return {} if value is None else value
+
+
+def _as_tuple(items: list[object]) -> tuple[object, ...]:
+    return tuple(items)
+
+
+def _builder(
+    cls: type[S], check: Callable[[S, Set[str]], None] | None
+) -> Callable[[BaseModel], S]:
+    """The validator that turns a section's validated model into its settings object."""
+
+    def build(model: BaseModel) -> S:
+        values = {name: getattr(model, name) for name in type(model).model_fields}
         try:
-            self._rule = Rule(
-                self.action,
-                module=self.module,
-                dtype=self.dtype,
-                min_bytes=self.min_bytes,
-                max_bytes=self.max_bytes,
-                ndim=self.ndim,
-                name=self.name,
-            )
-        except RuleError as e:
+            built = cls(**values)
+        except RuleError as e:  # checks across a rule's fields: reported at the rule
             raise ValueError(e.reason) from None
-        return self
+        if check is not None:
+            check(built, model.model_fields_set)
+        return built
 
-    def build(self) -> Rule:
-        return self._rule
-
-
-_DEFAULT_POLICY = Policy()  # slots dataclass: defaults are read from an instance
+    return build
 
 
-class _PolicyModel(_Model):
-    min_bytes: Size = _DEFAULT_POLICY.min_bytes
-    skip_parameters: bool = _DEFAULT_POLICY.skip_parameters
-    rules: list[_RuleModel] = Field(default_factory=list)
-    default: Action = _DEFAULT_POLICY.default
-    device_budget: OptBudget = _DEFAULT_POLICY.device_budget
+def _default(f: Field[object]) -> object:
+    """The pydantic default of a settings field: its value, its factory, or required."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return SchemaField(default_factory=f.default_factory)
+    return SchemaField()
 
 
-class _ConfigModel(_Model):
-    store: _StoreModel = Field(default_factory=_StoreModel)
-    pipeline: _PipelineModel = Field(default_factory=_PipelineModel)
-    policy: _PolicyModel = Field(default_factory=_PolicyModel)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _empty_sections(cls, data: Any) -> Any:
-        # "policy:" followed only by comments is null in YAML: read it as an empty section.
-        if isinstance(data, dict):
-            return {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
-        return data
-
-    def build(self, source: str | None) -> EffectiveConfig:
-        s, p, pol = self.store, self.pipeline, self.policy
-        return EffectiveConfig(
-            store=StoreSettings(
-                url=s.url,
-                storage_options=dict(s.storage_options),
-                codec=s.codec,
-                chunk_bytes=s.chunk_bytes,
-                direct_io=s.direct_io,
-                tiers=tuple(
-                    TierSettings(
-                        t.url,
-                        t.budget,
-                        None if t.storage_options is None else dict(t.storage_options),
-                    )
-                    for t in s.tiers
-                ),
-            ),
-            pipeline=PipelineSettings(
-                max_inflight=p.max_inflight,
-                prefetch=p.prefetch,
-                writer_threads=p.writer_threads,
-                read_deadline_s=p.read_deadline_s,
-                release_heap_every=p.release_heap_every,
-                mmap_threshold=p.mmap_threshold,
-                host_budget=p.host_budget,
-                memory_headroom=p.memory_headroom,
-            ),
-            policy=Policy(
-                min_bytes=pol.min_bytes,
-                skip_parameters=pol.skip_parameters,
-                rules=tuple(r.build() for r in pol.rules),
-                default=pol.default,
-                device_budget=pol.device_budget,
-            ),
-            source=source,
+def _schema_of(f: Field[object], spec: object, hints: Mapping[str, object]) -> object | None:
+    """The pydantic type of one settings field (``None``: not a setting)."""
+    if isinstance(spec, Section):
+        build = _builder(spec.cls, spec.check)
+        return _annotated(
+            _model(spec.cls), BeforeValidator(_none_is_empty), AfterValidator(build)
         )
+    if not isinstance(spec, Setting):
+        return None
+    if spec.items is None:
+        return hints[f.name]
+    item = _annotated(_model(spec.items), AfterValidator(_builder(spec.items, None)))
+    return _annotated(types.GenericAlias(list, (item,)), AfterValidator(_as_tuple))
 
+
+_MODELS: dict[type[DataclassInstance], type[_Model]] = {}
+
+
+def _model(cls: type[DataclassInstance]) -> type[_Model]:
+    """The pydantic model of the YAML mapping that ``cls`` (a settings class) is read from
+    (made once per class)."""
+    if cls in _MODELS:
+        return _MODELS[cls]
+    hints = get_type_hints(cls, include_extras=True)
+    namespace: dict[str, object] = {"__module__": __name__, "__doc__": cls.__doc__}
+    annotations: dict[str, object] = {}
+    for f in fields(cls):
+        tp = _schema_of(f, f.metadata.get(SETTING), hints)
+        if tp is not None:
+            annotations[f.name] = tp
+            namespace[f.name] = _default(f)
+    namespace["__annotations__"] = annotations
+    model = types.new_class(
+        f"{cls.__name__}Schema", (_Model,), exec_body=lambda ns: ns.update(namespace)
+    )
+    if not issubclass(model, _Model):
+        raise TypeError(f"{model!r} is not a pydantic model")
+    _MODELS[cls] = model
+    return model
+
+
+def _keywords() -> dict[str, tuple[str, type[_Model]]]:
+    """``offload()`` keyword -> (the section it sets, that section's model)."""
+    out: dict[str, tuple[str, type[_Model]]] = {}
+    for f in fields(EffectiveConfig):
+        spec = f.metadata.get(SETTING)
+        if not isinstance(spec, Section):
+            continue
+        for g in fields(spec.cls):
+            setting_spec = g.metadata.get(SETTING)
+            if isinstance(setting_spec, Setting) and setting_spec.keyword:
+                if g.name in out:
+                    raise TypeError(f"offload() keyword {g.name!r} is declared twice")
+                out[g.name] = (f.name, _model(spec.cls))
+    return out
+
+
+_SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def _masked(options: object) -> object:
+    if not isinstance(options, dict):
+        return options
+    return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in options.items()}
+
+
+def _dump(
+    settings: DataclassInstance, *, redact: bool, hidden: Set[str] = frozenset()
+) -> dict[str, object]:
+    """A settings object as plain YAML data, key by key as its settings declare."""
+    out: dict[str, object] = {}
+    for f in fields(settings):
+        spec = f.metadata.get(SETTING)
+        if f.name in hidden or not isinstance(spec, Section | Setting):
+            continue
+        value = getattr(settings, f.name)
+        if isinstance(spec, Section):
+            hide = spec.hide(value) if spec.hide is not None else frozenset()
+            out[f.name] = _dump(value, redact=redact, hidden=hide)
+        elif spec.omit is not None and spec.omit(value):
+            continue
+        elif spec.items is not None:
+            out[f.name] = [_dump(item, redact=redact) for item in value]
+        else:
+            dumped = spec.dump(value)
+            out[f.name] = _masked(dumped) if redact and spec.secret else dumped
+    return out
+
+
+_CONFIG_MODEL = _model(EffectiveConfig)
+_build_config = _builder(EffectiveConfig, None)
 
 _SECTIONS_HELP = "a mapping with the optional sections store, pipeline, policy"
 
@@ -472,7 +440,7 @@ def load_config(path: str | os.PathLike[str]) -> EffectiveConfig:
     return _validate(data, source=source, line_of=line_finder(node), file=source)
 
 
-def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> EffectiveConfig:
+def config_from_dict(data: Mapping[str, object], *, source: str = "config") -> EffectiveConfig:
     """Validate an already-parsed config (the YAML structure as Python data)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: expected {_SECTIONS_HELP}, got {type(data).__name__}")
@@ -480,29 +448,26 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "config") -> Effe
 
 
 def _validate(
-    data: Any, *, source: str, line_of: LineOf | None, file: str | None
+    data: object, *, source: str, line_of: LineOf | None, file: str | None
 ) -> EffectiveConfig:
     try:
-        model = _ConfigModel.model_validate(data)
+        model = _CONFIG_MODEL.model_validate(data)
     except _PydanticValidationError as e:
-        message = format_validation_error(e, source=source, root=_ConfigModel, line_of=line_of)
+        message = format_validation_error(
+            e, source=source, root=_CONFIG_MODEL, line_of=line_of
+        )
         raise ConfigError(message) from None
-    try:
-        return model.build(file)
-    except ConfigError as e:  # the schema should have caught it: still name the source
-        raise ConfigError(f"{source}: {e}") from e
+    return replace(_build_config(model), source=file)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """Python containers -> the shapes YAML produces (strict models want lists and dicts)."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, list):
+    if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     if isinstance(value, Rule):
-        return _rule_to_dict(value)
+        return _dump(value, redact=False)
     return value
 
 
@@ -510,33 +475,15 @@ def _plain(value: Any) -> Any:
 # Effective config: file / env / defaults + keyword overrides
 # ---------------------------------------------------------------------------------------
 
-# offload() keyword -> section it overrides.
-_OVERRIDES: dict[str, tuple[str, type[_Model]]] = {
-    "min_bytes": ("policy", _PolicyModel),
-    "skip_parameters": ("policy", _PolicyModel),
-    "rules": ("policy", _PolicyModel),
-    "default": ("policy", _PolicyModel),
-    "device_budget": ("policy", _PolicyModel),
-    "host_budget": ("pipeline", _PipelineModel),
-    "memory_headroom": ("pipeline", _PipelineModel),
-    "mmap_threshold": ("pipeline", _PipelineModel),
-    "prefetch": ("pipeline", _PipelineModel),
-    "max_inflight": ("pipeline", _PipelineModel),
-    "writer_threads": ("pipeline", _PipelineModel),
-    "read_deadline_s": ("pipeline", _PipelineModel),
-    "release_heap_every": ("pipeline", _PipelineModel),
-    "storage_options": ("store", _StoreModel),
-    "codec": ("store", _StoreModel),
-    "chunk_bytes": ("store", _StoreModel),
-    "direct_io": ("store", _StoreModel),
-}
-OVERRIDE_KEYS: tuple[str, ...] = tuple(_OVERRIDES)
-"""The keyword arguments of ``offload()`` that override config fields."""
+_KEYWORDS = _keywords()
+OVERRIDE_KEYS: tuple[str, ...] = tuple(_KEYWORDS)
+"""The keyword arguments of ``offload()`` that override config fields: every setting of
+the ``store``, ``pipeline`` and ``policy`` sections but ``store.url`` and ``store.tiers``."""
 
 
 def resolve_config(
-    config: str | os.PathLike[str] | EffectiveConfig | Mapping[str, Any] | None = None,
-    overrides: Mapping[str, Any] | None = None,
+    config: str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> EffectiveConfig:
     """The effective config for ``offload(config=..., **overrides)``.
 
@@ -550,16 +497,16 @@ def resolve_config(
     base = _base_config(config)
     if not overrides:
         return base
-    unknown = sorted(k for k in overrides if k not in _OVERRIDES)
+    unknown = sorted(k for k in overrides if k not in _KEYWORDS)
     if unknown:
         raise ConfigError(
             f"offload(): unknown keyword argument(s) {', '.join(unknown)}; "
             f"allowed: {', '.join(OVERRIDE_KEYS)} (and store, config, model)"
         )
     problems: list[str] = []
-    changes: dict[str, dict[str, Any]] = {"store": {}, "pipeline": {}, "policy": {}}
+    changes: dict[str, dict[str, object]] = {}
     for key, value in overrides.items():
-        section, model_cls = _OVERRIDES[key]
+        section_name, model_cls = _KEYWORDS[key]
         try:
             model = model_cls.model_validate({key: _plain(value)})
         except _PydanticValidationError as e:
@@ -567,24 +514,17 @@ def resolve_config(
                 format_validation_error(e, source=f"offload({key}=...)", root=model_cls)
             )
             continue
-        validated = getattr(model, key)
-        if key == "rules":
-            validated = tuple(r.build() for r in validated)
-        elif key == "storage_options":
-            validated = dict(validated)
-        changes[section][key] = validated
+        changes.setdefault(section_name, {})[key] = getattr(model, key)
     if problems:
         raise ConfigError("\n".join(problems))
     return replace(
         base,
-        store=replace(base.store, **changes["store"]),
-        pipeline=replace(base.pipeline, **changes["pipeline"]),
-        policy=replace(base.policy, **changes["policy"]),
+        **{name: replace(getattr(base, name), **values) for name, values in changes.items()},
     )
 
 
 def _base_config(
-    config: str | os.PathLike[str] | EffectiveConfig | Mapping[str, Any] | None,
+    config: str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] | None,
 ) -> EffectiveConfig:
     if isinstance(config, EffectiveConfig):
         return config

@@ -1,6 +1,6 @@
 """Reading a YAML config file and reporting what pydantic finds wrong with it.
 
-The one loader of the library's config (``_config``) and the daemon's
+The one loader of the library's config (``_settings``) and the daemon's
 (``server/_config``), so both refuse the same things with the same messages:
 
 * :func:`read_yaml`: a safe YAML load that refuses duplicate keys (PyYAML keeps the
@@ -18,13 +18,14 @@ Every problem is a :class:`~tensorstore_hooks.errors.ConfigError`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Annotated, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
 from pydantic import ValidationError as _PydanticValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from tensorstore_hooks.errors import ConfigError
 
@@ -43,8 +44,10 @@ LineOf = Callable[[Loc], "int | None"]
 class _Loader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, yaml.Node] = {}
+    def construct_mapping(
+        self, node: yaml.MappingNode, deep: bool = False
+    ) -> dict[Hashable, object]:
+        seen: dict[Hashable, yaml.Node] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, list | dict):
@@ -59,7 +62,7 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_yaml(path: str) -> tuple[Any, yaml.Node | None]:
+def read_yaml(path: str) -> tuple[object, yaml.Node | None]:
     """Parse the YAML file ``path``; returns ``(data, root node)`` (``None`` data when empty).
 
     Raises :class:`ConfigError` naming the file (and line:column for YAML errors) for a
@@ -158,20 +161,24 @@ def _model_at(root: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
         if info is None:
             return None
         ann = info.annotation
-        args = getattr(ann, "__args__", ())
-        candidates = [ann, *args]
+        candidates = [_bare(c) for c in (ann, *get_args(ann))]
         model = next(
             (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
         )
     return model
 
 
-def _short(value: Any) -> str:
+def _bare(tp: object) -> object:
+    """``Annotated[T, ...]`` -> ``T`` (a list of rules is ``list[Annotated[Model, ...]]``)."""
+    return get_args(tp)[0] if get_origin(tp) is Annotated else tp
+
+
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> str:
+def _describe(err: ErrorDetails, root: type[BaseModel]) -> str:
     kind, loc, msg = err["type"], tuple(err["loc"]), str(err["msg"])
     if kind == "extra_forbidden":
         parent = _model_at(root, loc[:-1])
