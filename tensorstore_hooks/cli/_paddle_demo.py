@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
-from typing import Any
 
 import numpy as np
 import paddle
@@ -19,7 +18,9 @@ from paddle import nn
 from paddle.nn import functional as F
 
 from tensorstore_hooks.cli._demo_model import GPT as TorchGPT
+from tensorstore_hooks.cli._demo_model import Block as TorchBlock
 from tensorstore_hooks.cli._demo_model import GPTConfig, synthetic_batch
+from tensorstore_hooks.paddle import OffloadHooks, offload
 
 __all__ = ["GPT", "PaddlePair"]
 
@@ -33,7 +34,7 @@ class _Attention(nn.Layer):
         mask = paddle.triu(paddle.ones([cfg.seq, cfg.seq]), diagonal=1).astype("bool")
         self.register_buffer("mask", mask, persistable=False)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         b, t, d = x.shape
         hd = d // self.heads
         q, k, v = paddle.split(self.qkv(x), 3, axis=2)
@@ -54,7 +55,7 @@ class _Block(nn.Layer):
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -73,13 +74,13 @@ class GPT(nn.Layer):
         self._copy_from(TorchGPT(cfg, seed=seed))
 
     def _copy_from(self, ref: TorchGPT) -> None:
-        pairs: list[tuple[Any, Any]] = [
+        pairs: list[tuple[nn.Layer, torch.nn.Module]] = [
             (self.tok, ref.tok),
             (self.pos, ref.pos),
             (self.ln_f, ref.ln_f),
         ]
         pairs.append((self.lm_head, ref.lm_head))
-        theirs_blocks: Any = ref.blocks
+        theirs_blocks = [b for b in ref.blocks if isinstance(b, TorchBlock)]  # all: zip is strict
         for mine, theirs in zip(self.blocks, theirs_blocks, strict=True):
             pairs += [
                 (mine.ln1, theirs.ln1),
@@ -89,14 +90,14 @@ class GPT(nn.Layer):
                 (mine.fc, theirs.mlp.fc),
                 (mine.out, theirs.mlp.out),
             ]
-        for mine, theirs in pairs:
-            for name, value in theirs.named_parameters(recurse=False):
+        for layer, module in pairs:
+            for name, value in module.named_parameters(recurse=False):
                 array = value.detach().numpy()
-                if isinstance(theirs, torch.nn.Linear) and name == "weight":
+                if isinstance(module, torch.nn.Linear) and name == "weight":
                     array = array.T  # torch stores (out, in), paddle (in, out)
-                getattr(mine, name).set_value(np.ascontiguousarray(array))
+                getattr(layer, name).set_value(np.ascontiguousarray(array))
 
-    def forward(self, tokens: Any, targets: Any) -> Any:
+    def forward(self, tokens: paddle.Tensor, targets: paddle.Tensor) -> paddle.Tensor:
         t = tokens.shape[1]
         x = self.tok(tokens) + self.pos(paddle.arange(t))
         for block in self.blocks:
@@ -124,12 +125,10 @@ class PaddlePair:
         self.n_params = len(self.models["ref"].parameters())
 
     @staticmethod
-    def offload(store: str | None, **options: Any) -> Any:
-        from tensorstore_hooks.paddle import offload
+    def offload(store: str | None, *, prefetch: str, max_inflight: str) -> OffloadHooks:
+        return offload(store, prefetch=prefetch, max_inflight=max_inflight)
 
-        return offload(store, **options)
-
-    def step(self, which: str, step: int, hooks: AbstractContextManager[Any] | None) -> None:
+    def step(self, which: str, step: int, hooks: AbstractContextManager[object] | None) -> None:
         tokens, targets = (paddle.to_tensor(z.numpy()) for z in synthetic_batch(self.cfg, step))
         if hooks is None:
             loss = self.models[which](tokens, targets)

@@ -35,10 +35,27 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["RssSampler", "Spread", "register", "release_free_memory", "run", "verdict"]
+if TYPE_CHECKING:
+    from tensorstore_hooks.cli._demo_model import GPTConfig
+    from tensorstore_hooks.hooks import OffloadHooks
+    from tensorstore_hooks.pipeline import OffloadStats
+    from tensorstore_hooks.storage import TensorStore
+
+__all__ = [
+    "DemoHooks",
+    "Pair",
+    "RssSampler",
+    "Spread",
+    "TorchPair",
+    "register",
+    "release_free_memory",
+    "run",
+    "verdict",
+]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -259,12 +276,59 @@ def _fmt_times(*spreads: Spread) -> list[str]:
     return [s.format(lambda x: f"{x:.2f} s") for s in spreads]
 
 
+class DemoHooks(Protocol):
+    """What the demo uses of the hooks a :class:`Pair` makes (torch's or Paddle's
+    ``OffloadHooks``): a context manager around the offloaded step's forward."""
+
+    @property
+    def stats(self) -> OffloadStats: ...
+
+    @property
+    def store(self) -> TensorStore: ...
+
+    def trace(self, path: str) -> AbstractContextManager[object]: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class Pair(Protocol):
+    """Two identical models trained side by side, ``"ref"`` plain and ``"off"`` under
+    hooks: each round calls ``step`` for both, then ``mismatches``, then ``optimizer_step``."""
+
+    framework: str
+    """``"torch"`` or ``"paddle"``."""
+    n_params: int
+    """Parameters whose gradients are compared each round."""
+
+    def offload(self, store: str | None, *, prefetch: str, max_inflight: str) -> DemoHooks:
+        """The hooks for the ``"off"`` run (``store``: a URL, ``None``: a temporary one)."""
+        ...
+
+    def step(self, which: str, step: int, hooks: AbstractContextManager[object] | None) -> None:
+        """Forward (inside ``hooks``, if any) and backward of run ``which`` on batch ``step``."""
+        ...
+
+    def mismatches(self, step: int) -> list[str]:
+        """One line per parameter whose gradients differ between the runs."""
+        ...
+
+    def optimizer_step(self) -> None:
+        """One SGD step of both runs; gradients are zeroed."""
+        ...
+
+
 class TorchPair:
     """Two identical torch GPTs trained side by side: ``ref`` plain, ``off`` under hooks."""
 
     framework = "torch"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         import torch
 
         from tensorstore_hooks.cli._demo_model import GPT
@@ -277,12 +341,12 @@ class TorchPair:
         self.n_params = sum(1 for _ in self.models["ref"].parameters())
 
     @staticmethod
-    def offload(store: str | None, **options: Any) -> Any:
+    def offload(store: str | None, *, prefetch: str, max_inflight: str) -> OffloadHooks:
         import tensorstore_hooks as tsh
 
-        return tsh.offload(store, **options)
+        return tsh.offload(store, prefetch=prefetch, max_inflight=max_inflight)
 
-    def step(self, which: str, step: int, hooks: Any) -> None:
+    def step(self, which: str, step: int, hooks: AbstractContextManager[object] | None) -> None:
         from tensorstore_hooks.cli._demo_model import synthetic_batch
 
         tokens, targets = synthetic_batch(self.cfg, step)
@@ -307,7 +371,7 @@ class TorchPair:
             opt.zero_grad(set_to_none=False)
 
 
-def _make_pair(framework: str, cfg: Any) -> Any:
+def _make_pair(framework: str, cfg: GPTConfig) -> Pair:
     if framework == "paddle":
         try:
             from tensorstore_hooks.cli._paddle_demo import PaddlePair
@@ -320,11 +384,80 @@ def _make_pair(framework: str, cfg: Any) -> Any:
     return TorchPair(cfg)
 
 
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What one demo runs with: the command line, the defaults, and the store it got."""
+
+    framework: str
+    size: str
+    cfg: GPTConfig
+    steps: int
+    """Rounds, each one step of each run."""
+    store_url: str
+    temporary: bool
+    """The store is removed when the hooks close."""
+    prefetch: str
+    max_inflight: str
+    trace: str | None
+    """Where the timeline goes (``--trace``), or ``None``."""
+    n_params: int
+
+
+def _per_run() -> dict[str, list[float]]:
+    return {"ref": [], "off": []}
+
+
+@dataclass(slots=True)
+class _Rounds:
+    """What the rounds measured, per run (``"ref"``, ``"off"``) in round order."""
+
+    mem: dict[str, list[float]] = field(default_factory=_per_run)
+    """Activation memory: peak RSS during the step minus RSS before it, bytes."""
+    secs: dict[str, list[float]] = field(default_factory=_per_run)
+    """Step time, seconds."""
+    offloaded: list[tuple[int, int]] = field(default_factory=list)
+    """Tensors and bytes each step of the ``"off"`` run offloaded."""
+    mismatched: list[str] = field(default_factory=list)
+    """Gradients that differed, one line each."""
+    compared: int = 0
+    """Gradients compared."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Summary:
+    """The measured rounds reduced as NOTE [ Demo verdicts ] says."""
+
+    skip: int
+    """Warm-up rounds left out (rule 1)."""
+    measured: int
+    mem: dict[str, Spread]
+    time: dict[str, Spread]
+    mem_ratio: Spread
+    """Per-round ratios offload / no offload (rule 2)."""
+    time_ratio: Spread
+    tensors: float
+    """Median tensors offloaded per step."""
+    nbytes: float
+    """Median bytes offloaded per step."""
+
+    @classmethod
+    def of(cls, rounds: _Rounds, steps: int) -> _Summary:
+        skip = 1 if steps > 1 else 0  # rule 1: the first round is warm-up
+        offloaded = rounds.offloaded[skip:]
+        return cls(
+            skip=skip,
+            measured=steps - skip,
+            mem={k: Spread.of(v[skip:]) for k, v in rounds.mem.items()},
+            time={k: Spread.of(v[skip:]) for k, v in rounds.secs.items()},
+            mem_ratio=Spread.of(_ratios(rounds.mem["off"][skip:], rounds.mem["ref"][skip:])),
+            time_ratio=Spread.of(_ratios(rounds.secs["off"][skip:], rounds.secs["ref"][skip:])),
+            tensors=statistics.median([n for n, _ in offloaded]),
+            nbytes=statistics.median([b for _, b in offloaded]),
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 if every gradient matched, 1 otherwise."""
-    from tqdm import tqdm
-
-    from tensorstore_hooks._units import format_bytes
     from tensorstore_hooks.cli._demo_model import config_for
 
     if args.steps < 1:
@@ -337,42 +470,46 @@ def run(args: argparse.Namespace) -> int:
     max_inflight = args.max_inflight or budgets[1]
     pair = _make_pair(args.framework, cfg)
     hooks = pair.offload(args.store, prefetch=prefetch, max_inflight=max_inflight)
-    store_url = hooks.store.url
-    temporary = bool(getattr(hooks.store, "temporary", False))
+    setup = _Setup(
+        framework=pair.framework,
+        size=args.size,
+        cfg=cfg,
+        steps=args.steps,
+        store_url=hooks.store.url,
+        temporary=hooks.store.temporary,
+        prefetch=prefetch,
+        max_inflight=max_inflight,
+        trace=args.trace,
+        n_params=pair.n_params,
+    )
+    rounds, stats = _train(pair, hooks, setup)
+    return _print_report(setup, rounds, stats)
+
+
+def _train(pair: Pair, hooks: DemoHooks, setup: _Setup) -> tuple[_Rounds, OffloadStats]:
+    """Run the interleaved rounds, comparing gradients after each; closes ``hooks``.
+
+    Returns what the rounds measured and the hooks' stats once every write landed.
+    """
+    from tqdm import tqdm
+
     sampler = RssSampler()
-    mem: dict[str, list[int]] = {"ref": [], "off": []}
-    secs: dict[str, list[float]] = {"ref": [], "off": []}
-    offloaded: list[tuple[int, int]] = []
-    mismatched: list[str] = []
-    compared = 0
+    rounds = _Rounds()
     tracing = contextlib.ExitStack()
     try:
-        if args.trace:
-            tracing.enter_context(hooks.trace(args.trace))
-        bar = tqdm(total=2 * args.steps, desc="demo", unit="step", file=sys.stderr, leave=False)
-        for step in range(args.steps):
+        if setup.trace:
+            tracing.enter_context(hooks.trace(setup.trace))
+        bar = tqdm(total=2 * setup.steps, desc="demo", unit="step", file=sys.stderr, leave=False)
+        for step in range(setup.steps):
             # Alternate which run goes first so neither always finds a warmer machine.
             order = ("ref", "off") if step % 2 == 0 else ("off", "ref")
             for which in order:
-                before = (hooks.stats.tensors_offloaded, hooks.stats.bytes_offloaded)
-                release_free_memory()
-                base = sampler.start()
-                t0 = time.perf_counter()
-                pair.step(which, step, hooks if which == "off" else None)
-                secs[which].append(time.perf_counter() - t0)
-                mem[which].append(sampler.stop() - base)
-                if which == "off":
-                    offloaded.append(
-                        (
-                            hooks.stats.tensors_offloaded - before[0],
-                            hooks.stats.bytes_offloaded - before[1],
-                        )
-                    )
+                _measure_step(pair, hooks, which, step, sampler, rounds)
                 bar.update(1)
-            compared += pair.n_params
-            mismatched += pair.mismatches(step)
+            rounds.compared += pair.n_params
+            rounds.mismatched += pair.mismatches(step)
             pair.optimizer_step()
-            bar.set_postfix(grads="identical" if not mismatched else "DIFFER")
+            bar.set_postfix(grads="identical" if not rounds.mismatched else "DIFFER")
         bar.close()
         tracing.close()  # writes the timeline
         hooks.flush()
@@ -381,27 +518,82 @@ def run(args: argparse.Namespace) -> int:
         tracing.close()
         hooks.close()
         sampler.close()
+    return rounds, stats
 
-    # Rule 1 of NOTE [ Demo verdicts ]: the first round is warm-up.
-    skip = 1 if args.steps > 1 else 0
 
-    def med(xs: list[Any]) -> Any:
-        return statistics.median(xs[skip:])
+def _measure_step(
+    pair: Pair, hooks: DemoHooks, which: str, step: int, sampler: RssSampler, rounds: _Rounds
+) -> None:
+    """One step of run ``which``: its time and activation memory, and for the offloaded
+    run the tensors and bytes it offloaded, appended to ``rounds``."""
+    before = (hooks.stats.tensors_offloaded, hooks.stats.bytes_offloaded)
+    release_free_memory()
+    base = sampler.start()
+    t0 = time.perf_counter()
+    pair.step(which, step, hooks if which == "off" else None)
+    rounds.secs[which].append(time.perf_counter() - t0)
+    rounds.mem[which].append(sampler.stop() - base)
+    if which == "off":
+        rounds.offloaded.append(
+            (
+                hooks.stats.tensors_offloaded - before[0],
+                hooks.stats.bytes_offloaded - before[1],
+            )
+        )
 
-    mem_m = {k: Spread.of(v[skip:]) for k, v in mem.items()}
-    time_m = {k: Spread.of(v[skip:]) for k, v in secs.items()}
-    mem_ratio = Spread.of(_ratios(mem["off"][skip:], mem["ref"][skip:]))
-    time_ratio = Spread.of(_ratios(secs["off"][skip:], secs["ref"][skip:]))
-    n_params = pair.n_params
+
+def _print_report(setup: _Setup, rounds: _Rounds, stats: OffloadStats) -> int:
+    """Print the table, the verdicts and the gradients' outcome; returns the exit status."""
+    summary = _Summary.of(rounds, setup.steps)
+    cfg = setup.cfg
+    print(
+        f"tensorstore-hooks demo: {setup.framework} GPT {setup.size} "
+        f"({cfg.blocks} blocks, d={cfg.d_model}, "
+        f"{cfg.batch}x{cfg.seq} tokens), {setup.steps} rounds, store {setup.store_url}, "
+        f"prefetch {setup.prefetch}, max_inflight {setup.max_inflight}"
+    )
+    if summary.skip:
+        print(
+            f"(memory and time: median (min-max) over rounds 2..{setup.steps}, each one step "
+            "of each run back to back; round 1 pays one-time setup)"
+        )
+    print()
+    _print_table(_table_rows(setup.steps, summary, stats))
+    print()
+    _print_verdicts(summary, setup.store_url)
+    print()
+    where = " (a temporary directory, removed at exit)" if setup.temporary else ""
+    print(f"store: {setup.store_url}{where}")
+    print(f"hooks ({setup.steps} steps): {stats.summary()}")
+    if setup.trace:
+        print(f"timeline: {setup.trace} (open in https://ui.perfetto.dev)")
+    print()
+    if rounds.mismatched:
+        print(f"gradients: DIFFER in {len(rounds.mismatched)} of {rounds.compared} comparisons:")
+        for m in rounds.mismatched[:10]:
+            print(f"  {m}")
+        return 1
+    how = "torch.equal" if setup.framework == "torch" else "numpy.array_equal"
+    print(f"gradients: identical ({setup.steps} steps x {setup.n_params} parameters, {how})")
+    return 0
+
+
+def _table_rows(
+    steps: int, summary: _Summary, stats: OffloadStats
+) -> list[tuple[str, str, str, str]]:
+    """The table's rows, the header first: what, no offload, offload, their ratio."""
+    from tensorstore_hooks._units import format_bytes
+
+    mem, mem_ratio, time_ratio = summary.mem, summary.mem_ratio, summary.time_ratio
     hits = f"{stats.prefetch_hits}/{stats.prefetch_hits + stats.prefetch_misses}"
     tail = f"+{stats.tail_hits} served before their write finished" if stats.tail_hits else ""
-    ref_t, off_t = _fmt_times(time_m["ref"], time_m["off"])
-    rows = [
+    ref_t, off_t = _fmt_times(summary.time["ref"], summary.time["off"])
+    return [
         ("", "no offload", "offload", "offload / no offload (per round)"),
         (
             "activation memory",
-            mem_m["ref"].format(format_bytes),
-            mem_m["off"].format(format_bytes),
+            mem["ref"].format(format_bytes),
+            mem["off"].format(format_bytes),
             mem_ratio.format(lambda r: f"{100 * r:.0f}%") + " of no offload" if mem_ratio.n else "",
         ),
         (
@@ -410,30 +602,35 @@ def run(args: argparse.Namespace) -> int:
             off_t,
             time_ratio.format(lambda r: f"{r:.2f}x") if time_ratio.n else "",
         ),
-        ("tensors offloaded / step", "-", f"{med([n for n, _ in offloaded]):.0f}", ""),
-        ("bytes offloaded / step", "-", format_bytes(med([b for _, b in offloaded])), ""),
-        (f"prefetch hits ({args.steps} steps)", "-", hits, tail),
-        (f"fallbacks ({args.steps} steps)", "-", str(stats.fallbacks), ""),
+        ("tensors offloaded / step", "-", f"{summary.tensors:.0f}", ""),
+        ("bytes offloaded / step", "-", format_bytes(summary.nbytes), ""),
+        (f"prefetch hits ({steps} steps)", "-", hits, tail),
+        (f"fallbacks ({steps} steps)", "-", str(stats.fallbacks), ""),
     ]
+
+
+def _print_table(rows: list[tuple[str, str, str, str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(
-        f"tensorstore-hooks demo: {pair.framework} GPT {args.size} "
-        f"({cfg.blocks} blocks, d={cfg.d_model}, "
-        f"{cfg.batch}x{cfg.seq} tokens), {args.steps} rounds, store {store_url}, "
-        f"prefetch {prefetch}, max_inflight {max_inflight}"
-    )
-    measured = args.steps - skip
-    if skip:
-        print(
-            f"(memory and time: median (min-max) over rounds 2..{args.steps}, each one step "
-            "of each run back to back; round 1 pays one-time setup)"
-        )
-    print()
     for r in rows:
         print(f"  {r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
-    print()
-    print(verdict("step time", time_ratio, measured, lambda r: f"{r:.2f}x", ("faster", "slower")))
-    print(verdict("activation memory", mem_ratio, measured, lambda r: f"{100 * r:.0f}%"))
+
+
+def _print_verdicts(summary: _Summary, store_url: str) -> None:
+    """Rule 2 of NOTE [ Demo verdicts ], for time and memory; and what memory:// shows."""
+    print(
+        verdict(
+            "step time",
+            summary.time_ratio,
+            summary.measured,
+            lambda r: f"{r:.2f}x",
+            ("faster", "slower"),
+        )
+    )
+    print(
+        verdict(
+            "activation memory", summary.mem_ratio, summary.measured, lambda r: f"{100 * r:.0f}%"
+        )
+    )
     if store_url.startswith("memory://"):
         print(
             "note: memory:// holds the offloaded bytes in this process's RAM, so the "
@@ -441,18 +638,3 @@ def run(args: argparse.Namespace) -> int:
             "It shows the mechanics; use a file:// store (the default) or the daemon "
             "(tsh://) to take them out of RAM."
         )
-    print()
-    where = " (a temporary directory, removed at exit)" if temporary else ""
-    print(f"store: {store_url}{where}")
-    print(f"hooks ({args.steps} steps): {stats.summary()}")
-    if args.trace:
-        print(f"timeline: {args.trace} (open in https://ui.perfetto.dev)")
-    print()
-    if mismatched:
-        print(f"gradients: DIFFER in {len(mismatched)} of {compared} comparisons:")
-        for m in mismatched[:10]:
-            print(f"  {m}")
-        return 1
-    how = "torch.equal" if pair.framework == "torch" else "numpy.array_equal"
-    print(f"gradients: identical ({args.steps} steps x {n_params} parameters, {how})")
-    return 0

@@ -16,9 +16,125 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict, final
 
-__all__ = ["inspect_chain", "inspect_root", "register", "run"]
+if TYPE_CHECKING:
+    from tensorstore_hooks.storage.io import ChunkIO
+
+__all__ = [
+    "JSON",
+    "CapturedArray",
+    "ChainListing",
+    "ChainNamespace",
+    "ChainTotals",
+    "KeyListing",
+    "NamespaceListing",
+    "RootListing",
+    "RootTotals",
+    "StorageOptions",
+    "inspect_chain",
+    "inspect_root",
+    "register",
+    "run",
+]
+
+JSON: TypeAlias = "str | int | float | bool | list[JSON] | dict[str, JSON] | None"
+"""A value read from a JSON document (``zarr.json`` attributes)."""
+
+StorageOptions: TypeAlias = "dict[str, object]"
+"""fsspec storage options, passed on to the filesystem as they are."""
+
+
+class KeyListing(TypedDict):
+    """One stored tensor of a namespace."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    device: str
+    framework: str
+    nbytes: int
+    stored_bytes: int
+    """Whole chunks: payload plus padding, before the codec."""
+
+
+class NamespaceListing(TypedDict):
+    """One namespace (one writer) of a root; ``format``, ``chunk_bytes`` and ``codec``
+    are as its ``zarr.json`` says (``None`` where it says nothing)."""
+
+    name: str
+    format: JSON
+    chunk_bytes: JSON
+    codec: JSON
+    tensors: int
+    bytes: int
+    stored_bytes: int
+    keys: list[KeyListing]
+    damage: list[str]
+    """The damaged index records (the rest is listed)."""
+    error: str | None
+    """Why the namespace could not be listed at all."""
+
+
+class CapturedArray(TypedDict):
+    """An array ``tsh.capture`` wrote under ``ROOT/capture``."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    chunk_rows: int
+    bytes: int
+
+
+class RootTotals(TypedDict):
+    namespaces: int
+    tensors: int
+    bytes: int
+    stored_bytes: int
+
+
+@final
+class RootListing(TypedDict):
+    """What :func:`inspect_root` returns (and ``inspect --json`` prints)."""
+
+    url: str
+    format: JSON
+    direct_io: str | None
+    """Whether the root's filesystem takes O_DIRECT; ``None``: not a local directory."""
+    namespaces: list[NamespaceListing]
+    capture: list[CapturedArray]
+    totals: RootTotals
+    problems: list[str]
+    """Every damaged record and unlisted namespace, one line each."""
+    tier: NotRequired[int]
+    """A chain's tier: its position, fastest first."""
+    budget: NotRequired[int | None]
+    """A chain's tier: its budget from the config, bytes."""
+
+
+class ChainNamespace(TypedDict):
+    """A namespace of a chain, with what each tier holds of it."""
+
+    name: str
+    tensors: list[int]
+    bytes: list[int]
+
+
+class ChainTotals(TypedDict):
+    tensors: int
+    bytes: int
+    stored_bytes: int
+
+
+@final
+class ChainListing(TypedDict):
+    """What :func:`inspect_chain` returns (and ``inspect --json`` prints for a chain)."""
+
+    tiers: list[RootListing]
+    namespaces: list[ChainNamespace]
+    totals: ChainTotals
+    problems: list[str]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +174,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect_root(url: str, storage_options: StorageOptions | None = None) -> RootListing:
     """Describe the ZarrStore root at ``url`` without writing to it.
 
     Returns ``{"url", "format", "direct_io", "capture": [{"name", "shape", "dtype",
@@ -82,7 +198,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
         captured = _captured(io)
     finally:
         io.close()
-    totals: dict[str, int] = {
+    totals: RootTotals = {
         "namespaces": len(namespaces),
         "tensors": sum(n["tensors"] for n in namespaces),
         "bytes": sum(n["bytes"] for n in namespaces),
@@ -101,7 +217,7 @@ def inspect_root(url: str, storage_options: dict[str, Any] | None = None) -> dic
     }
 
 
-def _captured(io: Any) -> list[dict[str, Any]]:
+def _captured(io: ChunkIO) -> list[CapturedArray]:
     """The arrays ``tsh.capture`` wrote under ``ROOT/capture`` (NOTE [ Capture layout ])."""
     from tensorstore_hooks.capture import list_arrays
 
@@ -117,7 +233,7 @@ def _captured(io: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _direct_io_here(io: Any) -> str | None:
+def _direct_io_here(io: ChunkIO) -> str | None:
     """Whether the root's filesystem takes O_DIRECT, found without writing: ``None``
     for roots that are not local directories (NOTE [ Direct I/O ] in ``storage/io/_local.py``)."""
     from tensorstore_hooks.storage.io import LocalIO, direct_io_readonly_check
@@ -129,9 +245,9 @@ def _direct_io_here(io: Any) -> str | None:
 
 def inspect_chain(
     urls: list[str],
-    storage_options: list[dict[str, Any] | None],
+    storage_options: list[StorageOptions | None],
     budgets: list[int | None] | None = None,
-) -> dict[str, Any]:
+) -> ChainListing:
     """Describe the tiers of a chain (fastest first) without writing to them.
 
     Returns ``{"tiers": [inspect_root(url) + {"tier", "budget"}], "namespaces": [{"name",
@@ -143,10 +259,12 @@ def inspect_chain(
     tiers = []
     for i, (url, so, budget) in enumerate(zip(urls, storage_options, budgets, strict=True)):
         listing = inspect_root(url, so)
-        listing.update(tier=i, budget=budget, url=url)
+        listing["tier"] = i
+        listing["budget"] = budget
+        listing["url"] = url
         tiers.append(listing)
     names = sorted({ns["name"] for t in tiers for ns in t["namespaces"]})
-    namespaces = []
+    namespaces: list[ChainNamespace] = []
     for name in names:
         found = [next((n for n in t["namespaces"] if n["name"] == name), None) for t in tiers]
         namespaces.append(
@@ -156,14 +274,16 @@ def inspect_chain(
                 "bytes": [n["bytes"] if n else 0 for n in found],
             }
         )
-    totals = {
-        k: sum(t["totals"][k] for t in tiers) for k in ("tensors", "bytes", "stored_bytes")
+    totals: ChainTotals = {
+        "tensors": sum(t["totals"]["tensors"] for t in tiers),
+        "bytes": sum(t["totals"]["bytes"] for t in tiers),
+        "stored_bytes": sum(t["totals"]["stored_bytes"] for t in tiers),
     }
     problems = [f"tier {t['tier']} ({t['url']}): {p}" for t in tiers for p in t["problems"]]
     return {"tiers": tiers, "namespaces": namespaces, "totals": totals, "problems": problems}
 
 
-def _not_a_root(io: Any, why: str) -> Exception:
+def _not_a_root(io: ChunkIO, why: str) -> Exception:
     from tensorstore_hooks.errors import ConfigError
 
     return ConfigError(
@@ -172,7 +292,7 @@ def _not_a_root(io: Any, why: str) -> Exception:
     )
 
 
-def _root_format(io: Any) -> Any:
+def _root_format(io: ChunkIO) -> JSON:
     """The root's format number, or a ConfigError saying why it is not a root."""
     try:
         raw = bytes(io.read("zarr.json"))
@@ -198,7 +318,7 @@ def _root_format(io: Any) -> Any:
     return fmt
 
 
-def _namespace(io: Any, name: str) -> dict[str, Any] | None:
+def _namespace(io: ChunkIO, name: str) -> NamespaceListing | None:
     """One namespace's listing (problems recorded in it), or None if ``name`` is not one."""
     from tensorstore_hooks.errors import TensorStoreError
     from tensorstore_hooks.storage.zarr import Entry, IndexLog
@@ -207,20 +327,9 @@ def _namespace(io: Any, name: str) -> dict[str, Any] | None:
     if attrs is None and not io.exists(f"{name}/index"):
         return None  # not a namespace (e.g. a stray file or someone else's data)
     attrs = attrs or {}
-    ns: dict[str, Any] = {
-        "name": name,
-        "format": attrs.get("format"),
-        "chunk_bytes": attrs.get("chunk_bytes"),
-        "codec": attrs.get("codec"),
-        "tensors": 0,
-        "bytes": 0,
-        "stored_bytes": 0,
-        "keys": [],
-        "damage": [],
-        "error": None,
-    }
     index = IndexLog(io, f"{name}/index", warn=False)
-    keys: list[dict[str, Any]] = []
+    keys: list[KeyListing] = []
+    error = None
     try:
         records = index.load()
         for key, rec in records.items():
@@ -239,19 +348,23 @@ def _namespace(io: Any, name: str) -> dict[str, Any] | None:
                 }
             )
     except TensorStoreError as e:
-        ns["error"] = str(e)
-    ns["damage"] = [str(d) for d in index.damage]
+        error = str(e)
     keys.sort(key=lambda k: _key_order(k["key"]))
-    ns.update(
-        keys=keys,
-        tensors=len(keys),
-        bytes=sum(k["nbytes"] for k in keys),
-        stored_bytes=sum(k["stored_bytes"] for k in keys),
-    )
-    return ns
+    return {
+        "name": name,
+        "format": attrs.get("format"),
+        "chunk_bytes": attrs.get("chunk_bytes"),
+        "codec": attrs.get("codec"),
+        "tensors": len(keys),
+        "bytes": sum(k["nbytes"] for k in keys),
+        "stored_bytes": sum(k["stored_bytes"] for k in keys),
+        "keys": keys,
+        "damage": [str(d) for d in index.damage],
+        "error": error,
+    }
 
 
-def _namespace_attrs(io: Any, name: str) -> dict[str, Any] | None:
+def _namespace_attrs(io: ChunkIO, name: str) -> dict[str, JSON] | None:
     try:
         doc = json.loads(bytes(io.read(f"{name}/zarr.json")))
     except (OSError, ValueError):
@@ -273,7 +386,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _format(listing: dict[str, Any]) -> str:
+def _format(listing: RootListing) -> str:
     from tensorstore_hooks._units import format_bytes as fb
     from tensorstore_hooks.storage.zarr import FORMAT_VERSION
 
@@ -323,7 +436,7 @@ def _format(listing: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _format_chain(listing: dict[str, Any]) -> str:
+def _format_chain(listing: ChainListing) -> str:
     from tensorstore_hooks._units import format_bytes as fb
 
     tiers = listing["tiers"]
@@ -347,7 +460,7 @@ def _format_chain(listing: dict[str, Any]) -> str:
 
 def _targets(
     args: argparse.Namespace,
-) -> tuple[list[str], list[dict[str, Any] | None], list[int | None] | None] | str:
+) -> tuple[list[str], list[StorageOptions | None], list[int | None] | None] | str:
     """The URLs to list, their storage options and budgets; or why there are none."""
     urls: list[str] = list(args.url)
     if args.config is not None:
@@ -414,6 +527,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+    listing: RootListing | ChainListing
     try:
         if len(urls) == 1:
             listing = inspect_root(urls[0], options[0])
@@ -428,8 +542,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(listing, indent=1))
+    elif "tiers" in listing:
+        print(_format_chain(listing))
     else:
-        print(_format(listing) if len(urls) == 1 else _format_chain(listing))
+        print(_format(listing))
     for problem in listing["problems"]:
         print(f"inspect: damaged: {_one_line(problem)}", file=sys.stderr)
     return 1 if listing["problems"] else 0
@@ -439,6 +555,6 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _device(k: dict[str, Any]) -> str:
+def _device(k: KeyListing) -> str:
     """``cpu``; a tensor stored from another framework says which (``cpu (paddle)``)."""
     return k["device"] if k["framework"] == "torch" else f"{k['device']} ({k['framework']})"

@@ -17,7 +17,11 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["demo_gpt", "register", "run"]
 
@@ -83,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def demo_gpt() -> tuple[Any, tuple[Any, Any]]:
+def demo_gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """The demo's tiny GPT and one synthetic batch: ``model(tokens, targets)`` is the loss."""
     from tensorstore_hooks.cli._demo_model import GPT, config_for, synthetic_batch
 
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorstore_hooks.hooks import offload
 
     model, batch, loss_fn = load_entry(args.entry)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, object] = {}
     if args.min_bytes is not None:
         overrides["min_bytes"] = args.min_bytes
     if args.device_budget is not None:
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         steps = args.steps
         if steps is None:
-            steps = 2 if getattr(hooks.policy, "device_budget", None) is not None else 1
+            steps = 2 if hooks.policy.device_budget is not None else 1
         if steps < 1:
             print("plan: --steps must be >= 1", file=sys.stderr)
             return 2
@@ -135,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------- entry
-def load_entry(entry: str) -> tuple[Any, Any, Callable[[Any], Any] | None]:
+def load_entry(entry: str) -> tuple[torch.nn.Module, object, Callable[[object], object] | None]:
     """``module:factory`` or ``file.py:factory`` -> (model, batch, loss_fn or None).
+
+    The batch is whatever the factory made (the model takes it, see :func:`_call`); the
+    loss function takes the model's output and returns a tensor.
 
     Raises :class:`~tensorstore_hooks.ConfigError` naming the entry and what is wrong.
     """
@@ -181,7 +188,7 @@ def load_entry(entry: str) -> tuple[Any, Any, Callable[[Any], Any] | None]:
     return model, batch, loss_fn
 
 
-def _import(target: str) -> Any:
+def _import(target: str) -> ModuleType:
     from tensorstore_hooks.errors import ConfigError
 
     if target.endswith(".py"):
@@ -198,7 +205,7 @@ def _import(target: str) -> Any:
     return importlib.import_module(target)
 
 
-def _call(model: Any, batch: Any) -> Any:
+def _call(model: torch.nn.Module, batch: object) -> object:
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, tuple | list):
@@ -206,13 +213,18 @@ def _call(model: Any, batch: Any) -> Any:
     return model(batch)
 
 
-def _loss(output: Any, loss_fn: Callable[[Any], Any] | None) -> Any:
+def _loss(output: object, loss_fn: Callable[[object], object] | None) -> torch.Tensor:
     import torch
 
     from tensorstore_hooks.errors import ConfigError
 
     if loss_fn is not None:
-        return loss_fn(output)
+        loss = loss_fn(output)
+        if not isinstance(loss, torch.Tensor):
+            raise ConfigError(
+                f"plan: the loss function returned a {type(loss).__name__}, not a tensor"
+            )
+        return loss
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss

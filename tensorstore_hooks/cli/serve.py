@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorstore_hooks.server import ServerConfig
 
 __all__ = ["add_arguments", "register", "run"]
 
@@ -80,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check(config: Any) -> int:
+def _check(config: ServerConfig) -> int:
     """``serve --check``: what ``serve`` would refuse or warn about, without binding."""
     from tensorstore_hooks.server import check_config
 

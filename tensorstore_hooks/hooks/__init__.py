@@ -14,13 +14,14 @@ from tensorstore_hooks.hooks._offload import (
 )
 from tensorstore_hooks.hooks._report import step_figures
 from tensorstore_hooks.hooks._scope import ModuleScope
-from tensorstore_hooks.hooks._wrap import unwrap, wrap
+from tensorstore_hooks.hooks._wrap import WrapHooks, unwrap, wrap
 
 __all__ = [
     "ConfigSource",
     "HooksBase",
     "ModuleScope",
     "OffloadHooks",
+    "WrapHooks",
     "make_pipeline",
     "offload",
     "step_figures",

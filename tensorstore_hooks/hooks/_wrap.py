@@ -355,7 +355,7 @@ def wrap(
     modules: str | Sequence[str] | None = None,
     config: Any = None,
     **overrides: Any,
-) -> OffloadHooks:
+) -> WrapHooks:
     """Offload what autograd saves while ``module`` (or chosen submodules) runs forward.
 
     ``store``, ``config`` and ``overrides``: as :func:`~tensorstore_hooks.offload`.

@@ -28,7 +28,9 @@ line goes to Lightning's console log (rank 0) at the end of ``fit``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tensorstore_hooks.integrations import missing_framework
 
@@ -38,6 +40,14 @@ try:
 except ImportError as e:  # see test_missing_framework_names_the_pip_package
     raise missing_framework("lightning.pytorch", "lightning", "lightning", e) from e
 
+if TYPE_CHECKING:
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+
+    from tensorstore_hooks.hooks import ConfigSource, OffloadHooks
+    from tensorstore_hooks.pipeline import OffloadStats
+    from tensorstore_hooks.storage import TensorStore
+
 __all__ = ["OffloadCallback"]
 
 log = logging.getLogger("tensorstore_hooks")
@@ -46,61 +56,89 @@ log = logging.getLogger("tensorstore_hooks")
 class OffloadCallback(Callback):
     """Offload saved activations during ``Trainer.fit``.
 
-    ``offload_args``: what :func:`tensorstore_hooks.offload` takes (``store``,
-    ``config``, policy and pipeline keywords), plus ``modules`` to wrap chosen
-    submodules instead of the whole training step. ``module`` policy rules use the
-    LightningModule's module paths. ``hooks`` is the live
+    ``store``, ``config`` and ``options`` (the policy and pipeline keywords:
+    ``min_bytes``, ``prefetch``, ``rules``, ...): what
+    :func:`tensorstore_hooks.offload` takes; ``modules`` wraps chosen submodules
+    (:func:`tensorstore_hooks.wrap`) instead of the whole training step. ``module``
+    policy rules use the LightningModule's module paths, so ``model=`` is refused
+    (:class:`~tensorstore_hooks.ConfigError`). ``hooks`` is the live
     :class:`~tensorstore_hooks.OffloadHooks` (closed after ``teardown``, stats kept).
     Pickling or deep-copying the callback drops the hooks.
     """
 
-    def __init__(self, *, log_prefix: str = "tsh/", **offload_args: Any) -> None:
-        self.offload_args = offload_args
+    def __init__(
+        self,
+        *,
+        store: str | os.PathLike[str] | TensorStore | None = None,
+        modules: str | Sequence[str] | None = None,
+        config: ConfigSource = None,
+        log_prefix: str = "tsh/",
+        **options: object,
+    ) -> None:
+        if "model" in options:
+            from tensorstore_hooks.errors import ConfigError
+
+            raise ConfigError(
+                "OffloadCallback: model= is not needed (module rules use the "
+                "LightningModule's paths)"
+            )
+        self.store = store
+        self.modules = modules
+        self.config = config
+        self.options = options
+        """The policy and pipeline keywords passed on to ``offload``/``wrap``."""
         self.log_prefix = log_prefix
         """Prefix of the metric names logged with ``pl_module.log_dict``."""
-        self.hooks: Any = None
-        self._since: Any = None  # stats at the last logged batch
+        self.hooks: OffloadHooks | None = None
+        self._since: OffloadStats | None = None  # stats at the last logged batch
         self._open = False  # hooks made by setup, not yet closed by teardown
         self._entered = False
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self._open:
             return
-        args = dict(self.offload_args)
-        store = args.pop("store", None)
-        if "modules" in args:
+        if self.modules is not None:
             from tensorstore_hooks.hooks import wrap
 
-            self.hooks = wrap(pl_module, store, **args)
+            hooks: OffloadHooks = wrap(
+                pl_module, self.store, modules=self.modules, config=self.config, **self.options
+            )
         else:
             from tensorstore_hooks.hooks import offload
 
-            self.hooks = offload(store, **args)
-            if any(r.module is not None for r in self.hooks.policy.rules):
-                self.hooks.attach(pl_module)
+            hooks = offload(self.store, config=self.config, model=None, **self.options)
+            if any(r.module is not None for r in hooks.policy.rules):
+                hooks.attach(pl_module)
+        self.hooks = hooks
         self._open = True
-        self._since = self.hooks.stats.snapshot()
-        log.info("OffloadCallback: offloading to %s", self.hooks.store.url)
+        self._since = hooks.stats.snapshot()
+        log.info("OffloadCallback: offloading to %s", hooks.store.url)
 
     def _step_mode(self) -> bool:
-        return self._open and "modules" not in self.offload_args
+        return self._open and self.modules is None
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-        if self._step_mode() and not self._entered:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        if self._step_mode() and not self._entered and self.hooks is not None:
             self.hooks.__enter__()
             self._entered = True
 
     def _leave(self) -> None:
-        if self._entered:
+        if self._entered and self.hooks is not None:
             self._entered = False
             self.hooks.__exit__(None, None, None)
 
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
+    ) -> None:
         self._leave()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, *args: object
+    ) -> None:
         self._leave()  # a step that returned no loss (skipped backward)
-        if not self._open:
+        if not self._open or self.hooks is None or self._since is None:
             return
         from tensorstore_hooks.hooks import step_figures
 
@@ -111,27 +149,31 @@ class OffloadCallback(Callback):
         # loggers as tensors of another dtype than every other metric.
         pl_module.log_dict({k: float(v) for k, v in figures.items()}, on_step=True, on_epoch=False)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
         # Lightning calls no teardown after an exception: undo setup here (a later fit
         # sets up afresh), so the module is not left wrapped nor the hooks open.
         self._finish()
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._finish()
 
     def _finish(self) -> None:
-        if not self._open:
+        if not self._open or self.hooks is None:
             return
+        from tensorstore_hooks.hooks import WrapHooks
+
         self._leave()
         self._open = False
-        if hasattr(self.hooks, "remove"):
+        if isinstance(self.hooks, WrapHooks):
             self.hooks.remove()
         else:
             self.hooks.close()
         rank_zero_info(f"OffloadCallback: {self.hooks.stats.summary()}")
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state["hooks"] = state["_since"] = None
         state["_open"] = state["_entered"] = False

@@ -39,9 +39,13 @@ user callbacks after them, the console printer last. So:
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from tensorstore_hooks.integrations import missing_framework
 
@@ -52,40 +56,67 @@ try:
 except ImportError as e:  # see test_missing_framework_names_the_pip_package
     raise missing_framework("transformers", "transformers accelerate", "transformers", e) from e
 
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from tensorstore_hooks.hooks import ConfigSource, WrapHooks
+    from tensorstore_hooks.pipeline import OffloadStats
+    from tensorstore_hooks.storage import TensorStore
+
 __all__ = ["OffloadCallback"]
 
 
 class OffloadCallback(TrainerCallback):
     """Offload saved activations during ``Trainer.train()``.
 
-    ``offload_args``: what :func:`tensorstore_hooks.wrap` takes besides the model:
-    ``store``, ``modules``, ``config`` and the policy/pipeline keywords. ``hooks``
-    is the live :class:`~tensorstore_hooks.OffloadHooks` (``None`` before training;
-    kept after it, closed, so ``hooks.stats`` stays readable). Pickling or
-    deep-copying the callback drops the hooks (a copy wraps afresh when it trains).
+    ``store``, ``modules``, ``config`` and ``options`` (the policy and pipeline
+    keywords: ``min_bytes``, ``prefetch``, ``rules``, ...): what
+    :func:`tensorstore_hooks.wrap` takes besides the model. ``hooks`` is the live
+    :class:`~tensorstore_hooks.OffloadHooks` (``None`` before training; kept after it,
+    closed, so ``hooks.stats`` stays readable). Pickling or deep-copying the callback
+    drops the hooks (a copy wraps afresh when it trains).
     """
 
-    def __init__(self, *, log_prefix: str = "tsh/", **offload_args: Any) -> None:
-        self.offload_args = offload_args
+    def __init__(
+        self,
+        *,
+        store: str | os.PathLike[str] | TensorStore | None = None,
+        modules: str | Sequence[str] | None = None,
+        config: ConfigSource = None,
+        log_prefix: str = "tsh/",
+        **options: object,
+    ) -> None:
+        self.store = store
+        self.modules = modules
+        self.config = config
+        self.options = options
+        """The policy and pipeline keywords passed on to :func:`tensorstore_hooks.wrap`."""
         self.log_prefix = log_prefix
         """Prefix of the keys added to the trainer's logs (NOTE [ Trainer log order ])."""
-        self.hooks: Any = None
-        self._since: Any = None  # stats at the last training log
+        self.hooks: WrapHooks | None = None
+        self._since: OffloadStats | None = None  # stats at the last training log
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         from tensorstore_hooks.hooks import wrap
 
         model = kwargs.get("model")
-        if model is None:
-            raise RuntimeError("OffloadCallback: the Trainer passed no model to on_train_begin")
-        if self.hooks is not None and getattr(self.hooks, "wrapped", False):
+        if not isinstance(model, torch.nn.Module):
+            what = "no model" if model is None else f"a {type(model).__name__} as the model"
+            raise RuntimeError(f"OffloadCallback: the Trainer passed {what} to on_train_begin")
+        if self.hooks is not None and self.hooks.wrapped:
             return  # train() called again without on_train_end (resumed after an error)
-        args_ = dict(self.offload_args)
-        store = args_.pop("store", None)
-        self.hooks = wrap(model, store, **args_)
+        self.hooks = wrap(
+            model, self.store, modules=self.modules, config=self.config, **self.options
+        )
         self._since = self.hooks.stats.snapshot()
         self._log_first()
-        _trainer_log().info(
+        _trainer_info(
             "OffloadCallback: %s offloads to %s", type(model).__name__, self.hooks.store.url
         )
 
@@ -103,8 +134,15 @@ class OffloadCallback(TrainerCallback):
                 return
             frame = frame.f_back
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        if self.hooks is None or not isinstance(logs, dict):
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: object,
+    ) -> None:
+        if self.hooks is None or self._since is None or not isinstance(logs, dict):
             return
         from tensorstore_hooks.hooks import step_figures
 
@@ -121,17 +159,24 @@ class OffloadCallback(TrainerCallback):
             record.update(figures)  # rule 1: this log's record
         logs.update(figures)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.hooks is not None and getattr(self.hooks, "wrapped", False):
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
+        if self.hooks is not None and self.hooks.wrapped:
             self.hooks.remove()
-            _trainer_log().info("OffloadCallback: %s", self.hooks.stats.summary())
+            _trainer_info("OffloadCallback: %s", self.hooks.stats.summary())
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state["hooks"] = state["_since"] = None
         return state
 
 
-def _trainer_log() -> Any:
-    """The ``Trainer``'s own logger: its handler, level and replica settings apply."""
-    return hf_logging.get_logger("transformers.trainer")
+def _trainer_info(message: str, *args: object) -> None:
+    """Log ``message % args`` at INFO through the ``Trainer``'s own logger: its handler,
+    level and replica settings apply."""
+    hf_logging.get_logger("transformers.trainer").info(message, *args)

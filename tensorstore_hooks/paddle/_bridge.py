@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from tensorstore_hooks._codec import TensorMeta, decode, encode
 from tensorstore_hooks.errors import UnsupportedTensorError
+
+if TYPE_CHECKING:  # paddle is imported when a paddle tensor is seen (see the NOTE)
+    import paddle
 
 __all__ = [
     "ADAPTER",
@@ -48,16 +52,17 @@ _PLACE_RE = re.compile(r"^Place\((?P<kind>[a-z][a-z0-9_]{0,15})(?::(?P<index>\d{
 _HOST_KINDS = frozenset({"cpu", "gpu_pinned", "xpu_pinned"})
 
 
-def is_paddle_tensor(obj: object) -> bool:
+def is_paddle_tensor(obj: object) -> TypeGuard[paddle.Tensor]:
     """True for a ``paddle.Tensor`` (checked without importing paddle)."""
     return type(obj).__module__.split(".", 1)[0] == "paddle" and type(obj).__name__ == "Tensor"
 
 
-def place_name(place: Any) -> str:
+def place_name(place: object) -> str:
     """A paddle place as a device string: ``"cpu"``, ``"gpu:0"``, ``"xpu:1"``, ...
 
     Pinned host places are ``"cpu"`` (their bytes are host memory). Parsed from
-    ``str(place)`` (``Place(gpu:0)``), the one form every place class shares.
+    ``str(place)`` (``Place(gpu:0)``), the one form every place class shares, so any
+    object is taken; one that is not a place raises :class:`UnsupportedTensorError`.
     """
     m = _PLACE_RE.match(str(place))
     if m is None:
@@ -67,20 +72,21 @@ def place_name(place: Any) -> str:
     return f"{m['kind']}:{m['index'] or 0}"
 
 
-def place_of(t: Any) -> str:
+def place_of(t: paddle.Tensor) -> str:
     """The device string of paddle tensor ``t`` (see :func:`place_name`)."""
     return place_name(t.place)
 
 
-def to_place(t: Any, device: Any) -> Any:
-    """Move paddle tensor ``t`` to ``device`` (a device string or a paddle place)."""
+def to_place(t: paddle.Tensor, device: object) -> paddle.Tensor:
+    """Move paddle tensor ``t`` to ``device``: a device string (``"cpu"``, ``"gpu:1"``)
+    or any paddle place (read through :func:`place_name`)."""
     import paddle
 
     name = device if isinstance(device, str) else place_name(device)
     if name == "cpu":
         return t if t.place.is_cpu_place() else t.cpu()
     kind, _, index = name.partition(":")
-    place: Any
+    place: paddle.CUDAPlace | paddle.XPUPlace | paddle.CustomPlace
     if kind == "gpu":
         place = paddle.CUDAPlace(int(index or 0))
     elif kind == "xpu":
@@ -90,7 +96,7 @@ def to_place(t: Any, device: Any) -> Any:
     return t._copy_to(place, True)
 
 
-def paddle_unsupported_reason(t: Any) -> str | None:
+def paddle_unsupported_reason(t: paddle.Tensor) -> str | None:
     """Why paddle tensor ``t`` cannot be stored, or ``None``."""
     if not t.is_dense():
         return "sparse or distributed paddle tensor"
@@ -99,7 +105,7 @@ def paddle_unsupported_reason(t: Any) -> str | None:
     return None
 
 
-def to_torch(t: Any) -> torch.Tensor:
+def to_torch(t: paddle.Tensor) -> torch.Tensor:
     """A torch tensor over the same host bytes as paddle tensor ``t`` (see NOTE [ Paddle bridge ]).
 
     Zero-copy for host tensors; a device tensor is copied to host first.
@@ -119,12 +125,16 @@ def to_torch(t: Any) -> torch.Tensor:
         ) from e
 
 
-def from_torch(t: torch.Tensor, device: Any = "cpu", *, stop_gradient: bool = True) -> Any:
-    """A paddle tensor over the bytes of host tensor ``t``, moved to ``device``."""
+def from_torch(
+    t: torch.Tensor, device: object = "cpu", *, stop_gradient: bool = True
+) -> paddle.Tensor:
+    """A paddle tensor over the bytes of host tensor ``t``, moved to ``device`` (as
+    :func:`to_place` takes it)."""
     import paddle
 
-    detached: Any = t.detach()  # torch's DLPack signature differs from paddle's stub
-    out = paddle.from_dlpack(detached)
+    # A capsule: the same zero-copy view paddle makes from the tensor itself, which
+    # paddle's stub does not accept (torch's ``__dlpack_device__`` is typed apart).
+    out = paddle.from_dlpack(to_dlpack(t.detach()))
     out = to_place(out, device)
     out.stop_gradient = stop_gradient
     return out
@@ -138,7 +148,7 @@ class PaddleVersion:
 
     __slots__ = ("_t",)
 
-    def __init__(self, t: Any) -> None:
+    def __init__(self, t: paddle.Tensor) -> None:
         self._t = t.detach()
 
     @property
@@ -146,7 +156,7 @@ class PaddleVersion:
         return int(self._t.inplace_version)
 
 
-def encode_paddle(t: Any) -> tuple[TensorMeta, np.ndarray]:
+def encode_paddle(t: paddle.Tensor) -> tuple[TensorMeta, np.ndarray]:
     """:func:`~tensorstore_hooks._codec.encode` for a paddle tensor (metadata says paddle)."""
     meta, payload = encode(to_torch(t))
     meta = dataclasses.replace(
@@ -156,9 +166,15 @@ def encode_paddle(t: Any) -> tuple[TensorMeta, np.ndarray]:
 
 
 def decode_paddle(
-    meta: TensorMeta, payload: Any, *, device: Any = None, requires_grad: bool | None = None
-) -> Any:
-    """Rebuild a paddle tensor stored by :func:`encode_paddle` (on ``device`` or its own place)."""
+    meta: TensorMeta,
+    payload: object,
+    *,
+    device: object = None,
+    requires_grad: bool | None = None,
+) -> paddle.Tensor:
+    """Rebuild a paddle tensor stored by :func:`encode_paddle` (on ``device``, as
+    :func:`to_place` takes it, or its own place). ``payload``: any buffer the codec's
+    ``decode`` takes."""
     host = dataclasses.replace(meta, device="cpu", framework="torch")
     t = decode(host, payload, device="cpu", requires_grad=False)
     want_grad = meta.requires_grad if requires_grad is None else requires_grad

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from tensorstore_hooks._caller import names_caller
 from tensorstore_hooks._codec import DTYPES
@@ -37,8 +37,12 @@ from tensorstore_hooks.paddle._bridge import (
     to_torch,
 )
 from tensorstore_hooks.paddle._scope import LayerScope
-from tensorstore_hooks.pipeline import Host, Kept, Pipeline
+from tensorstore_hooks.pipeline import Handle, Host, Kept, Pipeline
 from tensorstore_hooks.storage import TensorStore
+
+if TYPE_CHECKING:  # paddle is imported when offload() is called
+    import paddle
+    import torch
 
 __all__ = ["OffloadHooks", "offload"]
 
@@ -52,13 +56,17 @@ class _Stored:
 
     __slots__ = ("handle", "place", "stop_gradient")
 
-    def __init__(self, handle: Any, place: str, stop_gradient: bool) -> None:
+    def __init__(self, handle: Handle, place: str, stop_gradient: bool) -> None:
         self.handle = handle
         self.place = place
         self.stop_gradient = stop_gradient
 
 
-def _torch_dtype_of(t: Any) -> Any:
+_Packed: TypeAlias = "_Stored | Kept[paddle.Tensor] | Host[paddle.Tensor, str]"
+"""What the pack hook returns: a paddle tensor's stand-in in Paddle's autograd graph."""
+
+
+def _torch_dtype_of(t: paddle.Tensor) -> torch.dtype | None:
     name = str(t.dtype).removeprefix("paddle.")
     entry = DTYPES.get(name)
     return entry[0] if entry is not None else None
@@ -82,7 +90,7 @@ class OffloadHooks(HooksBase):
     def __init__(self, pipeline: Pipeline) -> None:
         super().__init__(pipeline)
         self._scope: LayerScope | None = None  # made at the first attach()
-        self._layers: list[Any] = []
+        self._layers: list[paddle.nn.Layer] = []
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> OffloadHooks:
@@ -103,7 +111,7 @@ class OffloadHooks(HooksBase):
             self._scope.detach()
 
     # ------------------------------------------------------------- hooks
-    def pack_hook(self, t: Any) -> Any:
+    def pack_hook(self, t: paddle.Tensor) -> _Packed:
         """Paddle's pack hook: route ``t`` by the policy; returns its stand-in."""
         try:
             return self._pack(t)
@@ -111,7 +119,7 @@ class OffloadHooks(HooksBase):
             _grad_mode_back_on()  # see NOTE [ Paddle grad mode after a hook error ]
             raise
 
-    def unpack_hook(self, packed: Any) -> Any:
+    def unpack_hook(self, packed: _Packed) -> paddle.Tensor:
         """Paddle's unpack hook: the saved tensor's content, on its original place."""
         try:
             return self._unpack(packed)
@@ -119,7 +127,7 @@ class OffloadHooks(HooksBase):
             _grad_mode_back_on()  # see NOTE [ Paddle grad mode after a hook error ]
             raise
 
-    def _pack(self, t: Any) -> Any:
+    def _pack(self, t: paddle.Tensor) -> _Packed:
         router = self._pipeline.router
         router.emit_warning()
         reason = paddle_unsupported_reason(t)
@@ -154,7 +162,7 @@ class OffloadHooks(HooksBase):
             return Host(t.pin_memory(), place_of(t))
         return router.keep(t, PaddleVersion(t))
 
-    def _unpack(self, packed: Any) -> Any:
+    def _unpack(self, packed: _Packed) -> paddle.Tensor:
         router = self._pipeline.router
         if isinstance(packed, _Stored):
             t = router.load(packed.handle)
@@ -165,7 +173,7 @@ class OffloadHooks(HooksBase):
         return to_place(packed.tensor, packed.device)
 
     # ------------------------------------------------------------- public
-    def attach(self, layer: Any) -> OffloadHooks:
+    def attach(self, layer: paddle.nn.Layer) -> OffloadHooks:
         """Track ``layer``'s sublayer paths for ``module`` rules while the hooks are active."""
         if self._scope is None:
             self._scope = self._pipeline.scope = LayerScope()
@@ -232,7 +240,7 @@ def offload(
     store: str | os.PathLike[str] | TensorStore | None = None,
     *,
     config: ConfigSource = None,
-    model: Any = None,
+    model: paddle.nn.Layer | None = None,
     **overrides: object,
 ) -> OffloadHooks:
     """Offload the tensors Paddle saves for backward into a store.

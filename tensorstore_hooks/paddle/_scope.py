@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from tensorstore_hooks.hooks import ModuleScope
 
 __all__ = ["LayerScope"]
@@ -19,8 +17,9 @@ class LayerScope(ModuleScope):
     layer's path for the rest of that block.
     """
 
-    def attach(self, model: Any) -> None:
-        """Hook every sublayer of ``model``; attaching a layer twice is a no-op."""
+    def attach(self, model: object) -> None:
+        """Hook every sublayer of ``model`` (a ``paddle.nn.Layer``, else ``TypeError``);
+        attaching a layer twice is a no-op."""
         import paddle
 
         if not isinstance(model, paddle.nn.Layer):

@@ -9,6 +9,7 @@ from tensorstore_hooks.pipeline._budgets import BUDGET_LABEL, derive_windows, pl
 from tensorstore_hooks.pipeline._iopool import READ, WRITE, IOPool
 from tensorstore_hooks.pipeline._ledger import DecisionLedger, Forward
 from tensorstore_hooks.pipeline._pipeline import Pipeline
+from tensorstore_hooks.pipeline._records import Handle
 from tensorstore_hooks.pipeline._router import Host, Kept, Router
 from tensorstore_hooks.pipeline._staging import CopyEvent, CudaOps, DeviceOps, PinnedPool
 from tensorstore_hooks.pipeline._stats import OffloadStats, RouteStats
@@ -25,6 +26,7 @@ __all__ = [
     "CopyEvent",
     "CudaOps",
     "DeviceOps",
+    "Handle",
     "Host",
     "Forward",
     "IOPool",
