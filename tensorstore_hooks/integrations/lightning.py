@@ -32,6 +32,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from tensorstore_hooks.integrations import missing_framework
 
 try:
@@ -41,7 +43,6 @@ except ImportError as e:  # see test_missing_framework_names_the_pip_package
     raise missing_framework("lightning.pytorch", "lightning", "lightning", e) from e
 
 if TYPE_CHECKING:
-    import torch
     from lightning.pytorch import LightningModule, Trainer
 
     from tensorstore_hooks.hooks import ConfigSource, OffloadHooks
@@ -53,15 +54,22 @@ __all__ = ["OffloadCallback"]
 log = logging.getLogger("tensorstore_hooks")
 
 
+class _WholeStep:
+    """``modules`` not given: offload the whole training step (not a ``wrap``)."""
+
+
+_WHOLE_STEP = _WholeStep()
+
+
 class OffloadCallback(Callback):
     """Offload saved activations during ``Trainer.fit``.
 
     ``store``, ``config`` and ``options`` (the policy and pipeline keywords:
     ``min_bytes``, ``prefetch``, ``rules``, ...): what
-    :func:`tensorstore_hooks.offload` takes; ``modules`` wraps chosen submodules
-    (:func:`tensorstore_hooks.wrap`) instead of the whole training step. ``module``
-    policy rules use the LightningModule's module paths, so ``model=`` is refused
-    (:class:`~tensorstore_hooks.ConfigError`). ``hooks`` is the live
+    :func:`tensorstore_hooks.offload` takes; ``modules`` (given, even ``None``) wraps
+    the LightningModule (:func:`tensorstore_hooks.wrap`: chosen submodules, or its
+    whole ``forward`` for ``None``) instead of offloading the whole training step.
+    ``module`` policy rules use the LightningModule's module paths. ``hooks`` is the live
     :class:`~tensorstore_hooks.OffloadHooks` (closed after ``teardown``, stats kept).
     Pickling or deep-copying the callback drops the hooks.
     """
@@ -70,21 +78,23 @@ class OffloadCallback(Callback):
         self,
         *,
         store: str | os.PathLike[str] | TensorStore | None = None,
-        modules: str | Sequence[str] | None = None,
+        modules: str | Sequence[str] | _WholeStep | None = _WHOLE_STEP,
         config: ConfigSource = None,
         log_prefix: str = "tsh/",
         **options: object,
     ) -> None:
-        if "model" in options:
-            from tensorstore_hooks.errors import ConfigError
-
-            raise ConfigError(
-                "OffloadCallback: model= is not needed (module rules use the "
-                "LightningModule's paths)"
-            )
         self.store = store
         self.modules = modules
         self.config = config
+        model = options.pop("model", None)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            from tensorstore_hooks.errors import ConfigError
+
+            raise ConfigError(
+                f"OffloadCallback: model= must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        self.model = model
+        """A model whose module paths ``module`` rules use besides the LightningModule's."""
         self.options = options
         """The policy and pipeline keywords passed on to ``offload``/``wrap``."""
         self.log_prefix = log_prefix
@@ -97,16 +107,22 @@ class OffloadCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self._open:
             return
-        if self.modules is not None:
+        if not isinstance(self.modules, _WholeStep):
             from tensorstore_hooks.hooks import wrap
 
             hooks: OffloadHooks = wrap(
-                pl_module, self.store, modules=self.modules, config=self.config, **self.options
+                pl_module,
+                self.store,
+                modules=self.modules,
+                config=self.config,
+                # a model= goes on to wrap() as given (wrap says what it takes)
+                **({"model": self.model} if self.model is not None else {}),
+                **self.options,
             )
         else:
             from tensorstore_hooks.hooks import offload
 
-            hooks = offload(self.store, config=self.config, model=None, **self.options)
+            hooks = offload(self.store, config=self.config, model=self.model, **self.options)
             if any(r.module is not None for r in hooks.policy.rules):
                 hooks.attach(pl_module)
         self.hooks = hooks
@@ -115,7 +131,7 @@ class OffloadCallback(Callback):
         log.info("OffloadCallback: offloading to %s", hooks.store.url)
 
     def _step_mode(self) -> bool:
-        return self._open and self.modules is None
+        return self._open and isinstance(self.modules, _WholeStep)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int

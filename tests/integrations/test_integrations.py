@@ -359,9 +359,3 @@ def test_missing_framework_names_the_pip_package(
 def _no_hooks_left() -> Iterator[None]:
     yield
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-
-
-def test_lightning_callback_refuses_a_model() -> None:
-    # Module rules use the LightningModule's paths; a model= would be a second one.
-    with pytest.raises(tsh.ConfigError, match="model= is not needed"):
-        LightningOffload(store="memory://", model=nn.Linear(2, 2))
