@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import zarr
 from zarr.abc.store import Store
@@ -23,14 +23,22 @@ from tensorstore_hooks.storage import DAEMON_SCHEMES, TensorStore, scheme_of
 from tensorstore_hooks.storage.io import ChunkIO, FsspecIO, LocalIO, MemoryIO
 
 if TYPE_CHECKING:
-    from tensorstore_hooks.capture._capture import Capture
     from tensorstore_hooks.storage.zarr import ZarrStore
 
-__all__ = ["CaptureRoot", "CaptureSource", "StorageOptions", "open_zarr_array"]
+__all__ = ["CaptureRoot", "CaptureSource", "HasCaptureSource", "StorageOptions", "open_zarr_array"]
 
 StorageOptions: TypeAlias = dict[str, object]
 """fsspec's ``storage_options``: keyword arguments of the filesystem (``anon``, ``key``...)."""
-CaptureRoot: TypeAlias = "str | os.PathLike[str] | Capture | ZarrStore | CaptureSource"
+
+
+@runtime_checkable
+class HasCaptureSource(Protocol):
+    """What knows where its captured arrays are read from: a ``tsh.capture`` object."""
+
+    def capture_source(self, storage_options: StorageOptions | None = None) -> CaptureSource: ...
+
+
+CaptureRoot: TypeAlias = "str | os.PathLike[str] | HasCaptureSource | ZarrStore | CaptureSource"
 """What captured arrays can be read from: a store root URL or path, the ``tsh.capture``
 object that wrote them, the ``ZarrStore`` they were captured into, or a source."""
 
@@ -49,12 +57,11 @@ class CaptureSource:
         cls, source: CaptureRoot, storage_options: StorageOptions | None = None
     ) -> CaptureSource:
         """``source``: a store root URL or path, a ``Capture`` or a ``ZarrStore``."""
-        from tensorstore_hooks.capture._capture import Capture
         from tensorstore_hooks.storage.zarr import ZarrStore
 
         if isinstance(source, CaptureSource):
             return source
-        if isinstance(source, Capture):
+        if isinstance(source, HasCaptureSource):
             return source.capture_source(storage_options)
         if isinstance(source, ZarrStore):
             return cls.of_io(source._io, storage_options, source.url)

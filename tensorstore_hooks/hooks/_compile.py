@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch._dynamo
@@ -58,10 +58,6 @@ from torch._dynamo.comptime import ComptimeContext, comptime
 
 from tensorstore_hooks._warn import warn_user
 from tensorstore_hooks.errors import ConfigError
-from tensorstore_hooks.hooks._scope import ModuleScope
-
-if TYPE_CHECKING:
-    from tensorstore_hooks.hooks._offload import OffloadHooks
 
 __all__ = [
     "offload_block_traced",
@@ -70,6 +66,20 @@ __all__ = [
     "traced_inside_graph",
     "wrap_hook_traced",
 ]
+
+@runtime_checkable
+class Refusable(Protocol):
+    """Hooks whose eager ``__enter__`` raises ``_refused`` once it is set (``OffloadHooks``)."""
+
+    _refused: str | None
+
+
+@runtime_checkable
+class WarnsOnce(Protocol):
+    """A module scope that says once that compiled code hides its modules (``ModuleScope``)."""
+
+    compiled_warned: bool
+
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -145,10 +155,8 @@ def wrap_hook_traced(
 
 # ----------------------------------------------------------- offload() blocks
 def _note_offload_block(ctx: ComptimeContext) -> None:
-    from tensorstore_hooks.hooks._offload import OffloadHooks
-
     hooks = _python_value(ctx, "hooks")
-    if not isinstance(hooks, OffloadHooks):
+    if not isinstance(hooks, Refusable):
         # No handle on the object: refuse while tracing (dynamo wraps this error).
         raise _offload_block_error()
     hooks._refused = str(_offload_block_error())
@@ -165,11 +173,11 @@ def _offload_block_error() -> Exception:
     )
 
 
-def _raise_refused(hooks: OffloadHooks) -> None:
+def _raise_refused(hooks: Refusable) -> None:
     raise ConfigError(hooks._refused)
 
 
-def offload_block_traced(hooks: OffloadHooks) -> None:
+def offload_block_traced(hooks: Refusable) -> None:
     """``OffloadHooks.__enter__`` traced by dynamo: refuse (rule 2), at once and after.
 
     Records the refusal on ``hooks`` at trace time (dynamo may then run the frame
@@ -183,7 +191,7 @@ def offload_block_traced(hooks: OffloadHooks) -> None:
 def _note_scope(ctx: ComptimeContext) -> None:
     scope = _python_value(ctx, "scope")
     with _lock:
-        if isinstance(scope, ModuleScope):
+        if isinstance(scope, WarnsOnce):
             if scope.compiled_warned:
                 return
             scope.compiled_warned = True
@@ -195,7 +203,7 @@ def _note_scope(ctx: ComptimeContext) -> None:
     )
 
 
-def scope_traced(scope: ModuleScope | None) -> None:
+def scope_traced(scope: WarnsOnce | None) -> None:
     """A module-path hook of ``scope`` traced by dynamo: it tracks
     nothing there (rule 4); the scope warns once."""
     comptime(_note_scope)

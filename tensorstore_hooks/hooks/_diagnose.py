@@ -14,13 +14,9 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from tensorstore_hooks._warn import warn_user
 from tensorstore_hooks.config import Policy, glob_matches, sample_names
-
-if TYPE_CHECKING:
-    from tensorstore_hooks.hooks._offload import HooksBase
 
 __all__ = ["after_forward", "before_forward"]
 
@@ -39,10 +35,10 @@ class _Checked:
 
 
 _LOCK = threading.Lock()
-_CHECKED: weakref.WeakKeyDictionary[HooksBase, _Checked] = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary[object, _Checked] = weakref.WeakKeyDictionary()
 
 
-def _state(owner: HooksBase) -> _Checked:
+def _state(owner: object) -> _Checked:
     with _LOCK:
         state = _CHECKED.get(owner)
         if state is None:
@@ -50,8 +46,9 @@ def _state(owner: HooksBase) -> _Checked:
         return state
 
 
-def before_forward(owner: HooksBase, policy: Policy, has_scope: bool) -> None:
-    """At the start of a forward under ``owner`` (hooks): warn if module rules cannot match."""
+def before_forward(owner: object, policy: Policy, has_scope: bool) -> None:
+    """At the start of a forward under ``owner`` (the hooks; only its identity is used,
+    weakly): warn if module rules cannot match."""
     if has_scope:
         return
     state = _state(owner)
@@ -68,7 +65,7 @@ def before_forward(owner: HooksBase, policy: Policy, has_scope: bool) -> None:
         )
 
 
-def after_forward(owner: HooksBase, policy: Policy, seen: Iterable[str] | None) -> None:
+def after_forward(owner: object, policy: Policy, seen: Iterable[str] | None) -> None:
     """After the first forward: warn about ``module`` rules no running module matched.
 
     ``seen``: the module paths that ran (``None``: no module scope, nothing to check).
