@@ -59,6 +59,8 @@ Ts = TypeVarTuple("Ts")
 
 
 class _Runnable(Protocol):
+    """What the queue holds: a task of any result type."""
+
     def run(self) -> None: ...
 
 

@@ -13,10 +13,9 @@ range (and an NVTX range when CUDA is initialised, for Nsight Systems):
 torch.profiler records the training thread by default, so pack, unpack and the
 waits show in any trace; our I/O threads show with
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
-``hooks.trace(path)`` (:meth:`Pipeline.trace <tensorstore_hooks.pipeline._pipeline.Pipeline.trace>`)
-records all of them, plus forward and backward spans, into a
-Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing) with no
-profiler at all.
+``hooks.trace(path)`` (``Pipeline.trace``) records all of them, plus forward and
+backward spans, into a Chrome trace JSON (open in https://ui.perfetto.dev or
+chrome://tracing) with no profiler at all.
 
 Cost when nothing listens: one ``record_function`` enter/exit per tensor (about a
 microsecond), which is noise next to a tensor's write.
