@@ -55,15 +55,17 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import torch
+import zarr
+from torch.utils.hooks import RemovableHandle
 
 from tensorstore_hooks._caller import names_caller
 from tensorstore_hooks._codec import unsupported_reason
 from tensorstore_hooks._warn import warn_user
 from tensorstore_hooks.capture._layout import CAPTURE_DIR, row_bytes, stored_dtype_name
-from tensorstore_hooks.capture._source import CaptureSource, open_zarr_array
+from tensorstore_hooks.capture._source import CaptureSource, StorageOptions, open_zarr_array
 from tensorstore_hooks.capture._writer import (
     ArraySpec,
     CaptureStats,
@@ -71,7 +73,7 @@ from tensorstore_hooks.capture._writer import (
     as_rows,
     chunk_rows_for,
 )
-from tensorstore_hooks.config import check_globs, select_modules
+from tensorstore_hooks.config import EffectiveConfig, check_globs, select_modules
 from tensorstore_hooks.errors import ConfigError, TensorStoreError
 from tensorstore_hooks.storage import DAEMON_SCHEMES, TensorStore, scheme_of
 from tensorstore_hooks.storage.io import ChunkIO
@@ -87,6 +89,8 @@ DEFAULT_MAX_INFLIGHT = 256 << 20
 """Host-buffer bytes a capture may hold when ``max_inflight`` is not given."""
 ROOT_NAME = "root"
 """The array folder of the model itself (``modules=None``)."""
+_ConfigSource: TypeAlias = str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] | None
+"""What ``capture(config=...)`` takes, as ``offload(config=...)`` does."""
 _OPTIONS = ("max_inflight", "writer_threads", "chunk_bytes", "storage_options", "read_deadline_s")
 _DAEMON_HELP = (
     "the storage daemon keeps tensors by opaque key for the session that wrote them and "
@@ -100,7 +104,7 @@ _DAEMON_HELP = (
 class _Detached:
     """What a copied or unpickled capture hook becomes: it does nothing."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
+    def __call__(self, *args: object, **kwargs: object) -> None:
         return None
 
 
@@ -115,7 +119,7 @@ class _Hook:
         self.module = module
         self.role = role
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, *args: object) -> None:
         cap = self._cap()
         if cap is not None:
             cap._on_hook(self.module, self.role, args)
@@ -161,7 +165,7 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         rank: int | None,
         chunk_bytes: int,
         url: str,
-        storage_options: dict[str, Any] | None,
+        storage_options: StorageOptions | None,
         owns_io: bool,
     ) -> None:
         self._writer = writer
@@ -172,7 +176,7 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         self.url = url
         """The store root the arrays are under."""
         self._storage_options = storage_options
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._names: dict[tuple[str, str, tuple[int, ...], torch.dtype], str | None] = {}
         self._owners: dict[str, tuple[tuple[int, ...], str]] = {}
         self._lock = threading.Lock()
@@ -195,7 +199,7 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         """The I/O layer of the store root (what :class:`CaptureDataset` can read from)."""
         return self._writer.io
 
-    def capture_source(self, storage_options: dict[str, Any] | None = None) -> CaptureSource:
+    def capture_source(self, storage_options: StorageOptions | None = None) -> CaptureSource:
         """Where :class:`~tensorstore_hooks.CaptureDataset` reads this capture's arrays."""
         return CaptureSource.of_io(self.io, storage_options or self._storage_options, self.url)
 
@@ -218,11 +222,11 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         return sorted(s.name for s in self._writer.specs)
 
     @property
-    def arrays(self) -> dict[str, Any]:
+    def arrays(self) -> dict[str, zarr.Array]:
         """Each array this capture wrote, by name, as a read-only ``zarr.Array`` with the
         rows visible now (after the ``with`` block: all of them; during it, call
         :meth:`flush` first to see every row so far)."""
-        out: dict[str, Any] = {}
+        out: dict[str, zarr.Array] = {}
         for spec in sorted(self._writer.specs, key=lambda s: s.name):
             arr = open_zarr_array(self.io, spec.path, self._storage_options)
             if arr is not None:
@@ -250,7 +254,8 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         return f"Capture({self.url!r}, arrays={self.names})"
 
     # ------------------------------------------------------------------ hooks
-    def _on_hook(self, module: str, role: str, args: tuple[Any, ...]) -> None:
+    def _on_hook(self, module: str, role: str, args: tuple[object, ...]) -> None:
+        """``args``: what torch called the hook with (NOTE [ Capture hooks ] rules 1-3)."""
         if os.getpid() != self._pid:
             return  # a forked child (a DataLoader worker) running a copy of the model
         # Rule 4 of NOTE [ Capture hooks ]: a forward inside backward is a recomputation.
@@ -354,7 +359,9 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
             warn_user(msg)
 
 
-def _finish(pid: int, writer: CaptureWriter, handles: list[Any], owns_io: bool) -> None:
+def _finish(
+    pid: int, writer: CaptureWriter, handles: list[RemovableHandle], owns_io: bool
+) -> None:
     """Take the hooks off and write what was captured (``Capture.remove``, or its
     finalizer); nothing in a process other than the one that captured."""
     for handle in handles:
@@ -370,7 +377,7 @@ def _finish(pid: int, writer: CaptureWriter, handles: list[Any], owns_io: bool) 
 
 
 # ---------------------------------------------------------------------- leaves
-def _leaves(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _leaves(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
     """Rule 1 of NOTE [ Capture names ]."""
     if isinstance(value, torch.Tensor):
         yield name, value
@@ -382,19 +389,19 @@ def _leaves(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _leaves(f"{name}.{i}", v)
 
 
-def _unwrapped(name: str, values: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _unwrapped(name: str, values: object) -> Iterator[tuple[str, torch.Tensor]]:
     """Rules 2 and 3: a tuple of one is its element."""
     if isinstance(values, tuple | list) and len(values) == 1:
         return _leaves(name, values[0])
     return _leaves(name, values)
 
 
-def _input_leaves(
-    args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _input_leaves(args: object, kwargs: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rule 2: ``args`` and ``kwargs`` as a forward pre-hook with keywords gets them."""
     yield from _unwrapped("input", args)
-    for k, v in kwargs.items():
-        yield from _leaves(f"input.{_part(k)}", v)
+    if isinstance(kwargs, Mapping):
+        for k, v in kwargs.items():
+            yield from _leaves(f"input.{_part(k)}", v)
 
 
 def _part(key: object) -> str:
@@ -416,8 +423,8 @@ def capture(
     modules: str | Sequence[str] | None,
     what: str | Sequence[str],
     dtype: torch.dtype | str | None = None,
-    config: Any = None,
-    **pipeline: Any,
+    config: _ConfigSource = None,
+    **pipeline: object,
 ) -> Capture:
     """Stream what chosen modules see into plain Zarr v3 arrays under ``ROOT/capture/``.
 
@@ -529,7 +536,7 @@ def _select(names: dict[str, torch.nn.Module], modules: str | Sequence[str] | No
     return chosen
 
 
-def _settings(config: Any, pipeline: Mapping[str, Any]) -> Any:
+def _settings(config: _ConfigSource, pipeline: Mapping[str, object]) -> EffectiveConfig:
     from tensorstore_hooks.config import resolve_config
 
     unknown = sorted(k for k in pipeline if k not in _OPTIONS)
@@ -545,7 +552,9 @@ def _settings(config: Any, pipeline: Mapping[str, Any]) -> Any:
         raise ConfigError(str(e).replace("offload(", "capture(")) from None
 
 
-def _open_io(store: Any, cfg: Any) -> tuple[ChunkIO, str, bool, dict[str, Any] | None]:
+def _open_io(
+    store: str | os.PathLike[str] | TensorStore, cfg: EffectiveConfig
+) -> tuple[ChunkIO, str, bool, StorageOptions | None]:
     """``(io, url, owned, storage_options)`` of the store root capture writes under."""
     if isinstance(store, ZarrStore):
         if store.temporary:

@@ -34,15 +34,16 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tensorstore_hooks._units import parse_bytes
 from tensorstore_hooks.capture._layout import CAPTURE_DIR, ArrayInfo, chunk_path, list_arrays
-from tensorstore_hooks.capture._source import CaptureSource
+from tensorstore_hooks.capture._source import CaptureRoot, CaptureSource, StorageOptions
 from tensorstore_hooks.errors import ConfigError, IntegrityError
 from tensorstore_hooks.pipeline import READ, IOPool
 from tensorstore_hooks.storage.io import ChunkIO, LocalIO
@@ -53,6 +54,11 @@ __all__ = ["CaptureDataset"]
 _RANK_GROUP = re.compile(r"^rank\d+/")
 _GATHER = READ  # batches of the window being served go first,
 _FETCH = READ + 1  # then the windows read ahead
+
+_Bytes: TypeAlias = npt.NDArray[np.uint8]
+"""Rows of bytes: a chunk's rows, a gathered batch (shape ``(rows, row_bytes)``)."""
+_Index: TypeAlias = npt.NDArray[np.int64]
+"""Row numbers within a window."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +92,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
 
     def __init__(
         self,
-        url: Any,
+        url: CaptureRoot,
         name: str,
         *,
         batch_size: int,
@@ -97,7 +103,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         shuffle_bytes: int | str = "64MiB",
         read_ahead: int = 1,
         threads: int = 2,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: StorageOptions | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -169,7 +175,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         io, owned = self.source.open()
         pool = IOPool(self.threads, name="tsh-capture-read")
         try:
-            pending: deque[list[Future[np.ndarray]]] = deque()
+            pending: deque[list[Future[_Bytes]]] = deque()
             next_window = 0
             carry: torch.Tensor | None = None
             for w in range(len(windows)):
@@ -205,7 +211,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
             size += u.rows * self.arrays[u.array].row_bytes
         return out
 
-    def _order(self, n: int, shard: int, window: int) -> np.ndarray:
+    def _order(self, n: int, shard: int, window: int) -> _Index:
         if not self.shuffle:
             return np.arange(n)
         return np.random.default_rng([self.seed, self.epoch, shard, window]).permutation(n)
@@ -214,7 +220,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         self,
         pool: IOPool,
         window: _Window,
-        order: np.ndarray,
+        order: _Index,
         carry: torch.Tensor | None,
     ) -> Generator[torch.Tensor, None, torch.Tensor | None]:
         """Yield the window's batches, gathered on the pool's threads ahead of the
@@ -254,13 +260,13 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
 class _Window:
     """The chunks of one window: rows of bytes, numbered across the chunks in order."""
 
-    def __init__(self, chunks: list[np.ndarray]) -> None:
+    def __init__(self, chunks: list[_Bytes]) -> None:
         self.chunks = chunks
         self.starts = np.cumsum([0, *(len(c) for c in chunks)])
         self.rows = int(self.starts[-1])
         self.row_bytes = chunks[0].shape[1]
 
-    def gather(self, rows: np.ndarray) -> np.ndarray:
+    def gather(self, rows: _Index) -> _Bytes:
         """A new array of the window's rows ``rows`` (ascending): one copy of each row,
         the rows of each chunk by one ``np.take`` (no GIL held, no buffering)."""
         out = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
@@ -272,7 +278,7 @@ class _Window:
         return out
 
 
-def _read_unit(io: ChunkIO, info: ArrayInfo, unit: _Unit, fold: int) -> np.ndarray:
+def _read_unit(io: ChunkIO, info: ArrayInfo, unit: _Unit, fold: int) -> _Bytes:
     """Reader thread: chunk ``unit`` as rows of bytes (``fold`` rows per stored row),
     checked against its crc32c. A local chunk is mapped (the page cache, no copy);
     other roots hand over the bytes they fetched."""
@@ -291,7 +297,7 @@ def _read_unit(io: ChunkIO, info: ArrayInfo, unit: _Unit, fold: int) -> np.ndarr
     return view[: unit.rows * info.row_bytes].reshape(unit.rows * fold, info.row_bytes // fold)
 
 
-def _map(path: str) -> Any:
+def _map(path: str) -> mmap.mmap | bytes:
     """A read-only map of the file at ``path`` (closed when the last view of it dies)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -9,17 +9,24 @@ accelerator tensors, pageable ones for CPU tensors) within ``max_inflight`` byte
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 import torch
+
+if sys.version_info >= (3, 11):
+    from typing import TypeVarTuple, Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import TypeVarTuple, Unpack
 
 from tensorstore_hooks.pipeline import WRITE, IOPool, PinnedPool
 
 __all__ = ["Inflight"]
+
+Ts = TypeVarTuple("Ts")
 
 
 class Inflight:
@@ -42,12 +49,12 @@ class Inflight:
         """The most buffer bytes in use at once."""
 
     # ------------------------------------------------------------------ tasks
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[[Unpack[Ts]], object], *args: Unpack[Ts]) -> None:
         """Run ``fn(*args)`` on an I/O thread (counted until it has finished)."""
         with self._cond:
             self._tasks += 1
         try:
-            fut: Future[Any] = self.pool.submit(WRITE, fn, *args)
+            fut: Future[object] = self.pool.submit(WRITE, fn, *args)
         except BaseException:
             self._done()
             raise

@@ -36,7 +36,7 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -51,8 +51,10 @@ from tensorstore_hooks.storage.zarr import FORMAT_VERSION, root_doc, zarr_json_o
 __all__ = [
     "CAPTURE_DIR",
     "CAPTURE_FORMAT",
+    "JSON",
     "ArrayInfo",
     "GroupDocs",
+    "JSONDoc",
     "array_doc",
     "chunk_path",
     "group_doc",
@@ -61,6 +63,11 @@ __all__ = [
     "row_bytes",
     "stored_dtype_name",
 ]
+
+JSON: TypeAlias = str | int | float | bool | list["JSON"] | dict[str, "JSON"] | None
+"""A value as ``json.loads`` makes it (a ``zarr.json`` field, an attribute)."""
+JSONDoc: TypeAlias = dict[str, JSON]
+"""A JSON object: a ``zarr.json`` document, its ``attributes``."""
 
 CAPTURE_DIR = "capture"
 """The folder under the store root that holds every captured array."""
@@ -93,7 +100,7 @@ class ArrayInfo:
     """Rows per chunk object."""
     dtype: str
     """The torch dtype of the values (``bfloat16`` even though Zarr sees ``uint16``)."""
-    attributes: dict[str, Any]
+    attributes: JSONDoc
     """Its attributes as stored (``module``, ``kind``, ``blocks``, ...)."""
 
     @property
@@ -164,7 +171,7 @@ class GroupDocs:
                     self._made.add(group)
 
 
-def array_doc(row_shape: tuple[int, ...], chunk_rows: int, dtype: torch.dtype) -> dict[str, Any]:
+def array_doc(row_shape: tuple[int, ...], chunk_rows: int, dtype: torch.dtype) -> JSONDoc:
     """An empty capture array's ``zarr.json`` as a dict (zarr's own document, made once);
     the writer sets ``shape`` and ``attributes`` before each write of it."""
     data_type = stored_dtype_name(dtype)
@@ -184,11 +191,11 @@ def array_doc(row_shape: tuple[int, ...], chunk_rows: int, dtype: torch.dtype) -
             zarr_format=3,
         )
     )
-    doc: dict[str, Any] = json.loads(raw)
+    doc: JSONDoc = json.loads(raw)
     return doc
 
 
-def encode_doc(doc: dict[str, Any]) -> bytes:
+def encode_doc(doc: JSONDoc) -> bytes:
     return json.dumps(doc, indent=2).encode()
 
 
@@ -214,29 +221,29 @@ def read_array(io: ChunkIO, path: str) -> ArrayInfo | None:
     return _parse(path, doc, attrs)
 
 
-def _parse(path: str, doc: dict[str, Any], attrs: dict[str, Any]) -> ArrayInfo:
+def _parse(path: str, doc: JSONDoc, attrs: JSONDoc) -> ArrayInfo:
     def bad(why: str) -> IntegrityError:
         return IntegrityError(f"capture array {path}: zarr.json {why}")
 
-    shape = doc.get("shape")
-    try:
-        chunks = doc["chunk_grid"]["configuration"]["chunk_shape"]
-    except (KeyError, TypeError):
-        raise bad("has no regular chunk grid") from None
-    ok = (
-        isinstance(shape, list)
-        and isinstance(chunks, list)
-        and 1 <= len(shape) == len(chunks) <= _MAX_NDIM
-        and all(isinstance(v, int) and v >= 0 for v in shape + chunks)
-    )
-    if not ok or not isinstance(shape, list):
-        raise bad(f"has a bad shape {shape!r} or chunk shape {chunks!r}")
+    grid = doc.get("chunk_grid")
+    config = grid.get("configuration") if isinstance(grid, dict) else None
+    if not isinstance(config, dict) or "chunk_shape" not in config:
+        raise bad("has no regular chunk grid")
+    shape_doc, chunks_doc = doc.get("shape"), config["chunk_shape"]
+    shape, chunks = _sizes(shape_doc), _sizes(chunks_doc)
+    if shape is None or chunks is None or not 1 <= len(shape) == len(chunks) <= _MAX_NDIM:
+        raise bad(f"has a bad shape {shape_doc!r} or chunk shape {chunks_doc!r}")
     dtype = attrs.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"names an unknown dtype {dtype!r}")
     if doc.get("data_type") != stored_dtype_name(DTYPES[dtype][0]):
         raise bad(f"stores {doc.get('data_type')!r}, which cannot hold {dtype}")
-    codecs = [c.get("name") if isinstance(c, dict) else c for c in doc.get("codecs", [])]
+    codecs_doc = doc.get("codecs", [])
+    codecs = (
+        [c.get("name") if isinstance(c, dict) else c for c in codecs_doc]
+        if isinstance(codecs_doc, list)
+        else codecs_doc
+    )
     if codecs != ["bytes", "crc32c"]:
         raise bad(f"has codecs {codecs!r}; capture arrays are written as bytes + crc32c")
     if chunks[0] < 1 or list(chunks[1:]) != [max(1, d) for d in shape[1:]]:
@@ -249,6 +256,14 @@ def _parse(path: str, doc: dict[str, Any], attrs: dict[str, Any]) -> ArrayInfo:
         dtype=dtype,
         attributes=attrs,
     )
+
+
+def _sizes(value: JSON) -> list[int] | None:
+    """``value`` if it is a list of ints >= 0 (an array's shape), else ``None``."""
+    if not isinstance(value, list):
+        return None
+    sizes = [v for v in value if isinstance(v, int) and v >= 0]
+    return sizes if len(sizes) == len(value) else None
 
 
 def list_arrays(io: ChunkIO, under: str = CAPTURE_DIR) -> Iterator[ArrayInfo]:

@@ -13,15 +13,34 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import zarr
+from zarr.abc.store import Store
 
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.storage import DAEMON_SCHEMES, TensorStore, scheme_of
 from tensorstore_hooks.storage.io import ChunkIO, FsspecIO, LocalIO, MemoryIO
 
-__all__ = ["CaptureSource", "open_zarr_array"]
+if TYPE_CHECKING:
+    from tensorstore_hooks.storage.zarr import ZarrStore
+
+__all__ = ["CaptureRoot", "CaptureSource", "HasCaptureSource", "StorageOptions", "open_zarr_array"]
+
+StorageOptions: TypeAlias = dict[str, object]
+"""fsspec's ``storage_options``: keyword arguments of the filesystem (``anon``, ``key``...)."""
+
+
+@runtime_checkable
+class HasCaptureSource(Protocol):
+    """What knows where its captured arrays are read from: a ``tsh.capture`` object."""
+
+    def capture_source(self, storage_options: StorageOptions | None = None) -> CaptureSource: ...
+
+
+CaptureRoot: TypeAlias = "str | os.PathLike[str] | HasCaptureSource | ZarrStore | CaptureSource"
+"""What captured arrays can be read from: a store root URL or path, the ``tsh.capture``
+object that wrote them, the ``ZarrStore`` they were captured into, or a source."""
 
 
 @dataclass(frozen=True)
@@ -30,21 +49,20 @@ class CaptureSource:
     an I/O object of this process (``memory://`` roots, store objects on fsspec)."""
 
     url: str
-    storage_options: dict[str, Any] | None = None
+    storage_options: StorageOptions | None = None
     io: ChunkIO | None = None
 
     @classmethod
-    def of(cls, source: Any, storage_options: dict[str, Any] | None = None) -> CaptureSource:
+    def of(
+        cls, source: CaptureRoot, storage_options: StorageOptions | None = None
+    ) -> CaptureSource:
         """``source``: a store root URL or path, a ``Capture`` or a ``ZarrStore``."""
         from tensorstore_hooks.storage.zarr import ZarrStore
 
         if isinstance(source, CaptureSource):
             return source
-        of_capture = getattr(source, "capture_source", None)  # a tsh.capture object
-        if callable(of_capture):
-            found = of_capture(storage_options)
-            if isinstance(found, CaptureSource):
-                return found
+        if isinstance(source, HasCaptureSource):
+            return source.capture_source(storage_options)
         if isinstance(source, ZarrStore):
             return cls.of_io(source._io, storage_options, source.url)
         if isinstance(source, TensorStore):
@@ -71,7 +89,7 @@ class CaptureSource:
         return cls(url, dict(storage_options) if storage_options else None)
 
     @classmethod
-    def of_io(cls, io: ChunkIO, options: dict[str, Any] | None, url: str) -> CaptureSource:
+    def of_io(cls, io: ChunkIO, options: StorageOptions | None, url: str) -> CaptureSource:
         """The source of the root ``url`` that ``io`` reaches (``options``: its fsspec
         ``storage_options``, when known)."""
         if isinstance(io, LocalIO):
@@ -89,15 +107,18 @@ class CaptureSource:
         return make_io(self.url, self.storage_options), True
 
 
-def open_zarr_array(io: ChunkIO, path: str, storage_options: dict[str, Any] | None) -> Any:
+def open_zarr_array(
+    io: ChunkIO, path: str, storage_options: StorageOptions | None
+) -> zarr.Array | None:
     """The array at ``path`` under ``io``'s root opened read-only with plain ``zarr``
     (``None`` if it is not there yet). A ``memory://`` root is read from a snapshot."""
+    store: Store
     if isinstance(io, LocalIO):
-        store: Any = zarr.storage.LocalStore(io.root, read_only=True)
+        store = zarr.storage.LocalStore(io.root, read_only=True)
     elif isinstance(io, MemoryIO):
-        from zarr.core.buffer import cpu
+        from zarr.core.buffer import Buffer, cpu
 
-        objects: dict[str, Any] = {
+        objects: dict[str, Buffer] = {
             k: cpu.Buffer.from_bytes(bytes(io.read(k))) for k in _objects(io, path)
         }
         store = zarr.storage.MemoryStore(store_dict=objects)
@@ -126,7 +147,7 @@ def _objects(io: ChunkIO, path: str) -> list[str]:
     return out
 
 
-def _fs_options(io: FsspecIO) -> dict[str, Any]:
+def _fs_options(io: FsspecIO) -> StorageOptions:
     """The options ``io``'s filesystem was made with, less what cannot be reused."""
     opts = dict(getattr(io.fs, "storage_options", {}) or {})
     opts.pop("session", None)

@@ -51,7 +51,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -60,8 +59,10 @@ from tensorstore_hooks.capture._inflight import Inflight
 from tensorstore_hooks.capture._layout import (
     _MARK,
     CAPTURE_FORMAT,
+    JSON,
     ArrayInfo,
     GroupDocs,
+    JSONDoc,
     array_doc,
     chunk_path,
     encode_doc,
@@ -178,7 +179,7 @@ class _Write:
 @dataclass(eq=False)
 class _Array:
     spec: ArraySpec
-    doc: dict[str, Any]
+    doc: JSONDoc
     append_lock: threading.Lock = field(default_factory=threading.Lock)
     state_lock: threading.Lock = field(default_factory=threading.Lock)
     meta_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -288,13 +289,7 @@ class CaptureWriter:
             arr.full_chunks = resume.rows // spec.chunk_rows
             if resume.rows % spec.chunk_rows:
                 arr.durable[arr.full_chunks] = resume.rows % spec.chunk_rows
-            runs = resume.attributes.get("blocks")
-            if isinstance(runs, list):
-                arr.runs = [
-                    list(r)
-                    for r in runs
-                    if isinstance(r, list) and len(r) == 4 and all(isinstance(v, int) for v in r)
-                ]
+            arr.runs = _runs(resume.attributes.get("blocks"))
             arr.doc["attributes"] = dict(resume.attributes)
         # Copy on write: I/O and hook threads iterate the old dict without a lock.
         self._arrays = {**self._arrays, spec.name: arr}
@@ -478,7 +473,7 @@ class CaptureWriter:
         with codecs ``bytes`` + ``crc32c`` (NOTE [ Capture layout ] rule 2)."""
         path = chunk_path(spec.path, tail.index, len(spec.row_shape) + 1)
         data = tail.buf.numpy().data[: rows * spec.row_bytes]
-        parts: list[Any] = [data, *self._padding(spec.chunk_bytes - len(data))]
+        parts: list[memoryview | bytes] = [data, *self._padding(spec.chunk_bytes - len(data))]
         value = 0
         for part in parts:
             value = crc(part, value)
@@ -600,15 +595,16 @@ def _commit(io: ChunkIO, arr: _Array, groups: GroupDocs) -> Exception | None:
                 return None
             doc = arr.doc
             doc["shape"] = [rows, *spec.row_shape]
+            stored = doc.get("attributes")
             doc["attributes"] = {
-                **doc.get("attributes", {}),
+                **(stored if isinstance(stored, dict) else {}),
                 _MARK: CAPTURE_FORMAT,
                 "module": spec.module,
                 "kind": spec.kind,
                 "dtype": _dtype_name(spec.dtype),
                 "source_dtype": _dtype_name(spec.source_dtype),
                 "rank": spec.rank,
-                "blocks": arr.runs_upto(rows),
+                "blocks": _blocks_doc(arr.runs_upto(rows)),
             }
             raw = encode_doc(doc)
         try:
@@ -620,6 +616,21 @@ def _commit(io: ChunkIO, arr: _Array, groups: GroupDocs) -> Exception | None:
         arr.exists = True
         arr.visible = rows
         return None
+
+
+def _runs(blocks: JSON) -> list[list[int]]:
+    """The well-formed ``[step, first_row, rows, count]`` runs of a stored ``blocks``."""
+    runs: list[list[int]] = []
+    for run in blocks if isinstance(blocks, list) else []:
+        if isinstance(run, list) and len(run) == 4:
+            ints = [v for v in run if isinstance(v, int)]
+            if len(ints) == 4:
+                runs.append(ints)
+    return runs
+
+
+def _blocks_doc(runs: list[list[int]]) -> JSON:
+    return [[*run] for run in runs]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch._dynamo
@@ -67,12 +67,28 @@ __all__ = [
     "wrap_hook_traced",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
+@runtime_checkable
+class Refusable(Protocol):
+    """Hooks whose eager ``__enter__`` raises ``_refused`` once it is set (``OffloadHooks``)."""
+
+    _refused: str | None
+
+
+@runtime_checkable
+class WarnsOnce(Protocol):
+    """A module scope that says once that compiled code hides its modules (``ModuleScope``)."""
+
+    compiled_warned: bool
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+A = TypeVar("A")
 
 _lock = threading.Lock()
 
 
-def outside_graph(fn: F) -> F:
+def outside_graph(fn: Callable[P, T]) -> Callable[P, T]:
     """``fn`` made opaque to dynamo: traced code breaks the graph and calls it eagerly."""
     return torch._dynamo.disable(fn, reason="tensorstore-hooks works outside compiled graphs")
 
@@ -100,7 +116,8 @@ def traced_inside_graph(ctx: ComptimeContext) -> bool:
     return False
 
 
-def _python_value(ctx: ComptimeContext, name: str) -> Any:
+def _python_value(ctx: ComptimeContext, name: str) -> object:
+    """The Python object local ``name`` of the traced frame holds (``None``: not known)."""
     var = ctx.get_local(name)
     try:
         return var.as_python_constant()
@@ -110,15 +127,17 @@ def _python_value(ctx: ComptimeContext, name: str) -> Any:
 
 
 @outside_graph
-def _call_eagerly(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
+def _call_eagerly(fn: Callable[[A], None], arg: A) -> None:
+    fn(arg)
 
 
 # ----------------------------------------------------------------- tsh.wrap
 def _note_wrap_edge(ctx: ComptimeContext) -> None:
     # Runs at trace time, in wrap_hook_traced's frame.
     if traced_inside_graph(ctx):
-        _python_value(ctx, "refuse")(_python_value(ctx, "key"))
+        refuse, key = _python_value(ctx, "refuse"), _python_value(ctx, "key")
+        if callable(refuse) and isinstance(key, int):
+            refuse(key)
 
 
 def wrap_hook_traced(
@@ -137,7 +156,7 @@ def wrap_hook_traced(
 # ----------------------------------------------------------- offload() blocks
 def _note_offload_block(ctx: ComptimeContext) -> None:
     hooks = _python_value(ctx, "hooks")
-    if hooks is None:
+    if not isinstance(hooks, Refusable):
         # No handle on the object: refuse while tracing (dynamo wraps this error).
         raise _offload_block_error()
     hooks._refused = str(_offload_block_error())
@@ -154,11 +173,11 @@ def _offload_block_error() -> Exception:
     )
 
 
-def _raise_refused(hooks: Any) -> None:
+def _raise_refused(hooks: Refusable) -> None:
     raise ConfigError(hooks._refused)
 
 
-def offload_block_traced(hooks: Any) -> None:
+def offload_block_traced(hooks: Refusable) -> None:
     """``OffloadHooks.__enter__`` traced by dynamo: refuse (rule 2), at once and after.
 
     Records the refusal on ``hooks`` at trace time (dynamo may then run the frame
@@ -172,9 +191,9 @@ def offload_block_traced(hooks: Any) -> None:
 def _note_scope(ctx: ComptimeContext) -> None:
     scope = _python_value(ctx, "scope")
     with _lock:
-        if getattr(scope, "compiled_warned", False):
-            return
-        if scope is not None:
+        if isinstance(scope, WarnsOnce):
+            if scope.compiled_warned:
+                return
             scope.compiled_warned = True
     warn_user(
         "tensorstore-hooks: `module` policy rules cannot see the modules that run inside "
@@ -184,7 +203,7 @@ def _note_scope(ctx: ComptimeContext) -> None:
     )
 
 
-def scope_traced(scope: Any) -> None:
-    """A module-path hook of ``scope`` (a ``ModuleScope``) traced by dynamo: it tracks
+def scope_traced(scope: WarnsOnce | None) -> None:
+    """A module-path hook of ``scope`` traced by dynamo: it tracks
     nothing there (rule 4); the scope warns once."""
     comptime(_note_scope)

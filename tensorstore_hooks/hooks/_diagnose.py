@@ -14,16 +14,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 from tensorstore_hooks._warn import warn_user
-from tensorstore_hooks.config import glob_matches, sample_names
+from tensorstore_hooks.config import Policy, glob_matches, sample_names
 
 __all__ = ["after_forward", "before_forward"]
 
 
-def _module_rules(policy: Any) -> list[tuple[int, Any]]:
-    return [(i, r) for i, r in enumerate(getattr(policy, "rules", ())) if r.module is not None]
+def _module_globs(policy: Policy) -> list[tuple[int, str]]:
+    """``(index, module glob)`` of each rule that has one."""
+    return [(i, r.module) for i, r in enumerate(policy.rules) if r.module is not None]
 
 
 class _Checked:
@@ -35,10 +35,10 @@ class _Checked:
 
 
 _LOCK = threading.Lock()
-_CHECKED: weakref.WeakKeyDictionary[Any, _Checked] = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary[object, _Checked] = weakref.WeakKeyDictionary()
 
 
-def _state(owner: Any) -> _Checked:
+def _state(owner: object) -> _Checked:
     with _LOCK:
         state = _CHECKED.get(owner)
         if state is None:
@@ -46,17 +46,18 @@ def _state(owner: Any) -> _Checked:
         return state
 
 
-def before_forward(owner: Any, policy: Any, has_scope: bool) -> None:
-    """At the start of a forward under ``owner`` (hooks): warn if module rules cannot match."""
+def before_forward(owner: object, policy: Policy, has_scope: bool) -> None:
+    """At the start of a forward under ``owner`` (the hooks; only its identity is used,
+    weakly): warn if module rules cannot match."""
     if has_scope:
         return
     state = _state(owner)
     if state.missing_model:
         return
     state.missing_model = True
-    rules = _module_rules(policy)
+    rules = _module_globs(policy)
     if rules:
-        globs = ", ".join(f"rules[{i}] module={r.module!r}" for i, r in rules)
+        globs = ", ".join(f"rules[{i}] module={glob!r}" for i, glob in rules)
         warn_user(
             f"tensorstore-hooks: the policy has module rules ({globs}) but no model to take "
             "module paths from, so they can never match. Pass model=your_model to "
@@ -64,7 +65,7 @@ def before_forward(owner: Any, policy: Any, has_scope: bool) -> None:
         )
 
 
-def after_forward(owner: Any, policy: Any, seen: Iterable[str] | None) -> None:
+def after_forward(owner: object, policy: Policy, seen: Iterable[str] | None) -> None:
     """After the first forward: warn about ``module`` rules no running module matched.
 
     ``seen``: the module paths that ran (``None``: no module scope, nothing to check).
@@ -79,9 +80,9 @@ def after_forward(owner: Any, policy: Any, seen: Iterable[str] | None) -> None:
         return  # nothing of the model ran under these hooks yet
     state.forward = True
     unmatched = [
-        f"rules[{i}] module={r.module!r}"
-        for i, r in _module_rules(policy)
-        if not any(glob_matches(r.module, p) for p in paths)
+        f"rules[{i}] module={glob!r}"
+        for i, glob in _module_globs(policy)
+        if not any(glob_matches(glob, p) for p in paths)
     ]
     if unmatched:
         warn_user(

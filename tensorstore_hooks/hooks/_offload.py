@@ -24,13 +24,7 @@ from tensorstore_hooks.hooks._compose import block_abort, block_enter, block_exi
 from tensorstore_hooks.hooks._diagnose import after_forward, before_forward
 from tensorstore_hooks.hooks._report import Report
 from tensorstore_hooks.hooks._scope import ModuleScope
-from tensorstore_hooks.pipeline import (
-    Pipeline,
-    Timeline,
-    describe_pipeline,
-    forward_begin,
-    forward_end,
-)
+from tensorstore_hooks.pipeline import Pipeline, Timeline
 from tensorstore_hooks.runtime import shield_signals
 from tensorstore_hooks.storage import (
     TensorStore,
@@ -78,9 +72,7 @@ class HooksBase:
         saved as Chrome trace JSON at ``path`` on exit (open it in
         https://ui.perfetto.dev). See NOTE [ Profiler ranges ] for torch.profiler.
         """
-        from tensorstore_hooks.pipeline import record
-
-        return record(self._pipeline, path)
+        return self._pipeline.trace(path)
 
     def report(
         self, budgets: Sequence[int | str] | None = None, *, depth: int | None = None
@@ -183,7 +175,7 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
                 counted = True
                 outermost = self._depth == 1
             if outermost:  # nested re-entry: tracking lasts until the outermost exit
-                forward_begin(self._pipeline)
+                self._pipeline.forward_begin()
                 has_scope = self._scope is not None and bool(self._models)
                 before_forward(self, self.policy, has_scope)
                 if self._scope is not None:
@@ -211,7 +203,7 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
             last = self._depth == 0
         if not last:
             return
-        forward_end(self._pipeline)
+        self._pipeline.forward_end()
         if self._scope is not None:
             self._scope.detach()
             after_forward(self, self.policy, self._scope.visible_paths())
@@ -318,5 +310,5 @@ def make_pipeline(
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
     pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
-    log.info("%s", describe_pipeline(pipeline))
+    log.info("%s", pipeline.describe())
     return pipeline

@@ -26,11 +26,18 @@ NOTE [ Report ledger ]
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from tensorstore_hooks._units import format_bytes
-from tensorstore_hooks.pipeline import DecisionLedger, derive_windows, plan_keep
+from tensorstore_hooks._units import MemoryShare, format_bytes
+from tensorstore_hooks.config import PipelineSettings, Policy
+from tensorstore_hooks.pipeline import (
+    BUDGET_LABEL,
+    DecisionLedger,
+    OffloadStats,
+    derive_windows,
+    plan_keep,
+)
 
 __all__ = [
     "BudgetPoint",
@@ -296,67 +303,56 @@ def report_from_settings(
     ledger: DecisionLedger,
     *,
     scoped: bool,
-    policy: object,
-    settings: object,
-    stats: object,
+    policy: Policy,
+    settings: PipelineSettings,
+    stats: OffloadStats,
     budgets: Iterable[int] | None = None,
     depth: int | None = None,
 ) -> Report:
     """:func:`build_report` with the budgets and windows of a pipeline: its policy, its
     ``pipeline:`` settings and, for a budget derived from the memory there is
     (``auto``, a percentage), the effective budget its stats carry."""
-    device_budget = _size_or_none(getattr(stats, "effective_device_budget", None))
+    device_budget = stats.effective_device_budget
     if device_budget is None:
-        device_budget = _size_or_none(getattr(policy, "device_budget", None))
-    host_budget = _size_or_none(getattr(stats, "effective_host_budget", None))
-    if not host_budget:
-        host_budget = _size_or_none(getattr(settings, "host_budget", 0))
+        device_budget = _size_or_none(policy.device_budget)
+    host_budget = stats.effective_host_budget or _size_or_none(settings.host_budget) or 0
     return build_report(
         ledger,
         scoped=scoped,
         device_budget=device_budget,
-        max_inflight=_size_or_none(getattr(settings, "max_inflight", None)),
-        prefetch=_size_or_none(getattr(settings, "prefetch", None)),
-        host_budget=host_budget or 0,
+        max_inflight=settings.max_inflight,
+        prefetch=settings.prefetch,
+        host_budget=host_budget,
         budgets=budgets,
         depth=depth,
     )
 
 
-def _size_or_none(value: object) -> int | None:
+def _size_or_none(value: int | MemoryShare | None) -> int | None:
+    # A share of the memory there is ("auto", "60%") has no size until the pipeline derives it.
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def step_figures(delta: object, prefix: str = "tsh/") -> dict[str, float]:
+def step_figures(delta: OffloadStats, prefix: str = "tsh/") -> dict[str, float]:
     """The figures a trainer logs for one logging period: ``delta`` is an
     :class:`~tensorstore_hooks.OffloadStats` difference (``stats - snapshot``).
 
     Counts are what happened in the period; ``peak_held_bytes`` and the effective
-    budgets are levels (the value now).
+    budgets are levels (the value now; the device budget only once there is one).
     """
-    out: dict[str, float] = {}
-    for name in (
-        "bytes_offloaded",
-        "bytes_read",
-        "tensors_offloaded",
-        "tensors_kept",
-        "fallbacks",
-        "pack_stall_s",
-        "unpack_stall_s",
-        "peak_held_bytes",
-    ):
-        value = getattr(delta, name, None)
-        if isinstance(value, int | float):
-            out[prefix + name] = value
-    per_rule = getattr(delta, "per_rule", {})
-    if isinstance(per_rule, Mapping):
-        from tensorstore_hooks.pipeline import BUDGET_LABEL
-
-        kept = per_rule.get(BUDGET_LABEL)
-        out[prefix + "budget_kept_bytes"] = getattr(kept, "bytes", 0) if kept is not None else 0
-    # Set when the stats carry them (budgets derived from the memory there is).
-    for name in ("effective_device_budget", "effective_host_budget"):
-        value = getattr(delta, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            out[prefix + name] = value
-    return out
+    kept = delta.per_rule.get(BUDGET_LABEL)
+    figures: dict[str, float] = {
+        "bytes_offloaded": delta.bytes_offloaded,
+        "bytes_read": delta.bytes_read,
+        "tensors_offloaded": delta.tensors_offloaded,
+        "tensors_kept": delta.tensors_kept,
+        "fallbacks": delta.fallbacks,
+        "pack_stall_s": delta.pack_stall_s,
+        "unpack_stall_s": delta.unpack_stall_s,
+        "peak_held_bytes": delta.peak_held_bytes,
+        "budget_kept_bytes": kept.bytes if kept is not None else 0,
+    }
+    if delta.effective_device_budget is not None:
+        figures["effective_device_budget"] = delta.effective_device_budget
+    figures["effective_host_budget"] = delta.effective_host_budget
+    return {prefix + name: value for name, value in figures.items()}

@@ -8,13 +8,25 @@ can ask ``current()`` for the innermost module that saved a tensor.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol, TypeAlias
 
 import torch
 
 from tensorstore_hooks.runtime import never_compiled
 
 __all__ = ["ModuleScope"]
+
+PreHook: TypeAlias = Callable[[object, tuple[object, ...]], None]
+"""A forward pre-hook: ``(module, args)``; torch's and paddle's modules take it."""
+PostHook: TypeAlias = Callable[[object, tuple[object, ...], object], None]
+"""A forward post-hook: ``(module, args, output)``."""
+
+
+class Removable(Protocol):
+    """A hook's handle (torch's ``RemovableHandle``, paddle's ``HookRemoveHelper``)."""
+
+    def remove(self) -> None: ...
 
 
 class _Stack(threading.local):
@@ -44,9 +56,8 @@ class ModuleScope:
         self._local = _Stack()
         self._lock = threading.Lock()
         # Strong references until detach(): the handles need their module alive anyway.
-        # Keys are modules (or paddle Layers, see tensorstore_hooks.paddle); values have
-        # ``remove()``.
-        self._handles: dict[Any, tuple[Any, Any]] = {}
+        # Keys are modules (or paddle Layers, see tensorstore_hooks.paddle).
+        self._handles: dict[object, tuple[Removable, Removable]] = {}
         # Every path that ran forward, for the "glob matched nothing" check
         # (tensorstore_hooks.hooks._diagnose); a set add per module call, bounded.
         self.seen: set[str] = set()
@@ -107,12 +118,12 @@ class ModuleScope:
         """Number of modules currently hooked."""
         return len(self._handles)
 
-    def _make_pre(self, path: str) -> Any:
+    def _make_pre(self, path: str) -> PreHook:
         enter = self.enter
         scope = self
 
         @never_compiled  # NOTE [ torch.compile ], rule 3 (one code object for all)
-        def pre_hook(module: Any, args: Any) -> None:
+        def pre_hook(module: object, args: tuple[object, ...]) -> None:
             if torch.compiler.is_compiling():  # NOTE [ torch.compile ], rule 4
                 from tensorstore_hooks.hooks._compile import scope_traced
 
@@ -122,13 +133,13 @@ class ModuleScope:
 
         return pre_hook
 
-    def _make_post(self, path: str) -> Any:
+    def _make_post(self, path: str) -> PostHook:
         # exit() pops only our own entry: with always_call=True this hook also runs
         # when a global pre-hook raised before ours pushed anything.
         exit_ = self.exit
 
         @never_compiled
-        def post_hook(module: Any, args: Any, output: Any) -> None:
+        def post_hook(module: object, args: tuple[object, ...], output: object) -> None:
             if torch.compiler.is_compiling():  # rule 4: tracks nothing in traced code
                 return
             exit_(path)

@@ -47,10 +47,10 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch.nn.modules import module as _nn_module
+from torch.utils.hooks import RemovableHandle
 
 from tensorstore_hooks._caller import names_caller
 from tensorstore_hooks._warn import warn_user
@@ -58,9 +58,8 @@ from tensorstore_hooks.config import check_globs, outermost, select_modules
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.hooks._compose import checkpoint_decides
 from tensorstore_hooks.hooks._diagnose import after_forward
-from tensorstore_hooks.hooks._offload import OffloadHooks, make_pipeline
+from tensorstore_hooks.hooks._offload import ConfigSource, OffloadHooks, make_pipeline
 from tensorstore_hooks.hooks._scope import ModuleScope
-from tensorstore_hooks.pipeline import forward_begin, forward_end
 from tensorstore_hooks.runtime import never_compiled, say_once
 from tensorstore_hooks.storage import TensorStore
 
@@ -69,6 +68,12 @@ __all__ = ["WrapHooks", "is_wrapped", "unwrap", "wrap"]
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
+
+
+class _Depth(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        """Selected modules of one wrapped tree running on this thread (Rule 2)."""
 
 
 class _Wrap:
@@ -93,8 +98,8 @@ class _Wrap:
         self.hooks = hooks
         self.scope = scope
         self.root_name = root_name
-        self.local = threading.local()  # .depth: selected modules running on this thread
-        self.finalizer: weakref.finalize[Any, Any] | None = None
+        self.local = _Depth()
+        self.finalizer: weakref.finalize[[], torch.nn.Module] | None = None
         self.refused: str | None = None  # Rule 6: why forward must raise, once dynamo said so
         # Rule 7: the root's first forward checks that a selected submodule ran.
         self.first_forward = blocks
@@ -133,7 +138,7 @@ _WATCHED: dict[int, _Entry] = {}
 _TABLES = (_REGISTRY, _SELECTED, _SCOPED, _WATCHED)
 _ROOTS: weakref.WeakKeyDictionary[torch.nn.Module, _Wrap] = weakref.WeakKeyDictionary()
 _FRAMES = _Frames()
-_global_handles: list[Any] = []
+_global_handles: list[RemovableHandle] = []
 
 
 # ------------------------------------------------------------------- hooks
@@ -151,7 +156,7 @@ def _forget(key: int, ref: weakref.ref[torch.nn.Module]) -> None:
 
 
 @never_compiled  # a frame of its own runs eagerly; inlined, the branch below (Rule 6)
-def _pre_hook(module: torch.nn.Module, args: Any) -> None:
+def _pre_hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
     if torch.compiler.is_compiling():  # Rule 6
         key = id(module)
         if key in _SELECTED or key in _WATCHED:
@@ -169,7 +174,7 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
 
 
 @never_compiled
-def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+def _post_hook(module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
     if torch.compiler.is_compiling():  # Rule 6
         key = id(module)
         if key in _SELECTED or key in _WATCHED:
@@ -197,13 +202,13 @@ def enter_module(module: torch.nn.Module) -> None:
         return
     pushed = False
     if entry.selected:
-        depth = getattr(wrap.local, "depth", 0)
+        depth = wrap.local.depth
         wrap.local.depth = depth + 1
         if depth == 0 and _hooks_enabled() and not checkpoint_decides():  # Rules 2, 4
             hooks = wrap.hooks
             _push_hooks(hooks.pack_hook, hooks.unpack_hook)
             pushed = True
-            forward_begin(hooks._pipeline)
+            hooks._pipeline.forward_begin()
     _FRAMES.stack.append((module, entry, pushed))
 
 
@@ -216,7 +221,7 @@ def exit_module(module: torch.nn.Module) -> None:
     wrap = entry.wrap
     if pushed:
         _pop_hooks()
-        forward_end(wrap.hooks._pipeline)
+        wrap.hooks._pipeline.forward_end()
     if wrap.scope is not None:
         wrap.scope.exit(entry.path)
     if not entry.path and wrap.first_forward:  # Rule 7
@@ -353,8 +358,8 @@ def wrap(
     store: str | os.PathLike[str] | TensorStore | None = None,
     *,
     modules: str | Sequence[str] | None = None,
-    config: Any = None,
-    **overrides: Any,
+    config: ConfigSource = None,
+    **overrides: object,
 ) -> WrapHooks:
     """Offload what autograd saves while ``module`` (or chosen submodules) runs forward.
 
@@ -402,7 +407,7 @@ def wrap(
     hooks = WrapHooks(pipeline)
     hooks._wrap_root = weakref.ref(module)
     state = _Wrap(hooks, scope, type(module).__name__, blocks=selected != {""})
-    state.module_rules = any(r.module is not None for r in getattr(pipeline.policy, "rules", ()))
+    state.module_rules = any(r.module is not None for r in pipeline.policy.rules)
     with _LOCK:
         if any(_entry(sub) is not None for sub in names.values()):  # lost a race
             pipeline.close()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
 from tensorstore_hooks.hooks import ModuleScope
+
+if TYPE_CHECKING:
+    from paddle import Tensor
+    from paddle.nn import Layer
 
 __all__ = ["LayerScope"]
 
@@ -17,9 +24,8 @@ class LayerScope(ModuleScope):
     layer's path for the rest of that block.
     """
 
-    def attach(self, model: object) -> None:
-        """Hook every sublayer of ``model`` (a ``paddle.nn.Layer``, else ``TypeError``);
-        attaching a layer twice is a no-op."""
+    def attach(self, model: Any) -> None:
+        """Hook every sublayer of ``model``; attaching a layer twice is a no-op."""
         import paddle
 
         if not isinstance(model, paddle.nn.Layer):
@@ -28,6 +34,10 @@ class LayerScope(ModuleScope):
             for path, layer in model.named_sublayers(include_self=True):
                 if layer in self._handles:
                     continue
-                pre = layer.register_forward_pre_hook(self._make_pre(path))
-                post = layer.register_forward_post_hook(self._make_post(path))
+                # paddle's annotations say a hook maps Tensors; it gets the inputs tuple
+                # and may return None, as ours do.
+                pre_hook = cast("Callable[[Layer, Tensor], Tensor]", self._make_pre(path))
+                post_hook = cast("Callable[[Layer, Tensor, Tensor], Tensor]", self._make_post(path))
+                pre = layer.register_forward_pre_hook(pre_hook)
+                post = layer.register_forward_post_hook(post_hook)
                 self._handles[layer] = (pre, post)

@@ -13,13 +13,7 @@ from tensorstore_hooks.pipeline._records import Handle
 from tensorstore_hooks.pipeline._router import Host, Kept, Router
 from tensorstore_hooks.pipeline._staging import CopyEvent, CudaOps, DeviceOps, PinnedPool
 from tensorstore_hooks.pipeline._stats import OffloadStats, RouteStats
-from tensorstore_hooks.pipeline._timeline import (
-    Timeline,
-    describe_pipeline,
-    forward_begin,
-    forward_end,
-    record,
-)
+from tensorstore_hooks.pipeline._timeline import Timeline
 
 __all__ = [
     "BUDGET_LABEL",
@@ -41,9 +35,5 @@ __all__ = [
     "Timeline",
     "WRITE",
     "derive_windows",
-    "describe_pipeline",
-    "forward_begin",
-    "forward_end",
     "plan_keep",
-    "record",
 ]

@@ -44,7 +44,8 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    (``HostCopy.readers``, rule 4 of NOTE [ Record lifecycle ]).
 5. The tier counts the pinned memory the allocator really holds (rule 1 of NOTE
    [ Host tier ]): each buffer at the allocator's size (torch rounds every pinned
-   allocation up to a power of two, :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
+   allocation up to a power of two,
+   :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
    and buffers are never dropped while the pipeline lives (torch keeps freed pinned
    blocks cached, so dropping one would free nothing).
 """

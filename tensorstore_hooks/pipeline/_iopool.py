@@ -18,11 +18,17 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if sys.version_info >= (3, 11):
+    from typing import TypeVarTuple, Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import TypeVarTuple, Unpack
 
 if TYPE_CHECKING:
     from tensorstore_hooks.storage import TensorStore
@@ -48,6 +54,43 @@ _STOP = 99
 
 _WORKER = threading.local()
 
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+class _Runnable(Protocol):
+    """What the queue holds: a task of any result type."""
+
+    def run(self) -> None: ...
+
+
+class _Task(Generic[T, Unpack[Ts]]):
+    """``fn(*args)`` and the Future its result or exception goes to."""
+
+    __slots__ = ("args", "fn", "future")
+
+    def __init__(self, fn: Callable[[Unpack[Ts]], T], args: tuple[Unpack[Ts]]) -> None:
+        self.fn = fn
+        self.args = args
+        self.future: Future[T] = Future()
+
+    def run(self) -> None:
+        """Run ``fn`` unless the Future was cancelled; never raises."""
+        future, fn, args = self.future, self.fn, self.args
+        # A failure's traceback keeps this frame: on exit it must refer to nothing of
+        # the task (its arguments hold tensors and records), or they outlive the task.
+        del self
+        try:
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as e:  # delivered to whoever waits on the future
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+        finally:
+            del future, fn, args
+
 
 def on_io_thread() -> bool:
     """True on a worker thread of any :class:`IOPool` (it must never wait for its own queue)."""
@@ -60,7 +103,9 @@ class IOPool:
     def __init__(self, threads: int, name: str = "tsh-io") -> None:
         self.threads = max(1, threads)
         self._name = name
-        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, _Runnable | None]] = (
+            queue.PriorityQueue()
+        )
         self._counter = itertools.count()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -74,16 +119,18 @@ class IOPool:
         the pool (its threads do not exist there); a closed pool takes no more tasks."""
         return self._closed or foreign(self._pid)
 
-    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(
+        self, priority: int, fn: Callable[[Unpack[Ts]], T], *args: Unpack[Ts]
+    ) -> Future[T]:
         """Run ``fn(*args)`` on a pool thread; lower ``priority`` runs first."""
-        fut: Future[Any] = Future()
+        task = _Task(fn, args)
         with self._lock:
             if self.closed:
                 raise RuntimeError("tensorstore-hooks I/O pool is shut down")
             if len(self._workers) < self.threads:
                 self._start_worker()
-        self._queue.put((priority, next(self._counter), (fut, fn, args)))
-        return fut
+        self._queue.put((priority, next(self._counter), task))
+        return task.future
 
     def _start_worker(self) -> None:
         t = threading.Thread(
@@ -95,23 +142,13 @@ class IOPool:
     def _run(self) -> None:
         _WORKER.pool = self
         while True:
-            priority, _, item = self._queue.get()
-            if priority == _STOP:
+            priority, _, task = self._queue.get()
+            if priority == _STOP or task is None:
                 return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                del fut, fn, args, item
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as e:  # delivered to whoever waits on the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-                # An idle thread must not keep the last tensor it read alive (and its
-                # read buffer out of the pool) until its next task.
-                del result
-            del fut, fn, args, item  # drop references to tensors promptly
+            task.run()
+            # An idle thread must not keep the last tensor it read or wrote alive (and
+            # its read buffer out of the pool) until its next task.
+            del task
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Finish queued tasks, then stop the threads (waits up to ``timeout_s``).
@@ -133,11 +170,11 @@ class IOPool:
         return sum(t.is_alive() for t in self._workers)
 
 
-_POOLS: weakref.WeakKeyDictionary[Any, IOPool] = weakref.WeakKeyDictionary()
+_POOLS: weakref.WeakKeyDictionary[TensorStore, IOPool] = weakref.WeakKeyDictionary()
 _POOLS_LOCK = threading.RLock()  # re-entered by _count_pool from pool_for
 
 
-def pool_for(store: Any, threads: int) -> IOPool:
+def pool_for(store: TensorStore, threads: int) -> IOPool:
     """The pool shared by all pipelines on ``store``, made with ``threads`` on first use.
 
     The first caller sizes the pool. A later caller asking for another size gets the
@@ -157,7 +194,7 @@ def pool_for(store: Any, threads: int) -> IOPool:
                 "tensorstore-hooks: the store %s already has an I/O pool of %d threads; "
                 "these hooks asked for %d and share the existing %d (writer_threads "
                 "applies to the first hooks on a store)",
-                getattr(store, "url", store),
+                store.url,
                 pool.threads,
                 threads,
                 pool.threads,
@@ -187,7 +224,9 @@ class StorePool:
         return pool
 
 
-def shutdown_pool(store: Any) -> None:
+def shutdown_pool(store: TensorStore) -> None:
+    """Stop ``store``'s pool (its queued tasks run first); the next :func:`pool_for` makes
+    a new one."""
     with _POOLS_LOCK:
         pool = _POOLS.pop(store, None)
     if pool is not None:

@@ -19,11 +19,13 @@ after :meth:`Pipeline.close`, an owned store closes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 
-from tensorstore_hooks.config import PipelineSettings, Policy
+from tensorstore_hooks.config import PipelineSettings, Policy, exact_size
 from tensorstore_hooks.pipeline._budgets import BudgetControl, pinned_idle_cap
 from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._iopool import StorePool, on_io_thread, shutdown_pool
@@ -66,7 +68,7 @@ class Pipeline:
         self.stats = stats = OffloadStats()
         # Counters bump ``stats`` directly: a bound method of ours would be a cycle.
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
-            settings.release_heap_every, on_release=lambda: _bump(stats, "heap_releases")
+            settings.release_heap_every, on_release=functools.partial(_count_heap_release, stats)
         )
         io = StorePool(store, settings.writer_threads + 2)
         self._closed = False
@@ -103,7 +105,8 @@ class Pipeline:
             budget=budget,
         )
         # Last, once nothing can fail: both are given back by _close_now. NOTE [ Closed
-        # while in use ] (storage/zarr/_store.py), NOTE [ Process-wide effects ] (runtime/_effects.py).
+        # while in use ] (storage/zarr/_store.py), NOTE [ Process-wide effects ]
+        # (runtime/_effects.py).
         self._unuse = store._use()
         trim_every = settings.release_heap_every if self.heap.enabled else 0
         self._effects = PipelineEffects(settings.mmap_threshold, trim_every)
@@ -125,6 +128,55 @@ class Pipeline:
     @timeline.setter
     def timeline(self, timeline: Timeline | None) -> None:
         self.router.timeline = self.writer.timeline = self.prefetcher.timeline = timeline
+
+    @contextlib.contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[Timeline]:
+        """Record this pipeline's work into a :class:`Timeline` saved at ``path`` on exit.
+
+        :attr:`timeline` is set while the block runs; the file is written even if the
+        block raises. Raises ``RuntimeError`` if a trace is already recording.
+        """
+        if self.timeline is not None:
+            raise RuntimeError("hooks.trace(): these hooks are already recording a timeline")
+        timeline = Timeline(path)
+        self.timeline = timeline
+        try:
+            yield timeline
+        finally:
+            self.flush()  # writes still running belong in the picture
+            self.timeline = None
+            timeline.write()
+
+    def forward_begin(self) -> None:
+        """A forward under this pipeline's hooks starts (for the timeline, if recording)."""
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.forward_begin()
+
+    def forward_end(self) -> None:
+        """The forward under this pipeline's hooks ended."""
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.forward_end()
+
+    def describe(self) -> str:
+        """One line: the store and every setting of the pipeline, for the INFO log at open."""
+        policy, settings, store = self.policy, self.settings, self.store
+        temporary = " (temporary, removed at close)" if store.temporary else ""
+        rules = (
+            ", ".join(f"rules[{i}] {r.describe()}->{r.action}" for i, r in enumerate(policy.rules))
+            or "none"
+        )
+        return (
+            f"offload pipeline: store {store.url}{temporary}; policy min_bytes="
+            f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "
+            f"default={policy.default} device_budget={_size(policy.device_budget, 'none')} "
+            f"rules: {rules}; pipeline max_inflight={_size(settings.max_inflight, 'derived')} "
+            f"prefetch={_size(settings.prefetch, 'derived')} "
+            f"host_budget={_size(settings.host_budget or None, 'none')} "
+            f"memory_headroom={_size(settings.memory_headroom, 'none')} "
+            f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
+        )
 
     # -------------------------------------------------------------- release
     def _release(self, rec: Record) -> None:
@@ -200,5 +252,10 @@ def _wire_direct_io(pipeline: Pipeline, store: TensorStore, owns_store: bool) ->
         pipeline.prefetcher.on_window = lambda window: resize(max(window, floor))
 
 
-def _bump(stats: OffloadStats, name: str) -> None:
-    setattr(stats, name, getattr(stats, name) + 1)
+def _size(n: object, unset: str) -> object:
+    # A budget may be a share of the memory there is ("auto", "60%"): shown as such.
+    return unset if n is None else exact_size(n) if isinstance(n, int) else str(n)
+
+
+def _count_heap_release(stats: OffloadStats) -> None:
+    stats.heap_releases += 1

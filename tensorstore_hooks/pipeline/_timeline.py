@@ -13,9 +13,9 @@ range (and an NVTX range when CUDA is initialised, for Nsight Systems):
 torch.profiler records the training thread by default, so pack, unpack and the
 waits show in any trace; our I/O threads show with
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
-``hooks.trace(path)`` records all of them, plus forward and backward spans, into a
-Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing) with no
-profiler at all.
+``hooks.trace(path)`` (``Pipeline.trace``) records all of them, plus forward and
+backward spans, into a Chrome trace JSON (open in https://ui.perfetto.dev or
+chrome://tracing) with no profiler at all.
 
 Cost when nothing listens: one ``record_function`` enter/exit per tensor (about a
 microsecond), which is noise next to a tensor's write.
@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeAlias
 
 import torch
 
@@ -39,11 +39,9 @@ __all__ = [
     "UNPACK_RANGE",
     "UNPACK_WAIT_RANGE",
     "WRITE_RANGE",
+    "SpanArgs",
     "Timeline",
-    "describe_pipeline",
-    "forward_begin",
-    "forward_end",
-    "record",
+    "TraceEvent",
     "span",
 ]
 
@@ -53,14 +51,17 @@ UNPACK_WAIT_RANGE = "tsh::unpack_wait"
 WRITE_RANGE = "tsh::write"
 READ_RANGE = "tsh::read"
 
+SpanArgs: TypeAlias = dict[str, int | str]
+"""What a span adds to its event (``{"bytes": 4096}``), shown by the trace viewer."""
+TraceEvent: TypeAlias = dict[str, str | int | float | SpanArgs | None]
+"""One Chrome trace event (``name``, ``ph``, ``ts`` ... as the trace format names them)."""
+
 _record_function = torch.profiler.record_function
 
 
-def _nvtx() -> Any:
+def _nvtx_on() -> bool:
     # Only once CUDA is initialised: asking earlier would initialise it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.nvtx
-    return None
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 class Timeline:
@@ -74,7 +75,7 @@ class Timeline:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._lock = threading.Lock()
-        self._events: list[dict[str, Any]] = []
+        self._events: list[TraceEvent] = []
         self._threads: dict[int, str] = {}
         self._t0_ns = time.perf_counter_ns()
         self._pid = os.getpid()
@@ -85,11 +86,11 @@ class Timeline:
         return time.perf_counter_ns()
 
     def span(
-        self, name: str, start_ns: int, end_ns: int, args: dict[str, Any] | None = None
+        self, name: str, start_ns: int, end_ns: int, args: SpanArgs | None = None
     ) -> None:
         """Record ``name`` from ``start_ns`` to ``end_ns`` (``perf_counter_ns``) on this thread."""
         thread = threading.current_thread()
-        event: dict[str, Any] = {
+        event: TraceEvent = {
             "name": name,
             "cat": "tensorstore-hooks",
             "ph": "X",
@@ -145,11 +146,11 @@ class Timeline:
             self._phase("forward", start, self.now_ns())
 
     @property
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[TraceEvent]:
         """The events so far, metadata included (a copy)."""
         self._close_backward()
         with self._lock:
-            meta = [
+            meta: list[TraceEvent] = [
                 {
                     "name": "thread_name",
                     "ph": "M",
@@ -190,76 +191,18 @@ class Timeline:
 
 @contextlib.contextmanager
 def span(
-    name: str, timeline: Timeline | None, args: dict[str, Any] | None = None
+    name: str, timeline: Timeline | None, args: SpanArgs | None = None
 ) -> Iterator[None]:
     """A profiler range (NOTE [ Profiler ranges ]) that also lands in ``timeline`` if given."""
-    nvtx = _nvtx()
+    nvtx = _nvtx_on()
     start = time.perf_counter_ns() if timeline is not None else 0
-    if nvtx is not None:
-        nvtx.range_push(name)
+    if nvtx:
+        torch.cuda.nvtx.range_push(name)
     try:
         with _record_function(name):
             yield
     finally:
-        if nvtx is not None:
-            nvtx.range_pop()
+        if nvtx:
+            torch.cuda.nvtx.range_pop()
         if timeline is not None:
             timeline.span(name, start, time.perf_counter_ns(), args)
-
-
-@contextlib.contextmanager
-def record(pipeline: Any, path: str | os.PathLike[str]) -> Iterator[Timeline]:
-    """Record ``pipeline``'s work into a :class:`Timeline` saved at ``path`` on exit.
-
-    ``pipeline`` is a :class:`~tensorstore_hooks.pipeline._pipeline.Pipeline` (its ``timeline``
-    attribute is set while the block runs). The file is written even if the block
-    raises.
-    """
-    if pipeline.timeline is not None:
-        raise RuntimeError("hooks.trace(): these hooks are already recording a timeline")
-    timeline = Timeline(path)
-    pipeline.timeline = timeline
-    try:
-        yield timeline
-    finally:
-        pipeline.flush()  # writes still running belong in the picture
-        pipeline.timeline = None
-        timeline.write()
-
-
-def forward_begin(pipeline: Any) -> None:
-    """A forward under ``pipeline``'s hooks starts (for the timeline, if recording)."""
-    timeline = pipeline.timeline
-    if timeline is not None:
-        timeline.forward_begin()
-
-
-def forward_end(pipeline: Any) -> None:
-    """The forward under ``pipeline``'s hooks ended."""
-    timeline = pipeline.timeline
-    if timeline is not None:
-        timeline.forward_end()
-
-
-def describe_pipeline(pipeline: Any) -> str:
-    """One line: the store and every setting of ``pipeline``, for the INFO log at open."""
-    from tensorstore_hooks.config import exact_size
-
-    policy, settings, store = pipeline.policy, pipeline.settings, pipeline.store
-
-    def size(n: object, unset: str) -> object:
-        # A budget may be a share of the memory there is ("auto", "60%"): shown as such.
-        return unset if n is None else exact_size(n) if isinstance(n, int) else str(n)
-
-    temporary = " (temporary, removed at close)" if store.temporary else ""
-    rules = ", ".join(f"{d.label}->{r.action}" for r, d in getattr(policy, "_table", ())) or "none"
-    return (
-        f"offload pipeline: store {store.url}{temporary}; policy min_bytes="
-        f"{exact_size(policy.min_bytes)} skip_parameters={policy.skip_parameters} "
-        f"default={policy.default} device_budget={size(policy.device_budget, 'none')} "
-        f"rules: {rules}; pipeline max_inflight={size(settings.max_inflight, 'derived')} "
-        f"prefetch={size(settings.prefetch, 'derived')} "
-        f"host_budget={size(settings.host_budget or None, 'none')} "
-        f"memory_headroom={size(settings.memory_headroom, 'none')} "
-        f"writer_threads={settings.writer_threads} read_deadline_s={settings.read_deadline_s:g}"
-    )

@@ -152,11 +152,9 @@ def test_step_figures_for_trainer_logs() -> None:
     assert figures["offload/pack_stall_s"] == 0.5
     assert "offload/effective_device_budget" not in figures
 
-    class Derived:  # stats that carry a budget derived from the memory there is
-        bytes_offloaded = 1
-        effective_device_budget = 4096
-
-    assert step_figures(Derived())["tsh/effective_device_budget"] == 4096
+    # stats that carry a budget derived from the memory there is
+    derived = tsh.OffloadStats(bytes_offloaded=1, effective_device_budget=4096)
+    assert step_figures(derived)["tsh/effective_device_budget"] == 4096
 
 
 # ----------------------------------------------------------------------- the CLI

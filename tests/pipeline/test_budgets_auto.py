@@ -272,10 +272,8 @@ def test_offload_host_budget_auto_sets_the_tier_cap(fake_memory: FakeMemory) -> 
 
 
 def test_the_pipeline_line_names_a_share() -> None:
-    from tensorstore_hooks.pipeline._timeline import describe_pipeline
-
     hooks = tsh.offload("memory://", device_budget="60%", memory_headroom="1GiB")
-    line = describe_pipeline(hooks._pipeline)
+    line = hooks._pipeline.describe()
     assert "device_budget=60%" in line and "memory_headroom=1GiB" in line
     hooks.close()
 

@@ -415,11 +415,9 @@ def test_without_a_host_budget_staging_goes_through_the_pool() -> None:
 def test_the_pipeline_line_and_the_debug_log_name_the_host_tier(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tensorstore_hooks.pipeline._timeline import describe_pipeline
-
     hooks = offload()
-    assert "host_budget=64KiB" in describe_pipeline(hooks._pipeline)
-    assert "host_budget=none" in describe_pipeline(tsh.offload("memory://")._pipeline)
+    assert "host_budget=64KiB" in hooks._pipeline.describe()
+    assert "host_budget=none" in tsh.offload("memory://")._pipeline.describe()
     x = torch.randn(T // 4, requires_grad=True)
     with caplog.at_level(logging.DEBUG, logger="tensorstore_hooks"):
         with hooks:
