@@ -273,34 +273,8 @@ def _views(draw: st.DrawFn) -> torch.Tensor:
     return base.as_strided(shape, stride, offset)
 
 
-class StoreConformance:
-    """The behaviour every :class:`~tensorstore_hooks.TensorStore` promises.
-
-    A subclass provides a ``store`` fixture (see the module's docstring) and may set:
-
-    * :attr:`large_nbytes`: the size of the payload that must span several chunks;
-    * :attr:`view_examples`: how many random views the property test tries.
-
-    What it checks, by group: round trips (every dtype, every layout, bit for bit,
-    strides, ``requires_grad``, a fresh tensor per ``get``); the inventory (``keys``,
-    ``in``, ``len``, ``nbytes``); errors (a missing key is ``KeyNotFoundError``, an
-    unsupported tensor ``UnsupportedTensorError``, a closed store
-    ``StoreUnavailableError``); concurrency (puts, gets and deletes from several
-    threads); and the optional capabilities.
-
-    Capabilities are optional and declared by overriding them (``temporary``,
-    ``direct_io``, ``moves_direct``, ``buffer_pool_bytes``/``set_buffer_pool_bytes``,
-    ``flush``); a store that overrides none keeps the defaults, which are off, and
-    passes. The capability tests hold a store to what it answers: a ``flush`` that
-    never raises and loses nothing, a ``moves_direct`` that is ``None`` or a bool, a
-    buffer pool that stays within the size it was given.
-
-    A test your store cannot pass, for a reason you accept, is skipped visibly by
-    overriding it in the subclass::
-
-        @pytest.mark.skip(reason="MyStore keeps no storage offset")
-        def test_round_trip_layouts(self) -> None: ...
-    """
+class _RoundTrips:
+    """Round trips, alone and from several threads: what comes back is what went in."""
 
     large_nbytes: int = 9 << 20
     """A payload larger than the store's chunk size (ZarrStore's default is 8 MiB)."""
@@ -308,7 +282,6 @@ class StoreConformance:
     view_examples: int = 30
     """Random views :meth:`test_round_trip_any_view` stores (a remote store may want fewer)."""
 
-    # ------------------------------------------------------------ round trips
     @pytest.mark.parametrize("dtype_name", ALL_DTYPES)
     def test_round_trip_every_dtype(self, store: TensorStore, dtype_name: str) -> None:
         """Every promised dtype comes back bit for bit, under a ``str`` key."""
@@ -404,7 +377,48 @@ class StoreConformance:
         a.fill_(-1)  # mutating one result must not leak into the next
         assert torch.equal(store.get(key), t)
 
-    # ------------------------------------------------------------ inventory
+    # ----------------------------------------------------------- concurrency
+    def test_concurrent_put_get(self, store: TensorStore) -> None:
+        """Four threads put, get and delete at once; every tensor comes back whole."""
+        errors: list[BaseException] = []
+        start = threading.Barrier(4)
+
+        def worker(seed: int) -> None:
+            try:
+                gen = torch.Generator().manual_seed(seed)
+                start.wait(timeout=30)
+                mine: dict[str, torch.Tensor] = {}
+                for i in range(25):
+                    shape = (int(torch.randint(1, 3000, (1,), generator=gen)),)
+                    t = random_tensor(shape, torch.float32, gen=gen)
+                    if i % 3 == 0:
+                        t = t[::2]
+                    mine[store.put(t)] = t
+                    if i % 4 == 3:  # interleave deletes with other threads' puts
+                        key = next(iter(mine))
+                        assert_same_tensor(store.get(key), mine.pop(key))
+                        store.delete(key)
+                for key, t in mine.items():
+                    assert_same_tensor(store.get(key), t)
+                    store.delete(key)
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        before = len(store)
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not any(th.is_alive() for th in threads), "a store call hung"
+        if errors:
+            raise errors[0]
+        assert len(store) == before
+
+
+class _InventoryAndErrors:
+    """What the store holds (``keys``, ``in``, ``len``, ``nbytes``) and how it refuses."""
+
     def test_inventory(self, store: TensorStore) -> None:
         """``keys``, ``in``, ``len`` and ``nbytes`` (payload bytes) follow puts and deletes."""
         base_len, base_bytes = len(store), store.nbytes
@@ -516,45 +530,10 @@ class StoreConformance:
         with pytest.raises(StoreUnavailableError):
             store.put(torch.ones(2))
 
-    # ----------------------------------------------------------- concurrency
-    def test_concurrent_put_get(self, store: TensorStore) -> None:
-        """Four threads put, get and delete at once; every tensor comes back whole."""
-        errors: list[BaseException] = []
-        start = threading.Barrier(4)
 
-        def worker(seed: int) -> None:
-            try:
-                gen = torch.Generator().manual_seed(seed)
-                start.wait(timeout=30)
-                mine: dict[str, torch.Tensor] = {}
-                for i in range(25):
-                    shape = (int(torch.randint(1, 3000, (1,), generator=gen)),)
-                    t = random_tensor(shape, torch.float32, gen=gen)
-                    if i % 3 == 0:
-                        t = t[::2]
-                    mine[store.put(t)] = t
-                    if i % 4 == 3:  # interleave deletes with other threads' puts
-                        key = next(iter(mine))
-                        assert_same_tensor(store.get(key), mine.pop(key))
-                        store.delete(key)
-                for key, t in mine.items():
-                    assert_same_tensor(store.get(key), t)
-                    store.delete(key)
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
+class _Capabilities:
+    """The optional capabilities: off by default, and kept to their word when declared."""
 
-        before = len(store)
-        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=120)
-        assert not any(th.is_alive() for th in threads), "a store call hung"
-        if errors:
-            raise errors[0]
-        assert len(store) == before
-
-    # ---------------------------------------------------------- capabilities
     def test_temporary_is_a_bool(self, store: TensorStore) -> None:
         """``temporary`` is a bool (default False) and does not change while the store
         is open."""
@@ -641,6 +620,36 @@ class StoreConformance:
         for key, t in zip(keys[1:], tensors[1:], strict=True):
             assert_same_tensor(store.get(key), t)
             store.delete(key)
+
+
+class StoreConformance(_RoundTrips, _InventoryAndErrors, _Capabilities):
+    """The behaviour every :class:`~tensorstore_hooks.TensorStore` promises.
+
+    A subclass provides a ``store`` fixture (see the module's docstring) and may set:
+
+    * :attr:`large_nbytes`: the size of the payload that must span several chunks;
+    * :attr:`view_examples`: how many random views the property test tries.
+
+    What it checks, in three groups (the classes it derives from): round trips
+    (every dtype, every layout, bit for bit, strides, ``requires_grad``, a fresh
+    tensor per ``get``; puts, gets and deletes from several threads); the inventory
+    (``keys``, ``in``, ``len``, ``nbytes``) and errors (a missing key is
+    ``KeyNotFoundError``, an unsupported tensor ``UnsupportedTensorError``, a closed
+    store ``StoreUnavailableError``); and the optional capabilities.
+
+    Capabilities are optional and declared by overriding them (``temporary``,
+    ``direct_io``, ``moves_direct``, ``buffer_pool_bytes``/``set_buffer_pool_bytes``,
+    ``flush``); a store that overrides none keeps the defaults, which are off, and
+    passes. The capability tests hold a store to what it answers: a ``flush`` that
+    never raises and loses nothing, a ``moves_direct`` that is ``None`` or a bool, a
+    buffer pool that stays within the size it was given.
+
+    A test your store cannot pass, for a reason you accept, is skipped visibly by
+    overriding it in the subclass::
+
+        @pytest.mark.skip(reason="MyStore keeps no storage offset")
+        def test_round_trip_layouts(self) -> None: ...
+    """
 
 
 class WrappedStore(TensorStore):
