@@ -17,7 +17,13 @@ Test-time only: this package imports ``pytest`` and ``hypothesis``, and
 
 from __future__ import annotations
 
-import pytest
+try:
+    import hypothesis  # noqa: F401 - the store suite's property test
+    import pytest
+except ImportError as e:
+    raise ImportError(
+        "tensorstore_hooks.testing needs its test-time dependencies: pip install pytest hypothesis"
+    ) from e
 
 # The suites' asserts explain their failures only if pytest rewrites them, and it
 # rewrites a module outside the test files only when told before the module is imported.
