@@ -19,7 +19,7 @@ import tensorstore_hooks
 import tensorstore_hooks as tsh
 from tensorstore_hooks import IntegrityError, TensorMeta, UnsupportedTensorError
 from tensorstore_hooks._codec import DTYPES, decode, encode, span_of
-from tests.store_conformance import (
+from tensorstore_hooks.testing import (
     ALL_DTYPES,
     LAYOUT_DTYPES,
     LAYOUTS,

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tensorstore_hooks as tsh
-from tests.store_conformance import WrappedStore
+from tensorstore_hooks.testing import WrappedStore
 
 
 class _Block(nn.Module):

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import OffloadHooks, OffloadStats, StoreUnavailableError, TensorStore
-from tests.store_conformance import WrappedStore
+from tensorstore_hooks.testing import WrappedStore
 
 Step = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 

@@ -37,8 +37,8 @@ from tensorstore_hooks import (
     StoreUnavailableError,
     TensorStoreError,
 )
+from tensorstore_hooks.testing import WrappedStore
 from tests.daemon_fixtures import DaemonLauncher, daemons  # noqa: F401 - fixture
-from tests.store_conformance import WrappedStore
 
 
 def _backward_with_timeout(loss: torch.Tensor, timeout_s: float) -> BaseException | None:

@@ -26,7 +26,7 @@ from tensorstore_hooks.config._settings import (
     resolve_config,
 )
 from tensorstore_hooks.pipeline._budgets import BudgetControl, Windows
-from tests.store_conformance import WrappedStore
+from tensorstore_hooks.testing import WrappedStore
 
 MiB = 1 << 20
 

@@ -27,9 +27,9 @@ from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._iopool import on_io_thread, pool_for, shutdown_pool
 from tensorstore_hooks.pipeline._records import ReadAhead
 from tensorstore_hooks.pipeline._staging import Loaded, StreamSet, TorchCuda
+from tensorstore_hooks.testing import WrappedStore
 from tests.fake_accelerator import CpuAsAccelerator, expect_broken, on_fake_accelerator
 from tests.pipeline.test_pipeline import chain_grad, sin_chain
-from tests.store_conformance import WrappedStore
 
 KiB = 1 << 10
 T = 16 * KiB  # every tensor sin_chain saves below: 4096 float32

@@ -24,10 +24,10 @@ import tensorstore_hooks as tsh
 from tensorstore_hooks.pipeline._host_tier import round_up
 from tensorstore_hooks.pipeline._iopool import shutdown_pool
 from tensorstore_hooks.pipeline._records import State
+from tensorstore_hooks.testing import WrappedStore
 from tests.fake_accelerator import CpuAsAccelerator, on_fake_accelerator
 from tests.pipeline.test_pipeline import GatedStore, sin_chain
 from tests.pipeline.test_pipeline import chain_grad as reference_grad
-from tests.store_conformance import WrappedStore
 
 KiB = 1024
 T = 16 * KiB  # every saved tensor of sin_chain below: 4096 float32

@@ -34,7 +34,7 @@ from tensorstore_hooks.config._settings import PipelineSettings
 from tensorstore_hooks.pipeline._iopool import pool_for, shutdown_pool
 from tensorstore_hooks.pipeline._pipeline import Pipeline
 from tensorstore_hooks.runtime._heap import HeapReleaser, malloc_trim
-from tests.store_conformance import WrappedStore
+from tensorstore_hooks.testing import WrappedStore
 
 cuda = [
     pytest.mark.cuda,

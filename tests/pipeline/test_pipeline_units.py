@@ -21,7 +21,7 @@ from tensorstore_hooks import _adapters
 from tensorstore_hooks._codec import TensorMeta, decode, encode
 from tensorstore_hooks.pipeline._iopool import on_io_thread, pool_for, shutdown_pool
 from tensorstore_hooks.pipeline._records import TRANSITIONS, IllegalTransition, Record, State
-from tests.store_conformance import WrappedStore
+from tensorstore_hooks.testing import WrappedStore
 
 PACKAGE = pathlib.Path(tsh.__file__).parent
 

@@ -36,11 +36,11 @@ from tensorstore_hooks import (
 )
 from tensorstore_hooks.cli import main as cli_main
 from tensorstore_hooks.pipeline._iopool import pool_for, shutdown_pool
+from tensorstore_hooks.testing import StoreConformance, WrappedStore
 from tests.daemon_fixtures import *  # noqa: F403 - the daemon fixtures
 from tests.daemon_fixtures import DaemonLauncher
 from tests.fake_accelerator import on_fake_accelerator
 from tests.pipeline.test_pipeline import chain_grad, sin_chain
-from tests.store_conformance import StoreConformance, WrappedStore
 
 KiB = 1024
 T = 16 * KiB  # bytes of one test tensor: 4096 float32

@@ -18,7 +18,7 @@ from tensorstore_hooks.storage.chain._io import copy, write
 from tensorstore_hooks.storage.chain._ledger import Ledger, Tier
 from tensorstore_hooks.storage.chain._movers import Movers
 from tensorstore_hooks.storage.chain._plan import CyclePlan
-from tests.store_conformance import WrappedStore
+from tensorstore_hooks.testing import WrappedStore
 
 KiB = 1024
 T = 16 * KiB  # bytes of one test tensor: 4096 float32

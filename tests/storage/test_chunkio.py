@@ -27,7 +27,7 @@ from tensorstore_hooks.storage.io import (
     probe_direct_io,
 )
 from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer
-from tests.chunkio_conformance import ChunkIOConformance
+from tensorstore_hooks.testing import ChunkIOConformance
 
 
 class TestLocalIO(ChunkIOConformance):

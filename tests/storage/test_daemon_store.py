@@ -13,8 +13,8 @@ import pytest
 import tensorstore_hooks as tsh
 from tensorstore_hooks import TensorStore
 from tensorstore_hooks.storage.daemon._client import DaemonStore
+from tensorstore_hooks.testing import StoreConformance
 from tests.daemon_fixtures import Daemon, shared_daemon
-from tests.store_conformance import StoreConformance
 
 __all__ = ["shared_daemon"]  # the fixture, re-exported for pytest
 

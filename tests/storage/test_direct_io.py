@@ -33,8 +33,8 @@ from tensorstore_hooks._codec import encode
 from tensorstore_hooks.storage.io import probe_direct_io
 from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer, address_of
 from tensorstore_hooks.storage.zarr._docs import namespace_doc, root_doc
+from tensorstore_hooks.testing import assert_same_tensor
 from tests.storage.test_zarr_layout import _journal_entries, _plain_zarr_payload
-from tests.store_conformance import assert_same_tensor
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -34,10 +34,9 @@ from tensorstore_hooks.storage._retry import (
 )
 from tensorstore_hooks.storage.io import ChunkIO, FsspecIO
 from tensorstore_hooks.storage.zarr._store import make_io
-from tests.chunkio_conformance import ChunkIOConformance
+from tensorstore_hooks.testing import ChunkIOConformance, StoreConformance
 from tests.s3_fixtures import *  # noqa: F403 - the fixtures
 from tests.s3_fixtures import FaultPlan, S3Server
-from tests.store_conformance import StoreConformance
 
 
 # ------------------------------------------------------------------- helpers

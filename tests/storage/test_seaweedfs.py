@@ -31,14 +31,13 @@ from tensorstore_hooks import StoreUnavailableError, TensorStore
 from tensorstore_hooks.cli import main as cli_main
 from tensorstore_hooks.storage.io import ChunkIO, FsspecIO
 from tensorstore_hooks.storage.zarr._store import make_io
-from tests.chunkio_conformance import ChunkIOConformance
+from tensorstore_hooks.testing import ChunkIOConformance, StoreConformance
 from tests.config.test_configs_train import CONFIGS, _train
 from tests.hooks.test_equivalence import MODELS, check_equivalent
 from tests.s3_fixtures import *  # noqa: F403 - the fixtures
 from tests.s3_fixtures import SEAWEED_BUCKET
 from tests.seaweedfs import SeaweedFS
 from tests.storage.test_s3 import _Net, _step
-from tests.store_conformance import StoreConformance
 
 _IDS = itertools.count()
 

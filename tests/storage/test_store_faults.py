@@ -42,7 +42,7 @@ from tensorstore_hooks import (
     StoreUnavailableError,
     ZarrStore,
 )
-from tests.store_conformance import assert_same_tensor
+from tensorstore_hooks.testing import assert_same_tensor
 
 # ----------------------------------------------------------------- fixtures
 

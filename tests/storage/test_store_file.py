@@ -9,7 +9,7 @@ import pytest
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import TensorStore, ZarrStore
-from tests.store_conformance import StoreConformance
+from tensorstore_hooks.testing import StoreConformance
 
 
 class TestBarePath(StoreConformance):

@@ -9,7 +9,7 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks import KeyNotFoundError, TensorStore, ZarrStore
-from tests.store_conformance import StoreConformance
+from tensorstore_hooks.testing import StoreConformance
 
 
 class TestMemory(StoreConformance):

@@ -18,7 +18,7 @@ import zarr
 import tensorstore_hooks as tsh
 from tensorstore_hooks import ConfigError, IntegrityError, KeyNotFoundError, ZarrStore
 from tensorstore_hooks._codec import TensorMeta, decode
-from tests.store_conformance import assert_same_tensor
+from tensorstore_hooks.testing import assert_same_tensor
 
 
 def _chunk_files(root: Path) -> list[Path]:
