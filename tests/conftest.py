@@ -2,7 +2,7 @@
 URLs, and the ``cuda`` marker.
 
 Keep this small. Store-specific fixtures live next to the tests that use them
-(``store`` for :class:`tests.store_conformance.StoreConformance` is defined by each
+(``store`` for :class:`tensorstore_hooks.testing.StoreConformance` is defined by each
 subclass's module).
 """
 
