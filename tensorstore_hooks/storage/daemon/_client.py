@@ -317,10 +317,11 @@ class DaemonStore(BlobStore):
             return self._call_retrier().call(req.op.upper(), attempt)
         except (_Lost, RetriesExhausted) as e:
             cause = e.cause if isinstance(e, RetriesExhausted) else e
+            elapsed_s = e.elapsed_s if isinstance(e, RetriesExhausted) else 0.0
             raise StoreUnavailableError(
                 self._fail(
                     "the daemon is unreachable (gave up after "
-                    f"{getattr(e, 'elapsed_s', 0.0):.1f}s, reconnect_deadline_s="
+                    f"{elapsed_s:.1f}s, reconnect_deadline_s="
                     f"{self._reconnect_deadline_s:g}): {cause}; "
                     "is `tensorstore-hooks serve` running there?"
                 )
