@@ -40,10 +40,10 @@ from tensorstore_hooks.errors import IntegrityError, UnsupportedTensorError
 __all__ = [
     "DTYPES",
     "Buffer",
-    "as_memoryview",
     "FrameworkAdapter",
     "MetaDict",
     "TensorMeta",
+    "as_memoryview",
     "check_supported",
     "decode",
     "encode",
@@ -56,7 +56,6 @@ __all__ = [
 Buffer: TypeAlias = bytes | bytearray | memoryview | np.ndarray
 """Raw bytes as the stores, the wire and the codec pass them: anything ``memoryview()``
 takes here (a numpy array counts by its bytes, whatever its dtype)."""
-
 
 
 def as_memoryview(buf: Buffer) -> memoryview:

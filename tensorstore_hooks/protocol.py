@@ -219,14 +219,13 @@ def unpack_header(buf: bytes | bytearray) -> Header:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"header must be a map, got {type(obj).__name__}", fatal=True
         )
-    header: Header = obj
-    return header
+    return obj
 
 
 def unpack_body(buf: Buffer, *, max_items: int = 1 << 24) -> Msgpack:
     """Decode a msgpack *payload* sent by the daemon (STATS, LIST answers)."""
     try:
-        body: Msgpack = msgpack.unpackb(
+        return msgpack.unpackb(
             buf,
             raw=False,
             strict_map_key=True,
@@ -238,7 +237,6 @@ def unpack_body(buf: Buffer, *, max_items: int = 1 << 24) -> Msgpack:
         )
     except Exception as e:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {e}") from e
-    return body
 
 
 def body_size(header: Mapping[str, Msgpack]) -> int:
@@ -480,8 +478,8 @@ def _field(h: Header, name: str, kind: type[_T]) -> _T: ...
 @overload
 def _field(h: Header, name: str, kind: type[_T], default: _D) -> _T | _D: ...
 def _field(h: Header, name: str, kind: type[_T], default: object = ...) -> object:
-    """Field ``name`` of ``h``, checked to be a ``kind``; ``default`` when absent (and
-    ``None`` given for a ``None`` default). Without a default, a missing field is an error."""
+    """Field ``name`` of ``h``, checked to be a ``kind``: ``default`` when absent (also when
+    ``None`` with a ``None`` default); without a default, a missing field is an error."""
     if name not in h:
         if default is ...:
             raise _bad(f"missing field {name!r}")
