@@ -37,6 +37,7 @@ log = logging.getLogger("tensorstore_hooks")
 
 T = TypeVar("T")
 
+
 class FsspecIO(ChunkIO):
     """Any fsspec filesystem (``s3://``, ``gs://``, ``simplecache::...``), with retries.
 
