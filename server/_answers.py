@@ -10,10 +10,9 @@ an error frame where the next continuation frame was due and closes the connecti
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from tensorstore_hooks.errors import KeyNotFoundError, TensorStoreError
-from tensorstore_hooks.protocol import MAX_FRAME_PAYLOAD, ErrorCode, error_header
+from tensorstore_hooks.protocol import MAX_FRAME_PAYLOAD, ErrorCode, Header, error_header
 
 from ._disk import DiskTier
 from ._model import Entry
@@ -28,7 +27,7 @@ log = logging.getLogger("tensorstore_hooks.server")
 
 async def send_entry(
     wire: FrameConn,
-    reply: dict[str, Any],
+    reply: Header,
     e: Entry,
     disk: DiskTier | None,
     budget: AnswerBudget,
@@ -75,7 +74,7 @@ def _read_failed(e: Entry, exc: Exception) -> tuple[ErrorCode, str]:
     return ErrorCode.INTERNAL, f"reading key {e.key!r} from the disk tier: {exc}"
 
 
-async def _cut_off(wire: FrameConn, reply: dict[str, Any], code: ErrorCode, message: str) -> None:
+async def _cut_off(wire: FrameConn, reply: Header, code: ErrorCode, message: str) -> None:
     """End an answer that has started with an error frame, then the connection."""
     log.warning("GET answer cut off: %s", message)
     req_id = reply.get("id")

@@ -21,9 +21,9 @@ import socket
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from tensorstore_hooks.errors import ConfigError
+from tensorstore_hooks.protocol import Msgpack
 
 from ._checks import check_config
 from ._config import ServerConfig, read_token
@@ -37,7 +37,7 @@ from ._payload import AnswerBudget, PayloadBudget
 from ._recovery import open_disk, recover
 from ._services import Services
 from ._sessions import SessionTable
-from ._stats import DaemonStats
+from ._stats import DaemonStats, Report
 from ._tiers import Tiers
 from ._wire import FrameConn
 
@@ -71,7 +71,7 @@ class Daemon:
         self._handlers: Handlers
         self._services: Services
         self._listener: Listener | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._metrics_stop: Callable[[], None] | None = None
 
@@ -179,13 +179,13 @@ class Daemon:
             self._metrics_stop()
         log.info("stopped")
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[object, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # ----------------------------------------------------------- connections
-    def _accepted(self, sock: socket.socket, addr: Any) -> None:
+    def _accepted(self, sock: socket.socket, addr: object) -> None:
         wire = FrameConn(sock, self.limits.read_timeout_s)
         if self.conns.refuse_while_draining(wire):
             return
@@ -217,8 +217,8 @@ class Daemon:
             except Exception:  # pragma: no cover - keep the daemon alive
                 log.exception("housekeeping failed")
 
-    def _reports(self) -> tuple[dict[str, Any], ...]:
-        budgets = {
+    def _reports(self) -> tuple[Report, ...]:
+        budgets: Report = {
             "buffers": {"put": self.puts.snapshot(), "get": self.answers.snapshot()},
             "counters": {"get_buffer_waits": self.answers.waits},
         }
@@ -229,14 +229,14 @@ class Daemon:
             budgets,
         )
 
-    def _header(self) -> dict[str, Any]:
+    def _header(self) -> dict[str, Msgpack]:
         return {"url": self.url, "lease_s": self.config.lease_s, "root": self.config.root}
 
     def refresh_stats(self) -> None:
         """Take a rate sample and a snapshot for the metrics endpoint."""
         self.stats.refresh(self._header(), *self._reports())
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Msgpack]:
         """Everything ``stats`` and the metrics endpoint show (msgpack-safe)."""
         return self.stats.snapshot(self._header(), *self._reports())
 

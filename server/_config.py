@@ -12,7 +12,8 @@ import ipaddress
 import os
 import socket
 import stat
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -188,7 +189,7 @@ DAEMON_KEYS: frozenset[str] = frozenset(
 """The top-level keys of a daemon config (``check-config`` tells it from a library one)."""
 
 
-def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServerConfig:
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: object) -> ServerConfig:
     """Build a :class:`ServerConfig` from a YAML file and keyword overrides.
 
     ``overrides`` use YAML key names (``memory_quota="2GiB"``); ``None`` values are
@@ -197,7 +198,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     ConfigError saying so, a non-loopback ``listen`` without a ``token_file``.
     """
     source = os.fspath(path) if path is not None else "command line"
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
     line_of: LineOf | None = None
     if path is not None:
         try:
@@ -222,9 +223,13 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     limits = given.pop("limits", None)
     data.update(given)
     if limits:
-        merged = dict(data.get("limits") or {})
-        merged.update(limits)
-        data["limits"] = merged
+        base = data.get("limits") or {}
+        if not isinstance(base, Mapping):
+            pass  # the file's limits are not a map: validation says so
+        elif isinstance(limits, Mapping):
+            data["limits"] = {**base, **limits}
+        else:
+            data["limits"] = limits  # validation says what is wrong with it
 
     def from_flags(loc: tuple[int | str, ...]) -> str | None:
         return "command line" if loc and loc[0] in cli_fields else None

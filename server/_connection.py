@@ -11,13 +11,13 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Any
 
 from tensorstore_hooks.protocol import (
     MAX_FRAME_PAYLOAD,
     MAX_KEYS_PER_REQUEST,
     PROTOCOL_VERSION,
     ErrorCode,
+    Header,
     Hello,
     ProtocolError,
     error_header,
@@ -170,7 +170,7 @@ async def _handshake(svc: Services, c: Conn, deadline: float) -> None:
     raise ProtocolError(ErrorCode.BAD_REQUEST, "too many HELLO attempts", fatal=True)
 
 
-def _welcome(svc: Services, req: Hello, s: Session | None, resumed: bool) -> dict[str, Any]:
+def _welcome(svc: Services, req: Hello, s: Session | None, resumed: bool) -> Header:
     return {
         "id": req.id,
         "ok": True,

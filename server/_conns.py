@@ -22,10 +22,10 @@ One event loop serves every connection, so a connection must give the loop back:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from tensorstore_hooks.protocol import ErrorCode, error_header
+from tensorstore_hooks.protocol import ErrorCode, Msgpack, error_header
 
 from ._model import Session
 from ._wire import FrameConn
@@ -66,7 +66,7 @@ class ConnRegistry:
         self.refused = 0
         self.evicted_unauthenticated = 0
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Conn]:
         return iter(list(self._all))
 
     # ----------------------------------------------------------------- joins
@@ -170,7 +170,7 @@ class ConnRegistry:
         """Session id -> its open connections."""
         return {sid: len(conns) for sid, conns in self._by_session.items()}
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Msgpack]:
         """This part of ``stats``: connection counts and the connection counters."""
         return {
             "connections": len(self._all),

@@ -49,9 +49,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks.protocol import Msgpack
 from tensorstore_hooks.storage import split_url
 from tensorstore_hooks.storage.zarr import ZarrStore, frame_record
 
@@ -147,7 +149,7 @@ class DiskCharge:
         return self.files + self.records + self.standing
 
 
-def _bound(record: list[object]) -> int:
+def _bound(record: Sequence[Msgpack]) -> int:
     return len(frame_record(record)) + _RECORD_SLACK_BYTES
 
 
@@ -160,7 +162,7 @@ def _index_put_base(dtype: str, device: str, framework: str, ndim: int) -> int:
     """Bound on a disk-index put record without its chunk checksums: the tensor's own
     strings, every integer at its widest (computed once per kind of tensor, so a
     charge is arithmetic)."""
-    meta = {
+    meta: dict[str, Msgpack] = {
         "dtype": dtype,
         "storage_dtype": "x" * 8,
         "shape": [_BIG] * ndim,
@@ -172,7 +174,9 @@ def _index_put_base(dtype: str, device: str, framework: str, ndim: int) -> int:
         "nbytes": _BIG,
         **({} if framework == "torch" else {"framework": framework}),
     }
-    entry = {"seg": _BIG, "start": _BIG, "count": _BIG, "crc": b"", "rot": _BIG, "meta": meta}
+    entry: dict[str, Msgpack] = {
+        "seg": _BIG, "start": _BIG, "count": _BIG, "crc": b"", "rot": _BIG, "meta": meta
+    }
     return _bound(["put", _DISK_KEY, entry]) + _CRC_BIN_HEADER
 
 

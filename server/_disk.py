@@ -34,19 +34,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.errors import KeyNotFoundError, QuotaExceededError, TensorStoreError
+from tensorstore_hooks.protocol import Msgpack
 from tensorstore_hooks.storage.zarr import ZarrStore
 
 from ._costs import DISK_NAMESPACE, DiskCharge, DiskCosts
 from ._model import Entry
 
 __all__ = ["DiskFailure", "DiskReservation", "DiskTier"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -201,7 +204,7 @@ class DiskTier:
             self._journals_since = 0
         return self._journals_measured + self._journals_since
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the pool: a store call that may append to the journals."""
         self._io_running += 1
         try:
@@ -457,7 +460,7 @@ class DiskTier:
             await asyncio.shield(self._delete_task)
 
     # ---------------------------------------------------------------- report
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Msgpack]:
         journals = self._journals()
         return {
             "enabled": True,

@@ -1,7 +1,7 @@
 """Request handlers: one method per request type, found by one table lookup.
 
 Like distributed's ``Server.handlers``: :data:`~tensorstore_hooks.protocol.REQUEST_TYPES`
-names every request, and :class:`Handlers` maps each type to the coroutine that
+names every request, and :class:`Handlers` maps each one's op to the coroutine that
 serves it. A handler returns False when the connection should close after it.
 HELLO is served by the connection's handshake (``_connection``), never here.
 """
@@ -12,7 +12,7 @@ import functools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 import msgpack
 import numpy as np
@@ -22,6 +22,7 @@ from tensorstore_hooks.protocol import (
     Delete,
     ErrorCode,
     Get,
+    Header,
     Hello,
     ListKeys,
     Ping,
@@ -42,7 +43,30 @@ from ._wire import Head
 
 __all__ = ["Handlers"]
 
-Handler = Callable[[Conn, Any, Head], Awaitable[bool]]
+Handler = Callable[[Conn, Request, Head], Awaitable[bool]]
+R = TypeVar("R", bound=Request)
+
+
+class _Route(Generic[R]):
+    """One entry of the handler table: the coroutine that serves requests of ``kind``."""
+
+    __slots__ = ("handler", "kind")
+
+    def __init__(self, kind: type[R], handler: Callable[[Conn, R, Head], Awaitable[bool]]) -> None:
+        self.kind = kind
+        self.handler = handler
+
+    def __call__(self, c: Conn, req: Request, head: Head) -> Awaitable[bool]:
+        if not isinstance(req, self.kind):  # the table is keyed by the op of this type
+            raise TypeError(f"handler table: the {self.kind.op} route got {type(req).__name__}")
+        return self.handler(c, req, head)
+
+
+def _route(
+    kind: type[R], handler: Callable[[Conn, R, Head], Awaitable[bool]]
+) -> tuple[str, Handler]:
+    """A table entry: the request's op and its route."""
+    return kind.op, _Route(kind, handler)
 
 
 def _missing(key: str) -> str:
@@ -57,16 +81,18 @@ class Handlers:
 
     def __init__(self, svc: Services) -> None:
         self.svc = svc
-        self.table: dict[type[Request], Handler] = {
-            Hello: self.hello,
-            Put: self.put,
-            Get: self.get,
-            Delete: self.delete,
-            ListKeys: self.list_keys,
-            Ping: self.ping,
-            Stats: self.stats,
-            Bye: self.bye,
-        }
+        self.table: dict[str, Handler] = dict(
+            [
+                _route(Hello, self.hello),
+                _route(Put, self.put),
+                _route(Get, self.get),
+                _route(Delete, self.delete),
+                _route(ListKeys, self.list_keys),
+                _route(Ping, self.ping),
+                _route(Stats, self.stats),
+                _route(Bye, self.bye),
+            ]
+        )
         self.needs_session: frozenset[type[Request]] = frozenset((Put, Get, Delete, ListKeys))
         """Requests an observer connection (no session) may not make."""
 
@@ -109,14 +135,14 @@ class Handlers:
                 f"{req.op.upper()} needs a session (observer connection)",
                 req.id,
             )
-        return await self.table[type(req)](c, req, head)
+        return await self.table[req.op](c, req, head)
 
     # ------------------------------------------------------------- handlers
     async def hello(self, c: Conn, req: Hello, head: Head) -> bool:
         return await self.error(c, ErrorCode.BAD_REQUEST, "HELLO was already done", req.id)
 
     async def ping(self, c: Conn, req: Ping, head: Head) -> bool:
-        reply: dict[str, Any] = {"id": req.id, "ok": True, "lease_s": self.svc.config.lease_s}
+        reply: Header = {"id": req.id, "ok": True, "lease_s": self.svc.config.lease_s}
         s = c.session
         if s is not None:
             reply.update(keys=len(s.entries), nbytes=s.nbytes)
@@ -186,7 +212,7 @@ class Handlers:
             lost = self.svc.tiers.disk.lost
             if lost is not None:  # NOTE [ Disk failures ], rule 4
                 return await self.error(c, ErrorCode.NOT_FOUND, lost, req.id)
-        reply = {"id": req.id, "ok": True, "meta": found.meta.to_dict(), "tier": found.tier}
+        reply: Header = {"id": req.id, "ok": True, "meta": found.meta.to_dict(), "tier": found.tier}
         if req.head:
             await c.wire.send(reply)
             return True

@@ -24,11 +24,10 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from tensorstore_hooks.storage import split_url
 from tensorstore_hooks.storage.io import LocalIO
-from tensorstore_hooks.storage.zarr import MAGIC, Damage, IndexLog
+from tensorstore_hooks.storage.zarr import MAGIC, Damage, IndexEntry, IndexLog
 
 from ._costs import DISK_NAMESPACE
 from ._model import KeyRecord
@@ -117,7 +116,7 @@ class StateJournal:
         """Rewrite the journal as a snapshot of exactly these live records."""
         if self._log is None:
             return
-        live: dict[str, dict[str, Any]] = {f"s:{s}": {"created": c} for s, c in sessions.items()}
+        live: dict[str, IndexEntry] = {f"s:{s}": {"created": c} for s, c in sessions.items()}
         live.update(
             {f"k:{k}": {"s": r.session, "d": r.disk_key, "n": r.nbytes} for k, r in keys.items()}
         )
@@ -131,7 +130,7 @@ class StateJournal:
         if self._log is not None:
             self._log.close()
 
-    def _put(self, name: str, entry: dict[str, Any]) -> None:
+    def _put(self, name: str, entry: IndexEntry) -> None:
         if self._log is not None:
             self._log.record_put(name, entry)
             self._live += 1

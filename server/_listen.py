@@ -16,7 +16,6 @@ import ssl
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from tensorstore_hooks.errors import ConfigError
 
@@ -26,7 +25,8 @@ __all__ = ["Listener", "accept_loop", "bind", "remove_stale_socket", "server_tls
 
 log = logging.getLogger("tensorstore_hooks.server")
 
-Accepted = Callable[[socket.socket, Any], None]
+Accepted = Callable[[socket.socket, object], None]
+"""Called with each accepted socket and its peer address (``str()`` of it is logged)."""
 
 
 @dataclass

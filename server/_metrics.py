@@ -8,27 +8,49 @@ replaces a few times a second.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from tensorstore_hooks.errors import ConfigError
-from tensorstore_hooks.protocol import OPS
+from tensorstore_hooks.protocol import OPS, Msgpack
 
 from ._config import is_loopback, parse_address
+
+if TYPE_CHECKING:  # prometheus-client is optional: imported when the endpoint starts
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["start_metrics_server"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
-Snapshot = Callable[[], dict[str, Any]]
+Snapshot = Callable[[], Mapping[str, Msgpack]]
 
 
-def _families(snap: dict[str, Any]) -> Iterator[Any]:
+def _at(snap: Mapping[str, Msgpack], *path: str) -> Msgpack:
+    """The value at ``path`` in a ``stats`` snapshot (``KeyError`` if it is not there)."""
+    value: Msgpack = snap
+    for name in path:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"stats snapshot: {'.'.join(path)}: {name!r} is not in a map")
+        value = value[name]
+    return value
+
+
+def _number(snap: Mapping[str, Msgpack], *path: str) -> float:
+    """The number at ``path`` in a ``stats`` snapshot."""
+    value = _at(snap, *path)
+    if not isinstance(value, int | float):
+        raise TypeError(f"stats snapshot: {'.'.join(path)} is {value!r}, not a number")
+    return float(value)
+
+
+def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     if not snap:
         return
-    tiers = snap["tiers"]
     for name, field, doc in (
         (
             "tsh_tier_used_bytes",
@@ -42,7 +64,7 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
     ):
         g = GaugeMetricFamily(name, doc, labels=["tier"])
         for tier in ("ram", "disk"):
-            g.add_metric([tier], float(tiers[tier][field]))
+            g.add_metric([tier], _number(snap, "tiers", tier, field))
         yield g
     buffers = GaugeMetricFamily(
         "tsh_buffer_bytes",
@@ -50,20 +72,26 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
         labels=["kind"],
     )
     for kind in ("put", "get"):
-        buffers.add_metric([kind], float(snap["buffers"][kind]["used"]))
+        buffers.add_metric([kind], _number(snap, "buffers", kind, "used"))
     yield buffers
+    disk = _at(snap, "tiers", "disk")
     yield GaugeMetricFamily(
         "tsh_disk_writable",
         "1 if the disk tier takes writes now, 0 while it backs off a failure (or is off).",
-        value=1.0 if tiers["disk"].get("writable") else 0.0,
+        value=1.0 if isinstance(disk, Mapping) and disk.get("writable") else 0.0,
     )
-    yield GaugeMetricFamily("tsh_sessions", "Open sessions.", value=snap["sessions_total"])
-    yield GaugeMetricFamily("tsh_connections", "Open connections.", value=snap["connections"])
-    yield GaugeMetricFamily("tsh_uptime_seconds", "Seconds since start.", value=snap["uptime_s"])
-    counters = snap["counters"]
+    yield GaugeMetricFamily(
+        "tsh_sessions", "Open sessions.", value=_number(snap, "sessions_total")
+    )
+    yield GaugeMetricFamily(
+        "tsh_connections", "Open connections.", value=_number(snap, "connections")
+    )
+    yield GaugeMetricFamily(
+        "tsh_uptime_seconds", "Seconds since start.", value=_number(snap, "uptime_s")
+    )
     req = CounterMetricFamily("tsh_requests", "Requests served, by op.", labels=["op"])
     for op in OPS:
-        req.add_metric([op], float(counters[op]))
+        req.add_metric([op], _number(snap, "counters", op))
     yield req
     for name, key, doc in (
         ("tsh_received_bytes", "bytes_in", "Bytes received from clients."),
@@ -84,17 +112,17 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
         ("tsh_connections_accepted", "connections", "Connections accepted."),
         ("tsh_connections_refused", "refused", "Connections refused at the cap."),
     ):
-        yield CounterMetricFamily(name, doc, value=float(counters[key]))
+        yield CounterMetricFamily(name, doc, value=_number(snap, "counters", key))
 
 
 class _Collector:
     def __init__(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         return _families(self._snapshot())
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []  # values come from a snapshot; nothing to describe up front
 
 
@@ -114,8 +142,9 @@ def start_metrics_server(address: str, snapshot: Snapshot) -> Callable[[], None]
         )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(snapshot))
-    result: Any = start_http_server(port, addr=host, registry=registry)
-    httpd = result[0] if isinstance(result, tuple) else None
+    # prometheus-client returns (server, thread) since 0.17, None before.
+    started: object = start_http_server(port, addr=host, registry=registry)
+    httpd: WSGIServer | None = started[0] if isinstance(started, tuple) else None
     bound = httpd.server_port if httpd is not None else port
     log.info("metrics on http://%s:%d/metrics", host, bound)
 

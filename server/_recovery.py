@@ -37,13 +37,13 @@ import os
 import re
 import time
 import warnings
-from typing import Any
+from typing import TypeAlias, TypeGuard
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.storage import split_url
 from tensorstore_hooks.storage.io import LocalIO
-from tensorstore_hooks.storage.zarr import IndexLog, ZarrStore, scan_journal
+from tensorstore_hooks.storage.zarr import IndexEntry, IndexLog, ZarrStore, scan_journal
 
 from ._costs import DISK_NAMESPACE
 from ._disk import DiskTier
@@ -53,6 +53,9 @@ from ._sessions import SessionTable
 from ._tensor_rules import meta_problem
 
 __all__ = ["open_disk", "recover"]
+
+Extents: TypeAlias = tuple[int, int, int]
+"""The chunks a disk-index entry covers: (size class, first chunk, chunk count)."""
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -77,19 +80,23 @@ def open_disk(root: str, max_tensor_bytes: int) -> tuple[ZarrStore, StateJournal
     return disk, StateJournal(root)
 
 
-def _index_entry_problem(entry: dict[str, Any], max_tensor_bytes: int) -> str | None:
-    """Why the disk tier could not use this index entry (None if it can)."""
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _index_entry_extents(entry: IndexEntry, max_tensor_bytes: int) -> Extents | str:
+    """The chunks this index entry covers, or why the disk tier could not use it."""
     try:
-        extents = [entry["seg"], entry["start"], entry["count"]]
+        seg, start, count = entry["seg"], entry["start"], entry["count"]
         meta = TensorMeta.from_dict(entry["meta"])
     except KeyError as e:
         return f"missing field {e.args[0]!r}"
     except Exception as e:
         return str(e)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in extents):
-        return f"bad extents {extents!r}"
+    if not (_is_count(seg) and _is_count(start) and _is_count(count)):
+        return f"bad extents {[seg, start, count]!r}"
     problem = meta_problem(meta, max_tensor_bytes)
-    return problem[1] if problem is not None else None
+    return problem[1] if problem is not None else (seg, start, count)
 
 
 def _record_numbers(io: LocalIO, path: str) -> dict[str, int]:
@@ -101,9 +108,9 @@ def _record_numbers(io: LocalIO, path: str) -> dict[str, int]:
     return {key: i + 1 for i, (_, key, _) in enumerate(scan_journal(raw, path).records)}
 
 
-def _quarantine_index(location: str, max_tensor_bytes: int) -> dict[str, dict[str, Any]] | None:
-    """Retire disk-index records the store would refuse; returns the usable entries
-    (None if the index cannot be read: the store's own open then says why)."""
+def _quarantine_index(location: str, max_tensor_bytes: int) -> dict[str, Extents] | None:
+    """Retire disk-index records the store would refuse; returns the extents of the
+    usable entries (None if the index cannot be read: the store's own open then says why)."""
     io = LocalIO(location)
     directory = f"{DISK_NAMESPACE}/index"
     index = IndexLog(io, directory, warn=False)  # the store reports damage when it opens
@@ -112,11 +119,14 @@ def _quarantine_index(location: str, max_tensor_bytes: int) -> dict[str, dict[st
     except Exception as e:  # the store's own open reports it properly
         log.debug("pre-reading the disk-tier index failed: %r", e)
         return None
-    bad = {
-        k: why
-        for k, e in entries.items()
-        if (why := _index_entry_problem(e, max_tensor_bytes)) is not None
-    }
+    usable: dict[str, Extents] = {}
+    bad: dict[str, str] = {}
+    for k, entry in entries.items():
+        found = _index_entry_extents(entry, max_tensor_bytes)
+        if isinstance(found, str):
+            bad[k] = found
+        else:
+            usable[k] = found
     if bad:
         numbers = _record_numbers(io, f"{directory}/journal")
         for key, why in bad.items():
@@ -133,16 +143,15 @@ def _quarantine_index(location: str, max_tensor_bytes: int) -> dict[str, dict[st
                 why,
             )
             index.record_delete(key)
-            del entries[key]
     index.close()
-    return entries
+    return usable
 
 
-def _sweep_stray_chunks(location: str, live: dict[str, dict[str, Any]]) -> None:
+def _sweep_stray_chunks(location: str, live: dict[str, Extents]) -> None:
     """Delete chunk files no live disk-index entry covers (NOTE [ Journal damage ] 6)."""
     covered: set[tuple[int, int]] = set()
-    for e in live.values():
-        covered.update((e["seg"], e["start"] + i) for i in range(e["count"]))
+    for seg, start, count in live.values():
+        covered.update((seg, start + i) for i in range(count))
     ns_dir = os.path.join(location, DISK_NAMESPACE)
     stray = 0
     nbytes = 0

@@ -10,7 +10,8 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from tensorstore_hooks.protocol import Msgpack
 
 from ._config import LimitsConfig, ServerConfig
 from ._conns import ConnRegistry
@@ -38,7 +39,7 @@ class Services:
     """Disk-bound PUT payloads (NOTE [ Payload bytes as they arrive ])."""
     answers: AnswerBudget
     """GET answers read from disk (NOTE [ Answers read from disk ])."""
-    snapshot: Callable[[], dict[str, Any]]
+    snapshot: Callable[[], dict[str, Msgpack]]
     """The whole ``stats`` snapshot (the STATS request)."""
 
     @property

@@ -12,14 +12,13 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.errors import TensorStoreError
-from tensorstore_hooks.protocol import ErrorCode
+from tensorstore_hooks.protocol import ErrorCode, Msgpack
 
 from ._costs import RAM_OVERHEAD_BYTES, ram_charge
 from ._journal import StateJournal
@@ -249,7 +248,7 @@ class SessionTable:
         self._compaction_failed = False
 
     # ---------------------------------------------------------------- report
-    def snapshot(self, connections: Mapping[str, int], now: float) -> dict[str, Any]:
+    def snapshot(self, connections: Mapping[str, int], now: float) -> dict[str, Msgpack]:
         """This part of ``stats``: the sessions (largest first, at most 200) and the
         session counters. ``connections``: session id -> its live connections."""
         ordered = sorted(self.sessions.values(), key=lambda s: -s.nbytes)

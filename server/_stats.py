@@ -17,9 +17,8 @@ import collections
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
 
-from tensorstore_hooks.protocol import OPS
+from tensorstore_hooks.protocol import OPS, Msgpack
 
 __all__ = ["COUNTERS", "DaemonStats", "server_version"]
 
@@ -28,7 +27,8 @@ COUNTERS: tuple[str, ...] = (*OPS, "errors")
 """The counters kept here; the parts add their own."""
 _RATED: tuple[str, ...] = (*OPS, "bytes_in", "bytes_out")
 
-Report = Mapping[str, Any]
+Report = Mapping[str, Msgpack]
+"""A part's ``snapshot()``: its sections, and ``counters`` (a map of name -> int)."""
 
 
 def server_version() -> str:
@@ -40,17 +40,21 @@ def server_version() -> str:
         return "0+unknown"
 
 
-def merge(reports: tuple[Report, ...]) -> tuple[dict[str, Any], dict[str, int]]:
+def merge(reports: tuple[Report, ...]) -> tuple[dict[str, Msgpack], dict[str, int]]:
     """Sections from every report, and their ``counters`` merged (summed by name)."""
-    sections: dict[str, Any] = {}
+    sections: dict[str, Msgpack] = {}
     counters: dict[str, int] = {}
     for report in reports:
         for name, value in report.items():
-            if name == "counters":
-                for k, n in value.items():
-                    counters[k] = counters.get(k, 0) + n
-            else:
+            if name != "counters":
                 sections[name] = value
+                continue
+            if not isinstance(value, Mapping):
+                raise TypeError(f"stats: a report's counters are a {type(value).__name__}")
+            for k, n in value.items():
+                if not isinstance(n, int):
+                    raise TypeError(f"stats: counter {k!r} is {n!r}, not an int")
+                counters[k] = counters.get(k, 0) + n
     return sections, counters
 
 
@@ -61,7 +65,7 @@ class DaemonStats:
         self.started = time.monotonic()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._rate_samples: collections.deque[tuple[float, dict[str, int]]] = collections.deque()
-        self.latest: dict[str, Any] = {}
+        self.latest: dict[str, Msgpack] = {}
         """The last snapshot taken by :meth:`refresh` (read by the metrics thread)."""
 
     def count(self, name: str, n: int = 1) -> None:
@@ -71,7 +75,9 @@ class DaemonStats:
         """Take a rate sample and replace :attr:`latest` (housekeeping calls this)."""
         self.latest = self.snapshot(header, *reports, sample=True)
 
-    def snapshot(self, header: Report, *reports: Report, sample: bool = False) -> dict[str, Any]:
+    def snapshot(
+        self, header: Report, *reports: Report, sample: bool = False
+    ) -> dict[str, Msgpack]:
         """Everything ``stats`` and the metrics endpoint show (msgpack-safe): ``header``
         (who and where), then each part's report, with this object's counters and rates.
         """

@@ -35,13 +35,12 @@ import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks._units import format_bytes
-from tensorstore_hooks.protocol import ErrorCode
+from tensorstore_hooks.protocol import ErrorCode, Msgpack
 
 from ._costs import ram_charge
 from ._disk import DiskFailure, DiskReservation, DiskTier
@@ -358,9 +357,9 @@ class Tiers:
             await self.disk.wait_deletes()
 
     # ----------------------------------------------------------------- report
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Msgpack]:
         """This part of ``stats``: the ``tiers`` section and the tiers' counters."""
-        disk: dict[str, Any] = (
+        disk: dict[str, Msgpack] = (
             self.disk.snapshot()
             if self.disk is not None
             else {"enabled": False, "used": 0, "metadata": 0, "reserved": 0, "quota": 0,

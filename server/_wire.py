@@ -28,14 +28,16 @@ import select
 import socket
 import ssl
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
+from tensorstore_hooks._codec import Buffer, as_memoryview
 from tensorstore_hooks.protocol import (
     MAGIC,
     MAX_FRAME_PAYLOAD,
     PREFIX_BYTES,
     ErrorCode,
+    Header,
     ProtocolError,
     body_size,
     frame_chunks,
@@ -51,6 +53,9 @@ __all__ = ["ConnectionClosed", "FrameConn", "Head", "with_timeout"]
 
 T = TypeVar("T")
 Reserve = Callable[[int], Awaitable[None]]
+_Waker = Callable[["asyncio.Future[None]"], None]
+_AddWatch = Callable[[int, _Waker, "asyncio.Future[None]"], None]
+"""``loop.add_reader`` / ``loop.add_writer`` as used here."""
 
 
 class ConnectionClosed(Exception):
@@ -90,7 +95,7 @@ class Head:
 
     __slots__ = ("first_len", "header", "size")
 
-    def __init__(self, header: dict[str, Any], first_len: int, size: int) -> None:
+    def __init__(self, header: Header, first_len: int, size: int) -> None:
         self.header = header
         self.first_len = first_len
         """Payload bytes carried by the first frame."""
@@ -164,7 +169,7 @@ class FrameConn:
         return bool(readable)
 
     # ------------------------------------------------------------ readiness
-    async def _wait(self, add: Callable[..., Any], remove: Callable[[int], Any]) -> None:
+    async def _wait(self, add: _AddWatch, remove: Callable[[int], object]) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         add(self._fd, _wake, fut)
         try:
@@ -172,10 +177,10 @@ class FrameConn:
         finally:
             remove(self._fd)
 
-    def _readable(self) -> Coroutine[Any, Any, None]:
+    def _readable(self) -> Awaitable[None]:
         return self._wait(self._loop.add_reader, self._loop.remove_reader)
 
-    def _writable(self) -> Coroutine[Any, Any, None]:
+    def _writable(self) -> Awaitable[None]:
         return self._wait(self._loop.add_writer, self._loop.remove_writer)
 
     # ---------------------------------------------------------------- reads
@@ -309,17 +314,17 @@ class FrameConn:
         return payload_len
 
     # --------------------------------------------------------------- writes
-    async def send(self, header: dict[str, Any], payload: Any = None) -> None:
+    async def send(self, header: Header, payload: Buffer | None = None) -> None:
         """Send one message: ``header`` (its ``size`` is set here) and an optional payload.
 
         The payload (any buffer) is split into frames of at most 16 MiB and handed
         to ``sendmsg`` without copying. Deadline: ``read_timeout_s`` per frame.
         """
-        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        view = as_memoryview(payload).cast("B") if payload is not None else memoryview(b"")
         size = len(view)
         if size:
             header["size"] = size
-        buffers: list[Any] = []
+        buffers: list[bytes | memoryview] = []
         for i, (start, stop) in enumerate(frame_chunks(size)):
             buffers.append(
                 message_head(header, stop - start) if i == 0 else pack_prefix(0, stop - start)
@@ -329,27 +334,27 @@ class FrameConn:
         frames = -(-size // MAX_FRAME_PAYLOAD) or 1
         await with_timeout(self._sendmsg_all(buffers), self.read_timeout_s * frames)
 
-    async def send_first(self, header: dict[str, Any], size: int, part: Any) -> None:
+    async def send_first(self, header: Header, size: int, part: Buffer) -> None:
         """Start a message of ``size`` payload bytes: ``header`` and its first ``part``
         (at most ``MAX_FRAME_PAYLOAD``); :meth:`send_more` sends the rest. Deadline:
         ``read_timeout_s``."""
-        view = memoryview(part).cast("B")
+        view = as_memoryview(part).cast("B")
         if size:
             header["size"] = size
-        buffers: list[Any] = [message_head(header, len(view))]
+        buffers: list[bytes | memoryview] = [message_head(header, len(view))]
         if len(view):
             buffers.append(view)
         await with_timeout(self._sendmsg_all(buffers), self.read_timeout_s)
 
-    async def send_more(self, part: Any) -> None:
+    async def send_more(self, part: Buffer) -> None:
         """One continuation frame of the message :meth:`send_first` started."""
-        view = memoryview(part).cast("B")
+        view = as_memoryview(part).cast("B")
         assert 0 < len(view) <= MAX_FRAME_PAYLOAD
         await with_timeout(
             self._sendmsg_all([pack_prefix(0, len(view)), view]), self.read_timeout_s
         )
 
-    async def _sendmsg_all(self, buffers: list[Any]) -> None:
+    async def _sendmsg_all(self, buffers: Sequence[bytes | memoryview]) -> None:
         if self.tls:
             await self._send_tls(buffers)
             return
@@ -375,7 +380,7 @@ class FrameConn:
             while bufs and not bufs[0]:
                 bufs.pop(0)
 
-    async def _send_tls(self, buffers: list[Any]) -> None:
+    async def _send_tls(self, buffers: Sequence[bytes | memoryview]) -> None:
         sock = self.sock
         for b in buffers:
             view = memoryview(b).cast("B")
@@ -394,7 +399,7 @@ class FrameConn:
                 self.bytes_out += n
                 view = view[n:]
 
-    def send_nowait(self, header: dict[str, Any]) -> None:
+    def send_nowait(self, header: Header) -> None:
         """Best effort, never blocks: used for a last error frame before closing."""
         with contextlib.suppress(OSError, ProtocolError):
             self.sock.send(message_head(header, 0))

@@ -5,39 +5,26 @@ is encoded and decoded by that framework's adapter, found here by the top-level
 module of the tensor's type (``paddle.Tensor`` -> ``"paddle"``) or, reading a
 store back, by the ``framework`` field of the tensor's metadata. Entries are lazy
 ``"module:attr"`` strings, imported on first use, so ``import tensorstore_hooks``
-imports no other framework and no adapter module at all.
+imports no other framework and no adapter module at all. What an adapter provides
+is ``_codec.FrameworkAdapter`` (it speaks of the codec's metadata, so it lives there).
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
-__all__ = ["FrameworkAdapter", "adapter_for", "adapter_named", "frameworks", "register_adapter"]
+__all__ = ["ForeignTensor", "adapter_named", "framework_of", "frameworks", "register_adapter"]
 
-
-class FrameworkAdapter(Protocol):
-    """What an adapter provides (a module or any object with these attributes)."""
-
-    name: str
-    """The ``framework`` written into a stored tensor's metadata."""
-
-    def is_tensor(self, obj: object) -> bool:
-        """True for a tensor of this framework (checked without importing it)."""
-
-    def encode(self, t: Any) -> tuple[Any, Any]:
-        """``(TensorMeta, numpy uint8 payload)`` as ``_codec.encode`` returns them."""
-
-    def decode(
-        self, meta: Any, payload: Any, *, device: Any = None, requires_grad: bool | None = None
-    ) -> Any:
-        """The framework's tensor rebuilt from what :meth:`encode` returned."""
-
+ForeignTensor: TypeAlias = Any
+"""Another framework's tensor (a ``paddle.Tensor``). Those frameworks are optional and
+untyped here, so this is the one name their tensors have: only their own adapter
+looks inside one (``_codec.FrameworkAdapter``), after its ``is_tensor`` said yes."""
 
 _ENTRIES: dict[str, str] = {"paddle": "tensorstore_hooks.paddle._bridge:ADAPTER"}
 """framework name (also the top-level module of its tensor type) -> ``"module:attr"``."""
-_LOADED: dict[str, FrameworkAdapter] = {}
+_LOADED: dict[str, object] = {}
 _LOCK = threading.Lock()
 
 
@@ -65,8 +52,9 @@ def frameworks() -> tuple[str, ...]:
     return ("torch", *_ENTRIES)
 
 
-def adapter_named(name: str) -> FrameworkAdapter:
-    """The adapter of framework ``name`` (imported now if need be); ``KeyError`` if none."""
+def adapter_named(name: str) -> object:
+    """The object registered for framework ``name`` (imported now if need be);
+    ``KeyError`` if none. The codec checks it is a ``FrameworkAdapter``."""
     adapter = _LOADED.get(name)
     if adapter is not None:
         return adapter
@@ -78,10 +66,8 @@ def adapter_named(name: str) -> FrameworkAdapter:
     return adapter
 
 
-def adapter_for(obj: object) -> FrameworkAdapter | None:
-    """The adapter whose framework ``obj`` is a tensor of, or ``None``."""
+def framework_of(obj: object) -> str | None:
+    """The registered framework whose top-level module ``obj``'s type comes from, or
+    ``None`` (its adapter's ``is_tensor`` has the last word)."""
     root = type(obj).__module__.split(".", 1)[0]
-    if root not in _ENTRIES:
-        return None
-    adapter = adapter_named(root)
-    return adapter if adapter.is_tensor(obj) else None
+    return root if root in _ENTRIES else None

@@ -29,17 +29,21 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
 
-from tensorstore_hooks._adapters import adapter_for, adapter_named, frameworks
+from tensorstore_hooks._adapters import ForeignTensor, adapter_named, framework_of, frameworks
 from tensorstore_hooks.errors import IntegrityError, UnsupportedTensorError
 
 __all__ = [
     "DTYPES",
+    "Buffer",
+    "FrameworkAdapter",
+    "MetaDict",
     "TensorMeta",
+    "as_memoryview",
     "check_supported",
     "decode",
     "encode",
@@ -47,6 +51,21 @@ __all__ = [
     "span_of",
     "unsupported_reason",
 ]
+
+
+Buffer: TypeAlias = bytes | bytearray | memoryview | np.ndarray
+"""Raw bytes as the stores, the wire and the codec pass them: anything ``memoryview()``
+takes here (a numpy array counts by its bytes, whatever its dtype)."""
+
+
+def as_memoryview(buf: Buffer) -> memoryview:
+    """``memoryview(buf)``. A numpy array goes by its ``.data`` (the same view): numpy
+    declares the buffer protocol to type checkers only from Python 3.12 on."""
+    return buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
+
+
+MetaDict: TypeAlias = dict[str, str | int | bool | list[int]]
+""":meth:`TensorMeta.to_dict`: the metadata as a msgpack/JSON map."""
 
 
 def _build_dtype_table() -> dict[str, tuple[torch.dtype, str]]:
@@ -136,7 +155,7 @@ class TensorMeta:
         """Elements between the first and last element the view touches, inclusive."""
         return span_of(self.shape, self.stride)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> MetaDict:
         """A msgpack/JSON-safe dict (also readable by people inspecting a store)."""
         return {
             "dtype": self.dtype,
@@ -152,7 +171,7 @@ class TensorMeta:
         }
 
     @classmethod
-    def from_dict(cls, d: Any) -> TensorMeta:
+    def from_dict(cls, d: object) -> TensorMeta:
         """Validate untrusted metadata (from disk or the wire) and build a TensorMeta.
 
         Raises :class:`IntegrityError` naming the bad field.
@@ -217,6 +236,53 @@ class TensorMeta:
         return meta
 
 
+@runtime_checkable
+class FrameworkAdapter(Protocol):
+    """What another framework's adapter provides (a module or any object with these
+    attributes), registered by name in ``_adapters.py`` and checked against this
+    Protocol when the codec loads it."""
+
+    name: str
+    """The ``framework`` written into a stored tensor's metadata."""
+
+    def is_tensor(self, obj: object) -> bool:
+        """True for a tensor of this framework (checked without importing it)."""
+
+    def encode(self, t: ForeignTensor) -> tuple[TensorMeta, np.ndarray]:
+        """``(TensorMeta, numpy uint8 payload)`` as :func:`encode` returns them."""
+
+    def decode(
+        self,
+        meta: TensorMeta,
+        payload: Buffer | torch.Tensor,
+        *,
+        device: torch.device | str | None = None,
+        requires_grad: bool | None = None,
+    ) -> ForeignTensor:
+        """The framework's tensor rebuilt from what :meth:`encode` returned."""
+
+
+def _adapter(name: str) -> FrameworkAdapter:
+    """The registered adapter of framework ``name`` (``KeyError`` if none); a target
+    that is not a :class:`FrameworkAdapter` is a ``TypeError`` naming it."""
+    adapter = adapter_named(name)
+    if not isinstance(adapter, FrameworkAdapter):
+        raise TypeError(
+            f"codec: the adapter registered for framework {name!r} ({adapter!r}) lacks "
+            "name/is_tensor/encode/decode (see _codec.FrameworkAdapter)"
+        )
+    return adapter
+
+
+def _adapter_for(obj: object) -> FrameworkAdapter | None:
+    """The adapter whose framework ``obj`` is a tensor of, or ``None``."""
+    name = framework_of(obj)
+    if name is None:
+        return None
+    adapter = _adapter(name)
+    return adapter if adapter.is_tensor(obj) else None
+
+
 def span_of(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from a view's first to its last element (0 for an empty view)."""
     if any(s == 0 for s in shape):
@@ -271,7 +337,7 @@ def check_supported(t: object) -> torch.Tensor:
     return t
 
 
-def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
+def encode(t: torch.Tensor | ForeignTensor) -> tuple[TensorMeta, np.ndarray]:
     """Serialise ``t``: returns its metadata and a 1-D uint8 numpy payload.
 
     For a CPU tensor whose span is no larger than its element count the payload is a
@@ -281,7 +347,7 @@ def encode(t: Any) -> tuple[TensorMeta, np.ndarray]:
     by its adapter (``_adapters.py``). Raises :class:`UnsupportedTensorError`.
     """
     if not isinstance(t, torch.Tensor):
-        adapter = adapter_for(t)
+        adapter = _adapter_for(t)
         if adapter is not None:
             return adapter.encode(t)
     check_supported(t)
@@ -341,14 +407,14 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return np.asarray(_Bytes(t))
 
 
-def _as_uint8(payload: Any) -> torch.Tensor:
+def _as_uint8(payload: Buffer | torch.Tensor) -> torch.Tensor:
     if isinstance(payload, torch.Tensor):
         return payload.view(torch.uint8).view(-1)
     if isinstance(payload, np.ndarray):
         if not payload.flags.writeable:
             payload = payload.copy()
         return torch.from_numpy(payload.view(np.uint8).reshape(-1))
-    mv = memoryview(payload)
+    mv = as_memoryview(payload)
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     if mv.readonly:
@@ -358,11 +424,11 @@ def _as_uint8(payload: Any) -> torch.Tensor:
 
 def decode(
     meta: TensorMeta,
-    payload: Any,
+    payload: Buffer | torch.Tensor,
     *,
     device: torch.device | str | None = None,
     requires_grad: bool | None = None,
-) -> Any:
+) -> torch.Tensor | ForeignTensor:
     """Rebuild the tensor described by ``meta`` from ``payload``.
 
     ``payload`` is any buffer (bytearray, numpy array, uint8 tensor) of ``meta.nbytes``
@@ -374,7 +440,7 @@ def decode(
     length is wrong.
     """
     if meta.framework != "torch":
-        adapter = adapter_named(meta.framework)
+        adapter = _adapter(meta.framework)
         return adapter.decode(meta, payload, device=device, requires_grad=requires_grad)
     raw = _as_uint8(payload)
     if raw.numel() != meta.nbytes:

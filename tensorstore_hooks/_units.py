@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BeforeValidator, PlainValidator
 
@@ -86,7 +86,7 @@ HEADROOM_HELP = (
 DURATION_HELP = 'a non-negative number of seconds or a string like "500ms", "30s", "5m"'
 
 
-def _bytes(value: Any) -> int | str:
+def _bytes(value: object) -> int | str:
     """The byte count of ``value``, or the reason it is not one (without the value)."""
     if isinstance(value, bool):
         return f"expected {SIZE_HELP}"
@@ -108,7 +108,7 @@ def _bytes(value: Any) -> int | str:
     return f"expected {SIZE_HELP}"
 
 
-def parse_bytes(value: int | str, *, what: str = "size") -> int:
+def parse_bytes(value: object, *, what: str = "size") -> int:
     """Return ``value`` as a byte count (see NOTE [ Whole bytes ]).
 
     Accepts non-negative ints and strings with binary (KiB, MiB, GiB, TiB, K, M, G, T)
@@ -121,7 +121,7 @@ def parse_bytes(value: int | str, *, what: str = "size") -> int:
     return n
 
 
-def parse_duration(value: float | int | str, *, what: str = "duration") -> float:
+def parse_duration(value: object, *, what: str = "duration") -> float:
     """Return ``value`` as seconds (float). Accepts finite non-negative numbers and
     ``"30s"``-style strings; raises ``ValueError`` naming ``what`` and the value."""
     seconds = _seconds(value)
@@ -130,7 +130,7 @@ def parse_duration(value: float | int | str, *, what: str = "duration") -> float
     return seconds
 
 
-def _seconds(value: Any) -> float | str:
+def _seconds(value: object) -> float | str:
     if isinstance(value, int | float) and not isinstance(value, bool):
         if not math.isfinite(value) or value < 0:
             return f"expected {DURATION_HELP}"
@@ -142,7 +142,7 @@ def _seconds(value: Any) -> float | str:
     return f"expected {DURATION_HELP}"
 
 
-def check_size(value: Any) -> int:
+def check_size(value: object) -> int:
     """:func:`parse_bytes` for validators whose error report shows the value itself:
     the ``ValueError`` carries only what is wrong and what is allowed."""
     n = _bytes(value)
@@ -151,11 +151,11 @@ def check_size(value: Any) -> int:
     return n
 
 
-def _optional_size_field(value: Any) -> int | None:
+def _optional_size_field(value: object) -> int | None:
     return None if value is None else check_size(value)
 
 
-def check_duration(value: Any) -> float:
+def check_duration(value: object) -> float:
     """:func:`parse_duration` with the value left out of the message (see :func:`check_size`)."""
     seconds = _seconds(value)
     if isinstance(seconds, str):
@@ -206,7 +206,7 @@ def _share(value: object) -> MemoryShare | str | None:
     return MemoryShare(int(percent) if percent.is_integer() else percent)
 
 
-def check_budget(value: Any) -> int | MemoryShare:
+def check_budget(value: object) -> int | MemoryShare:
     """A budget field's value (NOTE [ Memory shares ]); ``ValueError`` without the value."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return AUTO
@@ -221,11 +221,11 @@ def check_budget(value: Any) -> int | MemoryShare:
     return n
 
 
-def _optional_budget(value: Any) -> int | MemoryShare | None:
+def _optional_budget(value: object) -> int | MemoryShare | None:
     return None if value is None else check_budget(value)
 
 
-def check_headroom(value: Any) -> int | MemoryShare:
+def check_headroom(value: object) -> int | MemoryShare:
     """``memory_headroom``'s value: a size or a percentage (``"auto"`` means nothing here)."""
     share = _share(value)
     if isinstance(share, str):

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar
+from typing import ClassVar, TypeAlias, TypeGuard, TypeVar, overload
 
 import msgpack
 
-from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._codec import Buffer, TensorMeta
 from tensorstore_hooks.errors import IntegrityError
 
 __all__ = [
@@ -55,8 +55,10 @@ __all__ = [
     "Delete",
     "ErrorCode",
     "Get",
+    "Header",
     "Hello",
     "ListKeys",
+    "Msgpack",
     "Ping",
     "ProtocolError",
     "Put",
@@ -102,6 +104,21 @@ _MAX_HEADER_MAP = 32
 _KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_KEY_LEN)  # noqa: UP031 - regex braces
 _SESSION_RE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
+Msgpack: TypeAlias = (
+    "bool | int | float | str | bytes | Sequence[Msgpack] | Mapping[str, Msgpack] | None"
+)
+"""A value msgpack carries: a header field, a STATS or LIST body, a journal record.
+
+Decoding gives lists and dicts; encoding takes any sequence or mapping (a tuple packs
+as an array). Read from a peer or a file, a value is untrusted: narrow it with
+``isinstance`` before use."""
+Header: TypeAlias = dict[str, Msgpack]
+"""A message header: a msgpack map with string keys (``op``, ``id``, ``ok``, ...)."""
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+_B = TypeVar("_B", bound="_Bare")
+
 
 class ErrorCode(str, Enum):
     """The ``code`` of an error frame."""
@@ -141,7 +158,7 @@ def pack_prefix(header_len: int, payload_len: int) -> bytes:
     return PREFIX.pack(MAGIC, header_len, payload_len)
 
 
-def parse_prefix(buf: Any) -> tuple[int, int]:
+def parse_prefix(buf: bytes | bytearray) -> tuple[int, int]:
     """Validate a 16-byte prefix; return ``(header_len, payload_len)``.
 
     Raises a fatal :class:`ProtocolError` (the stream cannot be resynchronised).
@@ -167,7 +184,7 @@ def parse_prefix(buf: Any) -> tuple[int, int]:
     return header_len, payload_len
 
 
-def pack_header(header: dict[str, Any]) -> bytes:
+def pack_header(header: Mapping[str, Msgpack]) -> bytes:
     """msgpack a header map; raises :class:`ProtocolError` if it exceeds the limit."""
     data: bytes = msgpack.packb(header, use_bin_type=True)
     if len(data) > MAX_HEADER_BYTES:
@@ -177,7 +194,7 @@ def pack_header(header: dict[str, Any]) -> bytes:
     return data
 
 
-def unpack_header(buf: Any) -> dict[str, Any]:
+def unpack_header(buf: bytes | bytearray) -> Header:
     """Decode an untrusted header. Raises a fatal ``BAD_REQUEST`` :class:`ProtocolError`.
 
     Strings, arrays and maps are bounded; binary and extension types are refused.
@@ -205,7 +222,7 @@ def unpack_header(buf: Any) -> dict[str, Any]:
     return obj
 
 
-def unpack_body(buf: Any, *, max_items: int = 1 << 24) -> Any:
+def unpack_body(buf: Buffer, *, max_items: int = 1 << 24) -> Msgpack:
     """Decode a msgpack *payload* sent by the daemon (STATS, LIST answers)."""
     try:
         return msgpack.unpackb(
@@ -222,7 +239,7 @@ def unpack_body(buf: Any, *, max_items: int = 1 << 24) -> Any:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {e}") from e
 
 
-def body_size(header: dict[str, Any]) -> int:
+def body_size(header: Mapping[str, Msgpack]) -> int:
     """The payload bytes a message announces (``size``, default 0). Fatal if malformed."""
     size = header.get("size", 0)
     if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < 1 << 48:
@@ -230,7 +247,7 @@ def body_size(header: dict[str, Any]) -> int:
     return size
 
 
-def message_head(header: dict[str, Any], first_payload_len: int) -> bytes:
+def message_head(header: Mapping[str, Msgpack], first_payload_len: int) -> bytes:
     """Prefix + packed header of a message's first frame."""
     packed = pack_header(header)
     return pack_prefix(len(packed), first_payload_len) + packed
@@ -247,17 +264,17 @@ def frame_chunks(size: int) -> Iterator[tuple[int, int]]:
         start = stop
 
 
-def is_valid_key(key: object) -> bool:
+def is_valid_key(key: object) -> TypeGuard[str]:
     return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
 
 
-def is_valid_session_id(sid: object) -> bool:
+def is_valid_session_id(sid: object) -> TypeGuard[str]:
     return isinstance(sid, str) and _SESSION_RE.fullmatch(sid) is not None
 
 
 def error_header(
     code: ErrorCode, message: str, *, req_id: int | None = None, fatal: bool = False
-) -> dict[str, Any]:
+) -> Header:
     return {
         "id": req_id,
         "ok": False,
@@ -267,13 +284,13 @@ def error_header(
     }
 
 
-def raise_for_error(header: dict[str, Any]) -> None:
+def raise_for_error(header: Mapping[str, Msgpack]) -> None:
     """Raise the :class:`ProtocolError` an error answer carries; return if ``ok``."""
     if header.get("ok") is True:
         return
     code_s = header.get("code")
     try:
-        code = ErrorCode(code_s)
+        code = ErrorCode(code_s) if isinstance(code_s, str) else ErrorCode.INTERNAL
     except ValueError:
         code = ErrorCode.INTERNAL
     msg = header.get("message")
@@ -308,7 +325,7 @@ class Hello:
     open_session: bool
     """False: an observer connection (``stats`` CLI) that may only PING/STATS/BYE."""
 
-    def to_header(self) -> dict[str, Any]:
+    def to_header(self) -> Header:
         return {
             "op": self.op,
             "id": self.id,
@@ -320,7 +337,7 @@ class Hello:
         }
 
     @classmethod
-    def from_header(cls, h: dict[str, Any], req_id: int) -> Hello:
+    def from_header(cls, h: Header, req_id: int) -> Hello:
         token = _field(h, "token", str, None)
         if token is not None and len(token) > MAX_TOKEN_LEN:
             raise _bad("token too long")
@@ -346,11 +363,11 @@ class Put:
     meta: TensorMeta
     size: int
 
-    def to_header(self) -> dict[str, Any]:
+    def to_header(self) -> Header:
         return {"op": self.op, "id": self.id, "meta": self.meta.to_dict(), "size": self.size}
 
     @classmethod
-    def from_header(cls, h: dict[str, Any], req_id: int) -> Put:
+    def from_header(cls, h: Header, req_id: int) -> Put:
         size = _field(h, "size", int)
         try:
             meta = TensorMeta.from_dict(h.get("meta"))
@@ -370,11 +387,11 @@ class Get:
     key: str
     head: bool = False
 
-    def to_header(self) -> dict[str, Any]:
+    def to_header(self) -> Header:
         return {"op": self.op, "id": self.id, "key": self.key, "head": self.head}
 
     @classmethod
-    def from_header(cls, h: dict[str, Any], req_id: int) -> Get:
+    def from_header(cls, h: Header, req_id: int) -> Get:
         return cls(id=req_id, key=_key(h), head=_field(h, "head", bool, False))
 
 
@@ -386,17 +403,18 @@ class Delete:
     id: int
     keys: tuple[str, ...]
 
-    def to_header(self) -> dict[str, Any]:
+    def to_header(self) -> Header:
         return {"op": self.op, "id": self.id, "keys": list(self.keys)}
 
     @classmethod
-    def from_header(cls, h: dict[str, Any], req_id: int) -> Delete:
-        keys = _field(h, "keys", list)
-        if len(keys) > MAX_KEYS_PER_REQUEST:
+    def from_header(cls, h: Header, req_id: int) -> Delete:
+        given: list[object] = _field(h, "keys", list)
+        if len(given) > MAX_KEYS_PER_REQUEST:
             raise _bad(f"at most {MAX_KEYS_PER_REQUEST} keys per DELETE")
-        if not all(is_valid_key(k) for k in keys):
+        keys = tuple(k for k in given if is_valid_key(k))
+        if len(keys) != len(given):
             raise _bad("field 'keys': every key must be a valid key string")
-        return cls(id=req_id, keys=tuple(keys))
+        return cls(id=req_id, keys=keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,11 +424,11 @@ class _Bare:
     op: ClassVar[str]
     id: int
 
-    def to_header(self) -> dict[str, Any]:
+    def to_header(self) -> Header:
         return {"op": self.op, "id": self.id}
 
     @classmethod
-    def from_header(cls, h: dict[str, Any], req_id: int) -> Any:
+    def from_header(cls: type[_B], h: Header, req_id: int) -> _B:
         return cls(id=req_id)
 
 
@@ -455,7 +473,13 @@ def _bad(msg: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_REQUEST, msg)
 
 
-def _field(h: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+@overload
+def _field(h: Header, name: str, kind: type[_T]) -> _T: ...
+@overload
+def _field(h: Header, name: str, kind: type[_T], default: _D) -> _T | _D: ...
+def _field(h: Header, name: str, kind: type[_T], default: object = ...) -> object:
+    """Field ``name`` of ``h``, checked to be a ``kind``: ``default`` when absent (also when
+    ``None`` with a ``None`` default); without a default, a missing field is an error."""
     if name not in h:
         if default is ...:
             raise _bad(f"missing field {name!r}")
@@ -464,20 +488,19 @@ def _field(h: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
     if v is None and default is None:
         return None
     # bool is an int subclass: never let True pass as a size or an id.
-    if not isinstance(v, kind) or (isinstance(v, bool) and kind in (int, (int,))):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise _bad(f"field {name!r} must be {names}, got {type(v).__name__}")
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is int):
+        raise _bad(f"field {name!r} must be {kind.__name__}, got {type(v).__name__}")
     return v
 
 
-def _key(h: dict[str, Any], name: str = "key") -> str:
+def _key(h: Header, name: str = "key") -> str:
     key = _field(h, name, str)
     if not is_valid_key(key):
         raise _bad(f"field {name!r}: invalid key (1-{MAX_KEY_LEN} characters of [A-Za-z0-9_-])")
-    return str(key)
+    return key
 
 
-def parse_request(h: dict[str, Any]) -> Request:
+def parse_request(h: Header) -> Request:
     """Validate a request header; raise a non-fatal ``BAD_REQUEST`` :class:`ProtocolError`.
 
     The caller still owns the stream position: if the header announces a payload

@@ -15,11 +15,11 @@ function as it is.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 __all__ = ["never_compiled"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def never_compiled(fn: F) -> F:

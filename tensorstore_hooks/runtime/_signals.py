@@ -35,11 +35,11 @@ import threading
 import time
 from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 __all__ = ["install", "restore", "restore_if_pending", "shielded"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
 _REDELIVER_AFTER_S = 0.002
@@ -70,10 +70,10 @@ class _DeferringHandler:
 
     __slots__ = ("wrapped",)
 
-    def __init__(self, wrapped: Callable[[int, FrameType | None], Any]) -> None:
+    def __init__(self, wrapped: Callable[[int, FrameType | None], object]) -> None:
         self.wrapped = wrapped
 
-    def __call__(self, signum: int, frame: FrameType | None) -> Any:
+    def __call__(self, signum: int, frame: FrameType | None) -> object:
         if _inside_shield(frame):
             _defer(signum)
             return None

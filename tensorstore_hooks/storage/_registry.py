@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Protocol, TypeAlias
 
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.storage._store import TensorStore
@@ -33,10 +33,13 @@ from tensorstore_hooks.storage._urls import (
     scheme_of,
     split_url,
 )
-from tensorstore_hooks.storage.chain import TierChain, check_budgets
+from tensorstore_hooks.storage.chain import TierChain, check_budgets, check_chain_options
 
 __all__ = [
+    "ChainSpec",
     "StoreKind",
+    "TierSpec",
+    "TierURL",
     "check_url",
     "kind_of",
     "known_schemes",
@@ -48,6 +51,9 @@ __all__ = [
 
 StoreFactory = Callable[..., TensorStore]
 UrlParser = Callable[[str], object]
+TierURL: TypeAlias = "str | os.PathLike[str] | TensorStore | None"
+"""What ``open_store`` opens (a URL, a path, a store object, ``None``: a temporary
+directory); a list of them is a tier chain."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,9 +267,9 @@ def options_from_config(
     url: object,
     codec: str,
     chunk_bytes: int,
-    storage_options: Mapping[str, Any],
+    storage_options: Mapping[str, object],
     direct_io: str = "auto",
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The ``open_store`` options that the config's ``store:`` section gives ``url``'s kind.
 
     ``url``: what ``offload()`` will pass to ``open_store`` (``None``, a string, a path);
@@ -276,7 +282,7 @@ def options_from_config(
     kind = _LOCAL_KIND if url is None else kind_of(url)
     if kind.spread_storage_options:
         return dict(storage_options)
-    given = {
+    given: dict[str, object] = {
         "codec": codec,
         "chunk_bytes": chunk_bytes,
         "storage_options": storage_options,
@@ -328,7 +334,7 @@ def _check_fsspec_importable(url: str) -> None:
 
 
 def open_store(
-    url: str | os.PathLike[str] | TensorStore | Sequence[Any] | None = None, **options: Any
+    url: TierURL | Sequence[TierURL] = None, **options: object
 ) -> TensorStore:
     """Open the store for ``url``.
 
@@ -372,7 +378,7 @@ def open_store(
     return _open(kind, s, options)
 
 
-def _open(kind: StoreKind, url: str | None, options: dict[str, Any]) -> TensorStore:
+def _open(kind: StoreKind, url: str | None, options: Mapping[str, object]) -> TensorStore:
     shown = "open_store()" if url is None else f"open_store({url!r})"
     if kind.option_keys is not None:
         unknown = sorted(set(options) - kind.option_keys)
@@ -395,15 +401,15 @@ _CHAIN_KEYWORDS = (
 
 
 def open_chain(
-    urls: Sequence[Any],
+    urls: Sequence[TierURL],
     *,
-    budgets: Any = None,
-    storage_options: Any = None,
-    move_threads: int = 2,
-    put_wait_s: float = 60.0,
-    close_timeout_s: float = 60.0,
-    plan: bool = True,
-    **options: Any,
+    budgets: object = None,
+    storage_options: object = None,
+    move_threads: object = 2,
+    put_wait_s: object = 60.0,
+    close_timeout_s: object = 60.0,
+    plan: object = True,
+    **options: object,
 ) -> TierChain:
     """``open_store([url, url, ...], budgets=[...], ...)``: open each tier, then chain them.
 
@@ -428,19 +434,48 @@ def open_chain(
         )
     sizes = check_budgets(budgets, len(urls))
     per_tier = _per_tier_options(storage_options, len(urls))
-    kinds: list[Any] = []
-    for i, url in enumerate(urls):
-        if isinstance(url, TensorStore):
-            kinds.append(None)
-        elif url is None:
-            kinds.append(store_kinds()["file"])
-        elif isinstance(url, str | os.PathLike):
-            kinds.append(kind_of(os.fspath(url)))
-        else:
-            raise ConfigError(
-                f"open_store: tier {i} of the chain must be a URL, a path, None or a "
-                f"TensorStore, got {type(url).__name__} {url!r}"
-            )
+    options = _chain_options(urls, options)
+    threads, wait_s, timeout_s = check_chain_options(move_threads, put_wait_s, close_timeout_s)
+    stores: list[TensorStore] = []
+    owned: list[bool] = []
+    try:
+        for i, (url, so) in enumerate(zip(urls, per_tier, strict=True)):
+            store, own = _open_tier(i, url, so, options)
+            stores.append(store)
+            owned.append(own)
+        return TierChain(
+            stores,
+            sizes,
+            owned=owned,
+            move_threads=threads,
+            put_wait_s=wait_s,
+            close_timeout_s=timeout_s,
+            plan=bool(plan),
+        )
+    except BaseException:
+        for store, own in zip(stores, owned, strict=False):
+            if own:
+                with contextlib.suppress(Exception):
+                    store.close()
+        raise
+
+
+def _tier_kind(i: int, url: object) -> StoreKind:
+    """The kind tier ``i`` of a chain opens as (``url`` is not a store object)."""
+    if url is None:
+        return store_kinds()["file"]
+    if isinstance(url, str | os.PathLike):
+        return kind_of(os.fspath(url))
+    raise ConfigError(
+        f"open_store: tier {i} of the chain must be a URL, a path, None or a "
+        f"TensorStore, got {type(url).__name__} {url!r}"
+    )
+
+
+def _chain_options(urls: Sequence[TierURL], options: dict[str, object]) -> dict[str, object]:
+    """``options`` with the chain's shared ``namespace`` default; an option that no
+    tier's kind takes is a :class:`ConfigError`. Checks every tier's URL first."""
+    kinds = [None if isinstance(u, TensorStore) else _tier_kind(i, u) for i, u in enumerate(urls)]
     if "namespace" not in options:
         from tensorstore_hooks.storage.zarr import default_namespace
 
@@ -453,46 +488,33 @@ def open_chain(
             f"the tiers take: {', '.join(sorted(taken)) or 'none'} "
             f"(chain options: {', '.join(_CHAIN_KEYWORDS)})"
         )
-    stores: list[TensorStore] = []
-    owned: list[bool] = []
-    try:
-        for url, kind, so in zip(urls, kinds, per_tier, strict=True):
-            if kind is None:
-                if so:
-                    raise ConfigError(
-                        "open_store: storage_options cannot apply to a tier given as a store "
-                        f"object ({url!r}); pass None for it in the list"
-                    )
-                stores.append(url)
-                owned.append(False)
-                continue
-            if kind.spread_storage_options:
-                opts = dict(so or {})
-            else:
-                keys = kind.option_keys or frozenset()
-                opts = {k: v for k, v in options.items() if k in keys}
-                if so:
-                    opts["storage_options"] = dict(so)
-            stores.append(open_store(url, **opts))
-            owned.append(True)
-        return TierChain(
-            stores,
-            sizes,
-            owned=owned,
-            move_threads=move_threads,
-            put_wait_s=put_wait_s,
-            close_timeout_s=close_timeout_s,
-            plan=plan,
-        )
-    except BaseException:
-        for store, own in zip(stores, owned, strict=False):
-            if own:
-                with contextlib.suppress(Exception):
-                    store.close()
-        raise
+    return options
 
 
-def _per_tier_options(storage_options: Any, tiers: int) -> list[dict[str, Any] | None]:
+def _open_tier(
+    i: int, url: TierURL, so: Mapping[str, object] | None, options: Mapping[str, object]
+) -> tuple[TensorStore, bool]:
+    """Open tier ``i`` of a chain with its ``storage_options`` ``so`` and the ``options``
+    its kind takes: ``(store, owned)``; a store object is used as it is, not owned."""
+    if isinstance(url, TensorStore):
+        if so:
+            raise ConfigError(
+                "open_store: storage_options cannot apply to a tier given as a store "
+                f"object ({url!r}); pass None for it in the list"
+            )
+        return url, False
+    kind = _tier_kind(i, url)
+    if kind.spread_storage_options:
+        opts = dict(so or {})
+    else:
+        keys = kind.option_keys or frozenset()
+        opts = {k: v for k, v in options.items() if k in keys}
+        if so:
+            opts["storage_options"] = dict(so)
+    return open_store(url, **opts), True
+
+
+def _per_tier_options(storage_options: object, tiers: int) -> list[Mapping[str, object] | None]:
     if storage_options is None:
         return [None] * tiers
     if isinstance(storage_options, dict):
@@ -509,19 +531,48 @@ def _per_tier_options(storage_options: Any, tiers: int) -> list[dict[str, Any] |
     )
 
 
-def chain_from_settings(store: Any) -> TierChain:
-    """The chain a config's ``store: {tiers: [...]}`` section describes (``StoreSettings``):
-    each tier's ``storage_options`` or else the section's; ``codec`` and ``chunk_bytes``
-    for every Zarr tier."""
-    tiers = store.tiers
+class TierSpec(Protocol):
+    """One tier of a :class:`ChainSpec` (the config's ``store.tiers`` entries)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def budget(self) -> int | None:
+        """Bytes the tier may hold; ``None`` for the last tier."""
+    @property
+    def storage_options(self) -> Mapping[str, object] | None:
+        """This tier's options; ``None``: the chain's."""
+
+
+class ChainSpec(Protocol):
+    """What :func:`chain_from_settings` reads: a tier chain described as settings (the
+    config's ``StoreSettings`` is one)."""
+
+    @property
+    def tiers(self) -> Sequence[TierSpec]:
+        """The tiers, fastest first."""
+    @property
+    def codec(self) -> str: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def storage_options(self) -> Mapping[str, object]:
+        """Options for every tier that has none of its own."""
+
+
+def chain_from_settings(spec: ChainSpec) -> TierChain:
+    """The chain a config's ``store: {tiers: [...]}`` section describes: each tier's
+    ``storage_options`` or else the section's; ``codec`` and ``chunk_bytes`` for every
+    Zarr tier."""
+    tiers = spec.tiers
     # As for one store (options_from_config): only the settings some tier's kind takes.
     wanted = {k for t in tiers for k in kind_of(t.url).config_options}
-    given = {"codec": store.codec, "chunk_bytes": store.chunk_bytes}
+    given: dict[str, object] = {"codec": spec.codec, "chunk_bytes": spec.chunk_bytes}
     return open_chain(
         [t.url for t in tiers],
         budgets=[t.budget for t in tiers[:-1]],
         storage_options=[
-            dict(t.storage_options if t.storage_options is not None else store.storage_options)
+            dict(t.storage_options if t.storage_options is not None else spec.storage_options)
             for t in tiers
         ],
         **{k: v for k, v in given.items() if k in wanted},

@@ -7,11 +7,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import torch
 
-from tensorstore_hooks._codec import TensorMeta, decode, encode
+from tensorstore_hooks._codec import Buffer, TensorMeta, decode, encode
 
 __all__ = ["BlobStore", "DirectIOStatus", "TensorStore"]
 
@@ -173,14 +172,14 @@ class BlobStore(TensorStore):
         return decode(meta, payload, device=device)
 
     @abstractmethod
-    def put_blob(self, meta: TensorMeta, payload: Any) -> str:
+    def put_blob(self, meta: TensorMeta, payload: Buffer) -> str:
         """Store ``payload`` (a buffer of ``meta.nbytes`` bytes) and return a new key.
 
         The payload is fully consumed (copied or written) before this returns.
         """
 
     @abstractmethod
-    def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
+    def get_blob(self, key: str) -> tuple[TensorMeta, Buffer]:
         """Return the metadata and a *writable* buffer holding the payload bytes."""
 
     @abstractmethod

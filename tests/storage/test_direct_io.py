@@ -1,8 +1,9 @@
 """Direct I/O from aligned pooled buffers (issue 25): the store side.
 
-NOTE [ Direct I/O ] (``storage/io/_local.py``), NOTE [ Chunk objects ] (``storage/zarr/_chunkcodec.py``),
-NOTE [ Aligned buffers ] (``storage/io/_aligned.py``). The store conformance suite runs with
-``direct_io`` on, off and on tmpfs in ``test_store_file.py``.
+NOTE [ Direct I/O ] (``storage/io/_local.py``), NOTE [ Chunk objects ]
+(``storage/zarr/_chunkcodec.py``), NOTE [ Aligned buffers ] (``storage/io/_aligned.py``).
+The store conformance suite runs with ``direct_io`` on, off and on tmpfs in
+``test_store_file.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tensorstore_hooks.storage.chain._chain import TierChain, check_budgets
+from tensorstore_hooks.storage.chain._chain import TierChain, check_budgets, check_chain_options
 from tensorstore_hooks.storage.chain._stats import ChainStats, TierStats
 
 __all__ = [
@@ -11,4 +11,5 @@ __all__ = [
     "TierChain",
     "TierStats",
     "check_budgets",
+    "check_chain_options",
 ]

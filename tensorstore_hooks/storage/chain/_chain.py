@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from tensorstore_hooks.storage.chain._core import Core
 from tensorstore_hooks.storage.chain._ledger import Tier
 from tensorstore_hooks.storage.chain._stats import ChainStats
 
-__all__ = ["ChainStats", "TierChain", "check_budgets"]
+__all__ = ["ChainStats", "TierChain", "check_budgets", "check_chain_options"]
 
 
 # --------------------------------------------------------------------------- public
@@ -71,19 +70,15 @@ class TierChain(TensorStore):
         flags = [True] * len(tiers) if owned is None else list(owned)
         if len(flags) != len(tiers):
             raise ConfigError(f"TierChain: owned needs {len(tiers)} flags, got {len(flags)}")
-        if not (isinstance(move_threads, int) and 1 <= move_threads <= 64):
-            raise ConfigError(f"TierChain: move_threads must be 1..64, got {move_threads!r}")
-        for name, value in (("put_wait_s", put_wait_s), ("close_timeout_s", close_timeout_s)):
-            if not (isinstance(value, int | float) and value >= 0):
-                raise ConfigError(f"TierChain: {name} must be seconds >= 0, got {value!r}")
+        threads, wait_s, timeout_s = check_chain_options(move_threads, put_wait_s, close_timeout_s)
         self._core = Core(
             [
                 Tier(store, store.url, budget, own)
                 for store, budget, own in zip(tiers, [*sizes, None], flags, strict=True)
             ],
-            move_threads=move_threads,
-            put_wait_s=float(put_wait_s),
-            close_timeout_s=float(close_timeout_s),
+            move_threads=threads,
+            put_wait_s=wait_s,
+            close_timeout_s=timeout_s,
             plan=bool(plan),
         )
         self._pid = os.getpid()  # NOTE [ Fork safety ]: the movers are this process's
@@ -188,7 +183,7 @@ class TierChain(TensorStore):
         return f"TierChain({self.url!r}, budgets=[{budgets}])"
 
 
-def check_budgets(budgets: Any, tiers: int) -> list[int]:
+def check_budgets(budgets: object, tiers: int) -> list[int]:
     """``budgets`` as byte counts: exactly one size per tier but the last."""
     if isinstance(budgets, str | int) or not isinstance(budgets, Sequence):
         raise ConfigError(
@@ -207,6 +202,23 @@ def check_budgets(budgets: Any, tiers: int) -> list[int]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return out
+
+
+def check_chain_options(
+    move_threads: object, put_wait_s: object, close_timeout_s: object
+) -> tuple[int, float, float]:
+    """A chain's ``move_threads`` (1..64), ``put_wait_s`` and ``close_timeout_s``
+    (seconds >= 0), checked: a bad one is a :class:`ConfigError` naming it."""
+    if not (isinstance(move_threads, int) and 1 <= move_threads <= 64):
+        raise ConfigError(f"TierChain: move_threads must be 1..64, got {move_threads!r}")
+    wait_s = _seconds("put_wait_s", put_wait_s)
+    return move_threads, wait_s, _seconds("close_timeout_s", close_timeout_s)
+
+
+def _seconds(name: str, value: object) -> float:
+    if not (isinstance(value, int | float) and value >= 0):
+        raise ConfigError(f"TierChain: {name} must be seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _close(core: Core, pid: int) -> None:

@@ -30,11 +30,10 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import numpy as np
 
-from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._codec import Buffer, TensorMeta, as_memoryview
 from tensorstore_hooks._units import format_bytes
 from tensorstore_hooks.errors import (
     ConfigError,
@@ -50,7 +49,9 @@ from tensorstore_hooks.protocol import (
     Delete,
     ErrorCode,
     Get,
+    Header,
     ListKeys,
+    Msgpack,
     Ping,
     ProtocolError,
     Put,
@@ -287,15 +288,15 @@ class DaemonStore(BlobStore):
         self._pool.drop_idle()
 
     def _call(
-        self, req: Request, payload: Any = None, *, retry: bool = True
-    ) -> tuple[dict[str, Any], Any]:
+        self, req: Request, payload: Buffer | None = None, *, retry: bool = True
+    ) -> tuple[Header, np.ndarray | None]:
         """One request with reconnect/retry; daemon error codes become library errors.
 
         Retried by the library's one retry loop (NOTE [ One retry layer ] in
         ``storage/_retry.py``) with :func:`_classify_connection`: only a lost connection heals.
         """
 
-        def attempt(time_left_s: float) -> tuple[dict[str, Any], Any]:
+        def attempt(time_left_s: float) -> tuple[Header, np.ndarray | None]:
             conn = self._acquire()
             try:
                 answer, body = conn.call(req, payload)
@@ -316,10 +317,11 @@ class DaemonStore(BlobStore):
             return self._call_retrier().call(req.op.upper(), attempt)
         except (_Lost, RetriesExhausted) as e:
             cause = e.cause if isinstance(e, RetriesExhausted) else e
+            elapsed_s = e.elapsed_s if isinstance(e, RetriesExhausted) else 0.0
             raise StoreUnavailableError(
                 self._fail(
                     "the daemon is unreachable (gave up after "
-                    f"{getattr(e, 'elapsed_s', 0.0):.1f}s, reconnect_deadline_s="
+                    f"{elapsed_s:.1f}s, reconnect_deadline_s="
                     f"{self._reconnect_deadline_s:g}): {cause}; "
                     "is `tensorstore-hooks serve` running there?"
                 )
@@ -355,7 +357,7 @@ class DaemonStore(BlobStore):
         if time.monotonic() - self._last_activity >= idle_s and self._sess.id is not None:
             self._call(Ping(id=0), retry=False)
 
-    def _ping(self) -> dict[str, Any]:
+    def _ping(self) -> Header:
         answer, _ = self._call(Ping(id=0))
         return answer
 
@@ -374,7 +376,7 @@ class DaemonStore(BlobStore):
                 )
             )
 
-    def put_blob(self, meta: TensorMeta, payload: Any) -> str:
+    def put_blob(self, meta: TensorMeta, payload: Buffer) -> str:
         self._check_writer("write")
         n = meta.nbytes
         limit = self._sess.limits.get("max_tensor_bytes")
@@ -385,16 +387,16 @@ class DaemonStore(BlobStore):
                     f"({format_bytes(limit)})"
                 )
             )
-        data = memoryview(payload).cast("B") if n else None
+        data = as_memoryview(payload).cast("B") if n else None
         if data is not None and len(data) != n:
             raise IntegrityError(self._fail(f"payload has {len(data)} bytes, metadata says {n}"))
         answer, _ = self._call(Put(id=0, meta=meta, size=n), data)
         key = answer.get("key")
         if not is_valid_key(key):
             raise TensorStoreError(self._fail(f"PUT answer carries an invalid key {key!r}"))
-        return str(key)
+        return key
 
-    def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
+    def get_blob(self, key: str) -> tuple[TensorMeta, np.ndarray]:
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
         answer, body = self._call(Get(id=0, key=key))
@@ -444,13 +446,13 @@ class DaemonStore(BlobStore):
         return True
 
     def __len__(self) -> int:
-        return int(self._ping().get("keys", 0))
+        return _count(self._ping(), "keys")
 
     @property
     def nbytes(self) -> int:
-        return int(self._ping().get("nbytes", 0))
+        return _count(self._ping(), "nbytes")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Msgpack]:
         """The daemon's statistics (what ``tensorstore-hooks stats`` shows)."""
         _, body = self._call(Stats(id=0))
         snap = unpack_body(body) if body is not None else {}
@@ -493,6 +495,14 @@ class DaemonStore(BlobStore):
         self._finalizer.detach()
 
 
+def _count(answer: Header, field: str) -> int:
+    """A count a PING answer carries (0 when absent)."""
+    value = answer.get(field, 0)
+    if not isinstance(value, int | float | str):
+        raise TensorStoreError(f"DaemonStore: PING answer's {field!r} is {value!r}, not a count")
+    return int(value)
+
+
 def _finish(pool: ConnectionPool, pid: int) -> None:
     """The store was dropped without ``close()``: :meth:`ConnectionPool.finish`, which
     ends the session; in a forked child only its own sockets close (no BYE)."""
@@ -510,7 +520,7 @@ def fetch_stats(
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Msgpack]:
     """One STATS request on an observer connection (no session is opened)."""
     addr = parse_daemon_url(url)
     if token is None:

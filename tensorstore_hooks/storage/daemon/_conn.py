@@ -20,11 +20,12 @@ import socket
 import ssl
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from tensorstore_hooks._codec import Buffer, as_memoryview
 from tensorstore_hooks.errors import ConfigError, StoreClosedError, StoreUnavailableError
 from tensorstore_hooks.protocol import (
     MAGIC,
@@ -32,6 +33,7 @@ from tensorstore_hooks.protocol import (
     PROTOCOL_VERSION,
     Bye,
     ErrorCode,
+    Header,
     Hello,
     ProtocolError,
     Request,
@@ -215,7 +217,7 @@ class Connection:
             return False
         return not readable
 
-    def call(self, req: Request, payload: Any = None) -> tuple[dict[str, Any], Any]:
+    def call(self, req: Request, payload: Buffer | None = None) -> tuple[Header, np.ndarray | None]:
         """Send ``req`` (under a fresh id), return ``(answer header, payload or None)``.
 
         Raises :class:`Lost` (retryable: transport failure or a connection-level
@@ -269,12 +271,12 @@ class Connection:
             "started with --tls-client-ca, pass tls_cert= and tls_key=)"
         )
 
-    def _send(self, header: dict[str, Any], payload: Any) -> None:
-        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+    def _send(self, header: Header, payload: Buffer | None) -> None:
+        view = as_memoryview(payload).cast("B") if payload is not None else memoryview(b"")
         size = len(view)
         if size:
             header["size"] = size
-        bufs: list[Any] = []
+        bufs: list[bytes | memoryview] = []
         for i, (start, stop) in enumerate(frame_chunks(size)):
             bufs.append(
                 message_head(header, stop - start) if i == 0 else pack_prefix(0, stop - start)
@@ -306,7 +308,7 @@ class Connection:
                 raise EOFError("the daemon closed the connection")
             view = view[n:]
 
-    def _recv(self) -> tuple[dict[str, Any], Any]:
+    def _recv(self) -> tuple[Header, np.ndarray | None]:
         prefix = memoryview(self._prefix)
         self._recv_exact(prefix)
         if self._prefix[:4] != MAGIC and self._prefix[0] == 0x15 and not self.tls:
@@ -376,7 +378,7 @@ class ConnectionPool:
         if self.closed and self.idle:
             raise RuntimeError("connection pool closed with idle connections left")
 
-    def acquire(self, connect: Any, closed_message: str) -> Connection:
+    def acquire(self, connect: Callable[[], Connection], closed_message: str) -> Connection:
         """An idle live connection, else a new one from ``connect()`` (blocks at the limit)."""
         if self._pid != os.getpid():
             self._after_fork()

@@ -12,10 +12,9 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from tensorstore_hooks.errors import StoreUnavailableError
-from tensorstore_hooks.protocol import ErrorCode, ProtocolError, is_valid_session_id
+from tensorstore_hooks.protocol import ErrorCode, Header, ProtocolError, is_valid_session_id
 from tensorstore_hooks.storage.daemon._conn import Connection, DaemonAddress, Lost, hello_request
 
 __all__ = ["DaemonSession"]
@@ -48,7 +47,7 @@ class DaemonSession:
         self.id: str | None = None
         """The session id (a secret: with the token it grants access to the keys)."""
         self.lease_s = 60.0
-        self.limits: dict[str, Any] = {}
+        self.limits: Header = {}
         """What the daemon's HELLO answer advertised (``max_tensor_bytes``, ...)."""
         self.lost = 0
         """How many times the daemon had forgotten this session (keys lost)."""
@@ -61,7 +60,7 @@ class DaemonSession:
             self.addr, connect_timeout_s, io_timeout_s, tls=self.tls, peer_uid=self.peer_uid
         )
 
-    def hello(self, conn: Connection, sid: str | None) -> dict[str, Any]:
+    def hello(self, conn: Connection, sid: str | None) -> Header:
         answer, _ = conn.call(hello_request(self._token, sid))
         return answer
 

@@ -48,9 +48,10 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+
+from tensorstore_hooks._codec import Buffer
 
 __all__ = [
     "BLOCK_BYTES",
@@ -83,7 +84,7 @@ def round_up(n: int, to: int = BLOCK_BYTES) -> int:
     return -(-n // to) * to
 
 
-def address_of(buf: Any) -> int:
+def address_of(buf: Buffer | mmap.mmap) -> int:
     """The address of a writable or read-only buffer's first byte."""
     arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
     return int(arr.__array_interface__["data"][0])
@@ -126,7 +127,7 @@ class AlignedBuffer:
         self.view = memoryview(self._mm)[self._start : self._start + capacity]
         """The whole region, writable, format ``B``."""
 
-    def exporter(self) -> Any:
+    def exporter(self) -> ctypes.Array[ctypes.c_ubyte]:
         """A new ctypes array over the whole region (keeps the mapping alive)."""
         return (ctypes.c_ubyte * self.capacity).from_buffer(self._mm, self._start)
 
@@ -246,7 +247,7 @@ class BufferPool:
             buf = self.acquire(front + span, front)
             holder = buf.exporter()
             weakref.finalize(holder, self.release, buf).atexit = False
-            whole = np.frombuffer(holder, dtype=np.uint8)
+            whole = np.frombuffer(memoryview(holder), dtype=np.uint8)
         start = front - lead
         return whole[start : start + nbytes], whole.data[front : front + span]
 

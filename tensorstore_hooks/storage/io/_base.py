@@ -10,17 +10,15 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import BinaryIO
 
+from tensorstore_hooks._codec import Buffer, as_memoryview
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.storage._store import DirectIOStatus
 
 __all__ = ["DIRECT_IO_MODES", "Buffer", "ChunkIO", "DirectIOStatus"]
 
 log = logging.getLogger("tensorstore_hooks")
-
-Buffer = Any  # bytes, bytearray, memoryview or a numpy array
-
 
 DIRECT_IO_MODES = ("auto", "on", "off")
 """The values of ``store.direct_io``."""
@@ -60,7 +58,7 @@ class ChunkIO(ABC):
         """Write object ``path`` of ``size`` bytes that starts with the concatenation of
         ``parts``; the bytes after them are zeros in a new object and unspecified in one
         rewritten in place (here: always zeros)."""
-        n = sum(memoryview(p).nbytes for p in parts)
+        n = sum(as_memoryview(p).nbytes for p in parts)
         self.write(path, [*parts, bytes(size - n)] if size > n else parts)
 
     # ------------------------------------------------------- NOTE [ Direct I/O ]
@@ -98,10 +96,10 @@ class ChunkIO(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no direct I/O")
 
     @abstractmethod
-    def read(self, path: str) -> Buffer:
+    def read(self, path: str) -> bytes:
         """Return the bytes of ``path``. Raises ``FileNotFoundError`` if absent."""
 
-    def read_many(self, paths: Sequence[str]) -> list[Buffer]:
+    def read_many(self, paths: Sequence[str]) -> list[bytes]:
         return [self.read(p) for p in paths]
 
     def readinto(
@@ -152,7 +150,7 @@ class ChunkIO(ABC):
     def remove_tree(self, path: str) -> None:
         """Remove ``path`` and everything under it; absent is fine."""
 
-    def open_append(self, path: str) -> Any:
+    def open_append(self, path: str) -> BinaryIO:
         """An unbuffered binary file opened for appending (only if ``supports_append``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot append")
 

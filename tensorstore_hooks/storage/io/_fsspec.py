@@ -9,10 +9,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
-from tensorstore_hooks.errors import StoreClosedError, StoreUnavailableError
+from tensorstore_hooks._codec import as_memoryview
+from tensorstore_hooks.errors import ConfigError, StoreClosedError, StoreUnavailableError
 from tensorstore_hooks.storage._retry import (
     Failure,
     Retrier,
@@ -26,9 +27,16 @@ from tensorstore_hooks.storage._retry import (
 from tensorstore_hooks.storage._urls import link_protocols
 from tensorstore_hooks.storage.io._base import Buffer, ChunkIO
 
+if TYPE_CHECKING:  # fsspec (untyped) is imported when a store opens, aiobotocore with s3fs
+    from aiobotocore.session import AioSession
+    from fsspec import AbstractFileSystem
+
 __all__ = ["FsspecIO"]
 
 log = logging.getLogger("tensorstore_hooks")
+
+T = TypeVar("T")
+
 
 class FsspecIO(ChunkIO):
     """Any fsspec filesystem (``s3://``, ``gs://``, ``simplecache::...``), with retries.
@@ -49,7 +57,7 @@ class FsspecIO(ChunkIO):
 
     def __init__(
         self,
-        fs: Any,
+        fs: AbstractFileSystem,
         root: str,
         url: str,
         *,
@@ -67,14 +75,15 @@ class FsspecIO(ChunkIO):
         self._async = isinstance(fs, AsyncFileSystem) and not getattr(fs, "asynchronous", False)
         self._owns_fs = owns_fs
         self._closed = False
-        self._uncertain: set[str] = set()  # NOTE [ Requests that land late ] in storage/zarr/_store.py
+        # NOTE [ Requests that land late ] in storage/zarr/_store.py
+        self._uncertain: set[str] = set()
         self._uncertain_lock = threading.Lock()
 
     # ------------------------------------------------------------ opening
     @classmethod
     def open_filesystem(
-        cls, url: str, storage_options: dict[str, Any], retry: RetryPolicy
-    ) -> tuple[Any, str, bool]:
+        cls, url: str, storage_options: Mapping[str, object], retry: RetryPolicy
+    ) -> tuple[AbstractFileSystem, str, bool]:
         """``fsspec.core.url_to_fs`` with this class's defaults: returns (fs, path, owned).
 
         For S3 (also inside a chain such as ``simplecache::s3://``), options the user
@@ -94,8 +103,8 @@ class FsspecIO(ChunkIO):
             if len(links) == 1:
                 target = opts
             else:  # chained URL: fsspec takes each link's options under its protocol
-                target = opts[proto] = dict(opts.get(proto) or {})
-            config = dict(target.get("config_kwargs") or {})
+                target = opts[proto] = _options(opts.get(proto), proto)
+            config = _options(target.get("config_kwargs"), "config_kwargs")
             config.setdefault("retries", {"total_max_attempts": 1})
             config.setdefault("connect_timeout", min(5.0, retry.deadline_s))
             config.setdefault("read_timeout", min(15.0, max(retry.deadline_s, 1.0)))
@@ -126,8 +135,9 @@ class FsspecIO(ChunkIO):
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def _attempt(self, method: str, time_left_s: float, *args: Any, **kwargs: Any) -> Any:
-        """One call of ``fs.<method>``, bounded by ``time_left_s`` where fsspec allows."""
+    def _attempt(self, method: str, time_left_s: float, *args: object, **kwargs: object) -> object:
+        """One call of ``fs.<method>``, bounded by ``time_left_s`` where fsspec allows;
+        returns what the (untyped) filesystem returns, for the caller to check."""
         if self._async:
             coro_fn = getattr(self.fs, "_" + method, None)
             if coro_fn is not None:
@@ -136,7 +146,7 @@ class FsspecIO(ChunkIO):
                 return sync(self.fs.loop, coro_fn, *args, timeout=time_left_s, **kwargs)
         return getattr(self.fs, method)(*args, **kwargs)
 
-    def _run(self, what: str, fn: Any) -> Any:
+    def _run(self, what: str, fn: Callable[[float], T]) -> T:
         """``fn(time_left_s)`` under the retry policy; failures become StoreUnavailableError."""
         if self._closed:
             raise StoreClosedError(f"FsspecIO({self.url}) is closed")
@@ -145,14 +155,14 @@ class FsspecIO(ChunkIO):
         except RetriesExhausted as e:
             raise self._unavailable(e) from e.cause
 
-    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, what: str, method: str, *args: object, **kwargs: object) -> object:
         return self._run(what, lambda t: self._attempt(method, t, *args, **kwargs))
 
     def _note_uncertain(self, paths: Sequence[str]) -> None:
         with self._uncertain_lock:
             self._uncertain.update(paths)
 
-    def _changing(self, paths: Sequence[str], attempt: Callable[[], Any]) -> Any:
+    def _changing(self, paths: Sequence[str], attempt: Callable[[], T]) -> T:
         """One attempt of a request that changes ``paths``: if it fails, the service may
         still apply it later (a timeout while it waits on its storage servers)."""
         try:
@@ -203,7 +213,7 @@ class FsspecIO(ChunkIO):
 
     @staticmethod
     def _join(parts: Sequence[Buffer]) -> bytes:
-        return b"".join(memoryview(p).cast("B") for p in parts)
+        return b"".join(as_memoryview(p).cast("B") for p in parts)
 
     # ------------------------------------------------------------ ChunkIO
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
@@ -264,14 +274,14 @@ class FsspecIO(ChunkIO):
             out.append(r if isinstance(r, BaseException) else None)
         return out
 
-    def read(self, path: str) -> Buffer:
-        return self._call(f"reading {path!r}", "cat_file", self._full(path))
+    def read(self, path: str) -> bytes:
+        return _as_bytes(self._call(f"reading {path!r}", "cat_file", self._full(path)))
 
-    def read_many(self, paths: Sequence[str]) -> list[Buffer]:
+    def read_many(self, paths: Sequence[str]) -> list[bytes]:
         if len(paths) <= 1:
             return [self.read(p) for p in paths]
         full = [self._full(p) for p in paths]
-        done: dict[str, Any] = {}
+        done: dict[str, bytes] = {}
 
         def attempt(time_left_s: float) -> None:
             todo = [f for f in full if f not in done]
@@ -284,7 +294,7 @@ class FsspecIO(ChunkIO):
                 if isinstance(v, BaseException):
                     errors.append(v)
                 else:
-                    done[f] = v
+                    done[f] = _as_bytes(v)
             if errors:
                 # A missing object or a permanent error decides; otherwise the
                 # transient failures are retried, and only those paths re-read.
@@ -323,6 +333,8 @@ class FsspecIO(ChunkIO):
             entries = self._call(f"listing {path or '/'!r}", "ls", self._full(path), detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        if not isinstance(entries, Iterable):
+            raise TypeError(f"FsspecIO({self.url}): ls returned {type(entries).__name__}")
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
     def remove_tree(self, path: str) -> None:
@@ -357,11 +369,11 @@ _DENIED_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 )
 
-_AIO_SESSION: tuple[int, Any] | None = None
+_AIO_SESSION: tuple[int, AioSession] | None = None
 _AIO_SESSION_LOCK = threading.Lock()
 
 
-def _shared_aio_session() -> Any:
+def _shared_aio_session() -> AioSession:
     """This process's aiobotocore session for the S3 filesystems made here (new after fork)."""
     global _AIO_SESSION
     with _AIO_SESSION_LOCK:
@@ -390,7 +402,28 @@ def _s3fs_parameters() -> frozenset[str]:
     )
 
 
-def _outcome(fn: Any, *args: Any) -> BaseException | None:
+def _options(value: object, name: str) -> dict[str, object]:
+    """A copy of the storage options under ``name`` (absent or empty: empty)."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"FsspecIO: storage_options[{name!r}] must be a mapping of options, "
+            f"got {type(value).__name__} {value!r:.80}"
+        )
+    return dict(value)
+
+
+def _as_bytes(data: object) -> bytes:
+    """What a filesystem read returned, as ``bytes`` (no copy when it is ``bytes``)."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, bytearray | memoryview):
+        return bytes(data)
+    raise TypeError(f"FsspecIO: a read returned {type(data).__name__}, not bytes")
+
+
+def _outcome(fn: Callable[..., object], *args: object) -> BaseException | None:
     try:
         fn(*args)
     except Exception as e:
@@ -398,7 +431,7 @@ def _outcome(fn: Any, *args: Any) -> BaseException | None:
     return None
 
 
-def _filesystems(fs: Any) -> list[Any]:
+def _filesystems(fs: AbstractFileSystem) -> list[AbstractFileSystem]:
     """``fs`` and the filesystems it wraps (``simplecache::s3://`` has ``.fs``)."""
     out = [fs]
     inner = getattr(fs, "__dict__", {}).get("fs")
@@ -408,13 +441,13 @@ def _filesystems(fs: Any) -> list[Any]:
     return out
 
 
-def _is_s3(fs: Any) -> bool:
+def _is_s3(fs: AbstractFileSystem) -> bool:
     protocol = getattr(type(fs), "protocol", None)
     names = protocol if isinstance(protocol, tuple | list) else (protocol,)
     return any(n in _S3_PROTOCOLS for n in names)
 
 
-async def _close_s3(fs: Any) -> None:
+async def _close_s3(fs: AbstractFileSystem) -> None:
     # s3fs keeps the client's async context manager in _s3creator; leaving it closes
     # the aiohttp session. Its own finalizer does the same at garbage collection,
     # and leaving twice is harmless.

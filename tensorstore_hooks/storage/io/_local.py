@@ -43,8 +43,9 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import BinaryIO
 
+from tensorstore_hooks._codec import as_memoryview
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.runtime import foreign
 from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer
@@ -161,7 +162,7 @@ class LocalIO(ChunkIO):
         finally:
             os.close(fd)
 
-    def read(self, path: str) -> Buffer:
+    def read(self, path: str) -> bytes:
         with open(self._full(path), "rb", buffering=0) as f:
             return f.read()
 
@@ -201,7 +202,7 @@ class LocalIO(ChunkIO):
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(self._full(path), ignore_errors=True)
 
-    def open_append(self, path: str) -> Any:
+    def open_append(self, path: str) -> BinaryIO:
         full = self._full(path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         return open(full, "ab", buffering=0)
@@ -256,7 +257,7 @@ class LocalIO(ChunkIO):
 
 
 def _write_all(fd: int, part: Buffer) -> int:
-    mv = memoryview(part).cast("B")
+    mv = as_memoryview(part).cast("B")
     n = len(mv)
     while mv:
         mv = mv[os.write(fd, mv) :]

@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from tensorstore_hooks._codec import as_memoryview
 from tensorstore_hooks.storage.io._base import Buffer, ChunkIO
 
 __all__ = ["MemoryIO"]
@@ -23,10 +24,10 @@ class MemoryIO(ChunkIO):
         self._lock = threading.Lock()
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
-        data = b"".join(memoryview(p).cast("B") for p in parts)
+        data = b"".join(as_memoryview(p).cast("B") for p in parts)
         self._objects[path] = data
 
-    def read(self, path: str) -> Buffer:
+    def read(self, path: str) -> bytes:
         try:
             return self._objects[path]
         except KeyError:

@@ -15,6 +15,7 @@ from tensorstore_hooks.storage.zarr._housekeeping import (
 from tensorstore_hooks.storage.zarr._index import (
     MAGIC,
     Damage,
+    IndexEntry,
     IndexLog,
     frame_record,
     scan_journal,
@@ -39,6 +40,7 @@ __all__ = [
     "Damage",
     "Entry",
     "FORMAT_VERSION",
+    "IndexEntry",
     "IndexLog",
     "MAGIC",
     "Stale",

@@ -63,9 +63,10 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+from zarr.abc.codec import BytesBytesCodec
 from zarr.codecs import BloscCodec, ZstdCodec
 
 from tensorstore_hooks.errors import IntegrityError
@@ -86,6 +87,9 @@ from tensorstore_hooks.storage.zarr._checksum import (
 from tensorstore_hooks.storage.zarr._options import (
     parse_codec,  # the one codec-spec parser (config uses it too)
 )
+
+if TYPE_CHECKING:  # numcodecs (untyped) is imported when a compressing store opens
+    from numcodecs.abc import Codec
 
 __all__ = ["DIRECT_MIN_CHUNK_BYTES", "ChunkCodec", "parse_codec"]
 
@@ -125,7 +129,7 @@ class ChunkCodec:
     def compressed(self) -> bool:
         return self._compressor is not None
 
-    def zarr_compressors(self) -> list[Any]:
+    def zarr_compressors(self) -> list[BytesBytesCodec]:
         """The codecs after ``bytes`` in the segment arrays' metadata."""
         if self.name == "zstd":
             return [ZstdCodec(level=self.level or 3)]
@@ -281,7 +285,7 @@ class ChunkCodec:
         for i, path in enumerate(paths):
             piece = data[i * chunk : (i + 1) * chunk]
             crcs += crc(piece).to_bytes(4, "little")
-            parts: list[Any] = [piece]
+            parts: list[memoryview] = [piece]
             if len(piece) < chunk:
                 parts.append(self._zero_pad(chunk - len(piece)))
             items.append((path, parts))
@@ -472,7 +476,7 @@ def _verify(what: str, path: str, value: int, crcs: bytes, i: int, first: int) -
         )
 
 
-def _compressor(name: str, level: int | None) -> Any:
+def _compressor(name: str, level: int | None) -> Codec | None:
     from numcodecs import Blosc, Zstd
 
     if name == "zstd":

@@ -7,17 +7,23 @@ plain ``zarr`` opens the layout; see docs/layout.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeAlias
 
 import zarr
+from zarr.abc.codec import BytesBytesCodec
+from zarr.abc.store import Store
 from zarr.codecs import BytesCodec
+from zarr.core.buffer import Buffer
 
-__all__ = ["namespace_doc", "namespace_format", "root_doc", "segment_doc"]
+__all__ = ["JSON", "namespace_doc", "namespace_format", "root_doc", "segment_doc"]
+
+JSON: TypeAlias = "str | int | float | bool | list[JSON] | dict[str, JSON] | None"
+"""A parsed JSON document (``json.loads``): untrusted, so narrowed before use."""
 
 
-def zarr_json_of(factory: Callable[[Any], Any]) -> bytes:
+def zarr_json_of(factory: Callable[[Store], object]) -> bytes:
     """The ``zarr.json`` document zarr writes for the node ``factory`` creates."""
-    docs: dict[str, Any] = {}
+    docs: dict[str, Buffer] = {}
     factory(zarr.storage.MemoryStore(store_dict=docs))
     return bytes(docs["zarr.json"].to_bytes())
 
@@ -42,7 +48,7 @@ def namespace_doc(format_version: int, namespace: str, chunk_bytes: int, codec: 
     return zarr_json_of(lambda s: zarr.create_group(store=s, zarr_format=3, attributes=attrs))
 
 
-def namespace_format(doc: Any) -> Any:
+def namespace_format(doc: bytes) -> JSON:
     """The ``format`` a namespace's ``zarr.json`` (bytes) declares, or ``"unknown"``
     when it declares none or cannot be parsed."""
     import json
@@ -57,7 +63,7 @@ def namespace_format(doc: Any) -> Any:
     return "unknown" if fmt is None else fmt
 
 
-def segment_doc(chunk: int, chunks: int, compressors: list[Any]) -> bytes:
+def segment_doc(chunk: int, chunks: int, compressors: list[BytesBytesCodec]) -> bytes:
     """A 1-D uint8 segment array of ``chunks`` chunks of ``chunk`` bytes (NOTE [ Segment
     layout ] in ``storage/zarr/_store.py``)."""
     return zarr_json_of(

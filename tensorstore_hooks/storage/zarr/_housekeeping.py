@@ -40,11 +40,15 @@ import socket
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from tensorstore_hooks._warn import warn_user
+
+if TYPE_CHECKING:  # _docs imports zarr, which sweeping and ``clean`` never need
+    from tensorstore_hooks.storage.zarr._docs import JSON
 
 __all__ = [
     "TEMP_MARKER",
@@ -109,7 +113,7 @@ def _is_dir(path: str) -> bool:
         return False
 
 
-def _read_json(path: str) -> Any:
+def _read_json(path: str) -> JSON:
     """A small regular file's JSON (``None`` if it is missing, a link, big or not JSON)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -130,7 +134,7 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _our_attributes(path: str) -> dict[str, Any] | None:
+def _our_attributes(path: str) -> dict[str, JSON] | None:
     doc = _read_json(os.path.join(path, "zarr.json"))
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
     ours = attrs.get("tensorstore_hooks") if isinstance(attrs, dict) else None
@@ -248,7 +252,11 @@ class Removal:
 def _remove_tree(path: str) -> str | None:
     errors: list[str] = []
 
-    def note(func: Any, failed: str, exc_info: Any) -> None:
+    def note(
+        func: Callable[..., object],
+        failed: str,
+        exc_info: tuple[type[BaseException], BaseException, TracebackType],
+    ) -> None:
         errors.append(f"{failed}: {exc_info[1]}")
 
     shutil.rmtree(path, onerror=note)  # never follows links: it unlinks them

@@ -56,7 +56,7 @@ import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import BinaryIO, TypeAlias
 
 import msgpack
 
@@ -66,13 +66,16 @@ from tensorstore_hooks.errors import (
     StoreUnavailableError,
     TensorStoreError,
 )
+from tensorstore_hooks.protocol import Msgpack
 from tensorstore_hooks.storage.io import ChunkIO
 from tensorstore_hooks.storage.zarr._checksum import crc
 
 __all__ = [
     "MAGIC",
     "Damage",
+    "IndexEntry",
     "IndexLog",
+    "Record",
     "Scan",
     "frame_record",
     "os_error",
@@ -95,6 +98,12 @@ _UNPACK_LIMITS = {
 }
 _OPS = ("put", "del")
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+IndexEntry: TypeAlias = dict[str, Msgpack]
+"""One key's entry as a record carries it: a msgpack map whose fields its owner defines
+(the store's ``Entry.to_record``, the daemon's journal). Replayed, it is untrusted."""
+Record: TypeAlias = tuple[str, str, "IndexEntry | None"]
+"""``(op, key, entry)``: a put carries an entry, a delete ``None`` (NOTE [ Journal records ])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +132,14 @@ class Damage:
 class Scan:
     """What :func:`scan` found in one file."""
 
-    records: list[tuple[str, str, Any]]
+    records: list[Record]
     """Valid records in file order: ``(op, key, entry)``."""
     damage: list[Damage]
     valid_end: int
     """Offset just after the last valid record or damaged region (a torn tail follows)."""
 
 
-def frame_record(record: Sequence[Any]) -> bytes:
+def frame_record(record: Sequence[Msgpack]) -> bytes:
     """One framed record (NOTE [ Journal records ])."""
     body = msgpack.packb(record, use_bin_type=True)
     if len(body) > MAX_RECORD_BYTES:
@@ -140,7 +149,7 @@ def frame_record(record: Sequence[Any]) -> bytes:
     return b"".join((MAGIC, checked[:4], crc(checked).to_bytes(4, "little"), checked[4:]))
 
 
-def _record_at(buf: bytes, pos: int) -> tuple[tuple[str, str, Any] | None, int, str]:
+def _record_at(buf: bytes, pos: int) -> tuple[Record | None, int, str]:
     """``(record, end, "")`` if a valid record starts at ``pos``, else ``(None, pos,
     why)`` with ``why`` ``"torn"`` if the file ends inside it."""
     left = len(buf) - pos
@@ -183,7 +192,7 @@ def _next_valid(buf: bytes, start: int) -> int | None:
 
 def scan_journal(buf: bytes, path: str) -> Scan:
     """Parse the framed records of one file, resynchronising past damage."""
-    records: list[tuple[str, str, Any]] = []
+    records: list[Record] = []
     damage: list[Damage] = []
     pos = 0
     while pos < len(buf):
@@ -232,7 +241,7 @@ class IndexLog:
         self._persist = not io.is_private_memory
         self._append = io.supports_append
         self._warn = warn
-        self._journal: Any = None
+        self._journal: BinaryIO | None = None
         self._end: int | None = None  # where the next record goes (journal length)
         self._torn_at: int | None = None  # a torn tail starts here: cut before appending
         self._records = 0
@@ -249,13 +258,13 @@ class IndexLog:
         were lost, which bounds the keys replay cannot have seen."""
         return sum(d.nbytes for d in self.damage)
 
-    def load(self) -> dict[str, dict[str, Any]]:
+    def load(self) -> dict[str, IndexEntry]:
         """Replay snapshot then journal; returns the live entries (see :attr:`damage`).
 
         Raises :class:`~tensorstore_hooks.IntegrityError` for a format 1 file and
         :class:`~tensorstore_hooks.StoreUnavailableError` if the files cannot be read.
         """
-        entries: dict[str, dict[str, Any]] = {}
+        entries: dict[str, IndexEntry] = {}
         self.damage = []
         if not self._persist:
             return entries
@@ -307,7 +316,7 @@ class IndexLog:
         except OSError as e:
             raise os_error(e, f"reading index file {self._where(path)}") from e
 
-    def _load_snapshot(self, raw: bytes, entries: dict[str, dict[str, Any]]) -> None:
+    def _load_snapshot(self, raw: bytes, entries: dict[str, IndexEntry]) -> None:
         where = self._where(self._snapshot_path)
         if len(raw) > _MAX_SNAPSHOT:
             raise IntegrityError(f"index snapshot {where} is larger than {_MAX_SNAPSHOT} bytes")
@@ -345,7 +354,7 @@ class IndexLog:
         )
 
     # ------------------------------------------------------------------ writes
-    def record_put(self, key: str, entry: dict[str, Any]) -> None:
+    def record_put(self, key: str, entry: IndexEntry) -> None:
         """Append a put record. Raises a TensorStoreError if it could not be written
         (the file is as before: do not acknowledge the put)."""
         self._write(frame_record(["put", key, entry]))
@@ -384,7 +393,7 @@ class IndexLog:
         self._records += records
         self._deferred.clear()
 
-    def _open(self) -> Any:
+    def _open(self) -> BinaryIO:
         if self._journal is None:
             where = self._where(self._journal_path)
             try:
@@ -402,7 +411,7 @@ class IndexLog:
                 raise os_error(e, f"opening journal {where}") from e
         return self._journal
 
-    def _give_back(self, f: Any) -> None:
+    def _give_back(self, f: BinaryIO) -> None:
         """After a failed append: truncate to the last whole record (frees the space)."""
         try:
             f.truncate(self._end)
@@ -422,7 +431,7 @@ class IndexLog:
         """True when the journal is mostly dead records (then call :meth:`snapshot`)."""
         return self._persist and self._append and self._records > 4 * live + 4096
 
-    def snapshot(self, live: dict[str, dict[str, Any]]) -> None:
+    def snapshot(self, live: dict[str, IndexEntry]) -> None:
         """Write all live entries as the snapshot and reset the journal.
 
         Raises a TensorStoreError if the snapshot cannot be written; the journal and
@@ -464,7 +473,7 @@ class IndexLog:
         self._close_file()
 
 
-def _write_all(f: Any, mv: memoryview) -> None:
+def _write_all(f: BinaryIO, mv: memoryview) -> None:
     while mv:
         n = f.write(mv)
         if not n:

@@ -18,7 +18,8 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from zarr.abc.codec import BytesBytesCodec
 
 from tensorstore_hooks._codec import TensorMeta
 from tensorstore_hooks.errors import (
@@ -36,7 +37,7 @@ from tensorstore_hooks.storage.zarr._allocator import (
     SegmentFullError,
 )
 from tensorstore_hooks.storage.zarr._docs import segment_doc
-from tensorstore_hooks.storage.zarr._index import HEADER_BYTES, Damage, IndexLog
+from tensorstore_hooks.storage.zarr._index import HEADER_BYTES, Damage, IndexEntry, IndexLog
 
 __all__ = ["Entry", "NamespaceIndex"]
 
@@ -64,7 +65,7 @@ class Entry:
     def run(self) -> Run:
         return self.chunk, self.start, self.count
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> IndexEntry:
         return {
             "seg": self.chunk,
             "start": self.start,
@@ -75,14 +76,19 @@ class Entry:
         }
 
     @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> Entry:
+    def from_record(cls, rec: IndexEntry) -> Entry:
         """Validate an entry read from an index file (``IntegrityError`` if malformed)."""
         try:
             chunk, start, count = rec["seg"], rec["start"], rec["count"]
             crcs, meta, rot = rec["crc"], rec["meta"], rec.get("rot", 0)
         except (KeyError, TypeError, AttributeError) as e:
             raise IntegrityError(f"index entry is malformed: {rec!r:.200}") from e
-        if not all(isinstance(v, int) and v >= 0 for v in (chunk, start, count)):
+        if not (
+            isinstance(chunk, int)
+            and isinstance(start, int)
+            and isinstance(count, int)
+            and min(chunk, start, count) >= 0
+        ):
             raise IntegrityError(f"index entry has bad extents: {rec!r:.200}")
         if not isinstance(crcs, bytes) or len(crcs) != 4 * count:
             raise IntegrityError(f"index entry has bad chunk checksums: {rec!r:.200}")
@@ -195,7 +201,7 @@ class NamespaceIndex:
                     self._io.write("zarr.json", [self.root_doc])
                 self.root_doc_written = True
 
-    def ensure_segment(self, chunk: int, compressors: list[Any]) -> None:
+    def ensure_segment(self, chunk: int, compressors: list[BytesBytesCodec]) -> None:
         """Write the segment array document of size class ``chunk`` if not yet done."""
         if chunk in self._segments_made:
             return
@@ -228,7 +234,7 @@ class NamespaceIndex:
                 self._alloc.cancel(run)
 
     # ------------------------------------------------------------------- reads
-    def entry(self, key: str, *, deleting: bool = False) -> Entry:
+    def entry(self, key: object, *, deleting: bool = False) -> Entry:
         """``key``'s entry; ``KeyNotFoundError`` if absent, ``StoreClosedError`` if closed."""
         self.check_open(deleting)
         found = self._entries.get(key) if isinstance(key, str) else None
@@ -263,20 +269,18 @@ class NamespaceIndex:
         return [f"{seg}/c/{start + i}" for i in range(count)]
 
     # ----------------------------------------------------------------- deletes
-    def forget(self, keys: Iterable[Any], *, missing_ok: bool) -> list[Run]:
+    def forget(self, keys: Iterable[object], *, missing_ok: bool) -> list[Run]:
         """Drop ``keys`` from the index and the journal; returns the runs whose files
         the caller must delete (outside any lock) and then :meth:`release`.
         ``missing_ok=False``: a key that is absent raises ``KeyNotFoundError``."""
         with self._lock:
             self.check_open(deleting=True)
-            found = []
+            found: list[tuple[str, Entry]] = []
             for key in keys:
-                entry = self._entries.get(key) if isinstance(key, str) else None
-                if entry is None:
-                    if not missing_ok:
-                        self.entry(key, deleting=True)  # raises KeyNotFoundError naming it
-                    continue
-                found.append((key, entry))
+                if isinstance(key, str) and (entry := self._entries.get(key)) is not None:
+                    found.append((key, entry))
+                elif not missing_ok:
+                    self.entry(key, deleting=True)  # raises KeyNotFoundError naming it
             for key, entry in found:
                 del self._entries[key]
                 self._nbytes -= entry.meta.nbytes

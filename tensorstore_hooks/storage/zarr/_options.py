@@ -8,8 +8,6 @@ add where the value came from and the value itself.
 
 from __future__ import annotations
 
-from typing import Any
-
 from tensorstore_hooks._units import check_size
 from tensorstore_hooks.errors import ConfigError
 
@@ -41,7 +39,7 @@ CODEC_HELP = (
 )
 
 
-def parse_codec(codec: Any) -> tuple[str, int | None]:
+def parse_codec(codec: object) -> tuple[str, int | None]:
     """``"none"``, ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"`` -> ``(name, level)``.
 
     ``level`` is ``None`` except for zstd (``"zstd"`` -> 3). The accepted levels are
@@ -70,7 +68,7 @@ DIRECT_IO_HELP = (
 )
 
 
-def parse_direct_io(value: Any) -> str:
+def parse_direct_io(value: object) -> str:
     """``store.direct_io``: ``"auto"``, ``"on"`` or ``"off"``.
 
     Booleans are taken as ``on``/``off``: YAML 1.1 (PyYAML) reads an unquoted
@@ -85,7 +83,7 @@ def parse_direct_io(value: Any) -> str:
     raise ConfigError(f"expected {DIRECT_IO_HELP}")
 
 
-def check_chunk_bytes(value: Any) -> int:
+def check_chunk_bytes(value: object) -> int:
     """A chunk size: a size (see ``_units``) that is a power of two >= 4 KiB."""
     try:
         n = check_size(value)

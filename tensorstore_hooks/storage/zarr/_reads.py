@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._codec import Buffer, TensorMeta, as_memoryview
 from tensorstore_hooks.errors import (
     ConfigError,
     IntegrityError,
@@ -122,7 +121,7 @@ class KeyReader:
         self._read_into(key, entry, region, span, first, last)
         return whole[lo - first * chunk : hi - first * chunk]
 
-    def into(self, key: str, buffer: Any) -> TensorMeta:
+    def into(self, key: str, buffer: Buffer) -> TensorMeta:
         """``ZarrStore.get_into``."""
         entry = self._ns.entry(key)
         n = entry.meta.nbytes
@@ -168,12 +167,12 @@ class KeyReader:
         return KeyNotFoundError(f"ZarrStore({self._url}): key {key!r} was deleted while being read")
 
 
-def aligned_region(buffer: Any, n: int, what: str) -> memoryview:
+def aligned_region(buffer: Buffer, n: int, what: str) -> memoryview:
     """``buffer`` as a writable byte view that a direct transfer of ``n`` bytes may use
     (NOTE [ Aligned I/O entry points ] in ``storage/zarr/_store.py``), or a ConfigError saying
     what is wrong."""
     try:
-        region = memoryview(buffer).cast("B")
+        region = as_memoryview(buffer).cast("B")
     except TypeError as e:
         raise ConfigError(
             f"ZarrStore.{what}: expected a buffer, got {type(buffer).__name__}"

@@ -11,8 +11,9 @@ See ``docs/layout.md`` for the on-disk format. In short::
                                           rotation, meta)
     ROOT/NS/lock                          held (flock) by the store object writing NS
 
-The units: :class:`~tensorstore_hooks.storage.zarr._namespace.NamespaceIndex` holds the keys and
-where their chunks go (with :class:`~tensorstore_hooks.storage.zarr._allocator.ChunkAllocator`, pure,
+The units: :class:`~tensorstore_hooks.storage.zarr._namespace.NamespaceIndex` holds the keys
+and where their chunks go (with
+:class:`~tensorstore_hooks.storage.zarr._allocator.ChunkAllocator`, pure,
 and :class:`~tensorstore_hooks.storage.zarr._index.IndexLog`, the persisted journal) under its lock,
 :class:`~tensorstore_hooks.storage.zarr._chunkcodec.ChunkCodec` turns a payload into chunk objects
 and back (codec, checksums, direct writes from the tensor's memory),
@@ -105,12 +106,11 @@ import secrets
 import shutil
 import socket
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from tensorstore_hooks._codec import TensorMeta
+from tensorstore_hooks._codec import Buffer, TensorMeta, as_memoryview
 from tensorstore_hooks._units import parse_bytes
 from tensorstore_hooks.errors import (
     ConfigError,
@@ -172,7 +172,7 @@ format is refused when opened, naming its version."""
 
 def make_io(
     url: str | os.PathLike[str] | None,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
     retry_deadline_s: float = 30.0,
 ) -> ChunkIO:
     """The :class:`ChunkIO` for a store root URL (no store, nothing written)."""
@@ -259,7 +259,7 @@ class ZarrStore(BlobStore):
         self,
         url: str | os.PathLike[str] | None = None,
         *,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
         chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
         codec: str = "none",
         namespace: str | None = None,
@@ -327,7 +327,7 @@ class ZarrStore(BlobStore):
         self._ns.closed = False
         # Collected without close(): close the journal quietly, release the namespace
         # (and remove a temporary directory).
-        self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
+        self._finalizer = weakref.finalize(
             self, _finalize, self._pid, self._ns.log, self._unlock, location
         )
 
@@ -337,16 +337,16 @@ class ZarrStore(BlobStore):
         return self._ns.damage
 
     # ------------------------------------------------------------------- puts
-    def put_blob(self, meta: TensorMeta, payload: Any) -> str:
+    def put_blob(self, meta: TensorMeta, payload: Buffer) -> str:
         n = meta.nbytes
-        data = memoryview(payload).cast("B") if n else memoryview(b"")
+        data = as_memoryview(payload).cast("B") if n else memoryview(b"")
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
         return self._writes.put(
             meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk)
         )
 
-    def put_aligned(self, meta: TensorMeta, buffer: Any) -> str:
+    def put_aligned(self, meta: TensorMeta, buffer: Buffer) -> str:
         """Store ``buffer[:meta.nbytes]`` like :meth:`put_blob`, straight from ``buffer``
         (NOTE [ Aligned I/O entry points ]).
 
@@ -374,12 +374,13 @@ class ZarrStore(BlobStore):
     def meta(self, key: str) -> TensorMeta:
         return self._ns.entry(key).meta
 
-    def get_blob(self, key: str) -> tuple[TensorMeta, Any]:
+    def get_blob(self, key: str) -> tuple[TensorMeta, np.ndarray]:
         """The metadata and the payload in a writable uint8 array whose address is
         that of the tensor it was stored from, modulo 4 KiB (page-aligned for one
-        stored from aligned memory): from :data:`~tensorstore_hooks.storage.io._aligned.POOL_MIN_BYTES`
-        up, a pooled buffer that goes back to the pool when the array and everything
-        made from it (a tensor's storage) are gone (NOTE [ Aligned buffers ])."""
+        stored from aligned memory): from
+        :data:`~tensorstore_hooks.storage.io._aligned.POOL_MIN_BYTES` up, a pooled buffer that
+        goes back to the pool when the array and everything made from it (a tensor's
+        storage) are gone (NOTE [ Aligned buffers ])."""
         return self._reads.blob(key)
 
     def chunk_class(self, key: str) -> int:
@@ -395,7 +396,7 @@ class ZarrStore(BlobStore):
         :meth:`get_blob`."""
         return self._reads.range(key, start, length)
 
-    def get_into(self, key: str, buffer: Any) -> TensorMeta:
+    def get_into(self, key: str, buffer: Buffer) -> TensorMeta:
         """Read ``key``'s payload into the first ``nbytes`` of ``buffer`` and return its
         metadata (NOTE [ Aligned I/O entry points ]).
 
@@ -416,7 +417,7 @@ class ZarrStore(BlobStore):
         if self._ns.drained():  # NOTE [ Closed while in use ]
             self._close_now()
 
-    def delete_many(self, keys: Any) -> None:
+    def delete_many(self, keys: Iterable[str]) -> None:
         check_writer(self._pid, self._url, "delete")
         self._writes.unlink(self._ns.forget(keys, missing_ok=True))
         if self._ns.drained():
