@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from tensorstore_hooks._codec import TensorMeta, decode, encode
+from tensorstore_hooks._codec import Buffer, TensorMeta, decode, encode
 from tensorstore_hooks.errors import UnsupportedTensorError
 
 if TYPE_CHECKING:  # paddle is imported when a paddle tensor is seen (see the NOTE)
@@ -167,7 +167,7 @@ def encode_paddle(t: paddle.Tensor) -> tuple[TensorMeta, np.ndarray]:
 
 def decode_paddle(
     meta: TensorMeta,
-    payload: object,
+    payload: Buffer | torch.Tensor,
     *,
     device: object = None,
     requires_grad: bool | None = None,
@@ -182,7 +182,7 @@ def decode_paddle(
 
 
 class _PaddleAdapter:
-    """Paddle's :class:`~tensorstore_hooks._adapters.FrameworkAdapter`."""
+    """Paddle's :class:`~tensorstore_hooks._codec.FrameworkAdapter`."""
 
     name = "paddle"
     is_tensor = staticmethod(is_paddle_tensor)
