@@ -90,7 +90,9 @@ class FaultPlan:
     Each request draws once: with probability ``slow_down`` the answer is a 503
     ``SlowDown``, with ``internal`` a 500 ``InternalError``, with ``reset`` the
     connection is reset (TCP RST) after the request has been read, with ``deny`` a
-    403 ``AccessDenied`` (a permanent error). At most
+    403 ``AccessDenied`` (a permanent error), with ``hang`` the request is read and
+    never answered: the connection stays open, silent, until :meth:`clear` (or
+    ``hang_s``, so a forgotten hang still ends). At most
     ``max_faults`` faults are injected (then everything succeeds), so a test with
     faults always ends. ``injected`` counts what was done, by kind.
     """
@@ -99,14 +101,18 @@ class FaultPlan:
     internal: float = 0.0
     reset: float = 0.0
     deny: float = 0.0
+    hang: float = 0.0
     max_faults: int = 0
     seed: int = 0
+    hang_s: float = 60.0
     injected: Counter[str] = field(default_factory=Counter)
     requests: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._rng = random.Random(self.seed)
+        self.released = threading.Event()
+        """Set by :meth:`clear`: hung requests end (their connections are closed)."""
 
     def configure(
         self,
@@ -115,12 +121,14 @@ class FaultPlan:
         internal: float = 0.0,
         reset: float = 0.0,
         deny: float = 0.0,
+        hang: float = 0.0,
         max_faults: int = 50,
         seed: int = 0,
     ) -> FaultPlan:
         with self._lock:
             self.slow_down, self.internal, self.reset = slow_down, internal, reset
-            self.deny = deny
+            self.deny, self.hang = deny, hang
+            self.released.clear()
             self.max_faults = max_faults
             self._rng = random.Random(seed)
             self.injected.clear()
@@ -128,9 +136,11 @@ class FaultPlan:
         return self
 
     def clear(self) -> None:
-        """Stop injecting faults; the counters of what was injected stay readable."""
+        """Stop injecting faults and end the hung requests; the counters of what was
+        injected stay readable."""
         with self._lock:
             self.max_faults = 0
+        self.released.set()
 
     @property
     def total(self) -> int:
@@ -147,6 +157,7 @@ class FaultPlan:
                 ("internal", self.internal),
                 ("reset", self.reset),
                 ("deny", self.deny),
+                ("hang", self.hang),
             ):
                 if x < p:
                     self.injected[kind] += 1
@@ -186,6 +197,11 @@ class _Handler(_BaseHandler):
             return
         self._drain_body()
         self.close_connection = True
+        if fault == "hang":
+            # Read, never answered: what a wedged gateway or a black-holed route does.
+            self.faults.released.wait(self.faults.hang_s)
+            self.connection.close()
+            return
         if fault == "reset":
             # SO_LINGER 0: close() sends RST, what a crashed or overloaded proxy does.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -33,6 +33,32 @@ minutes to report and a deadline could not hold. :class:`~tensorstore_hooks.stor
 therefore turns the inner layers down to a single attempt (unless the user set them),
 with every attempt of an async filesystem also bounded by the time left
 (``fsspec.asyn.sync(..., timeout=...)``).
+
+NOTE [ Outages ]
+A store that accepts connections and never answers costs a whole attempt per call:
+deleting the keys of a freed graph one by one, or a step's reads, would wait one
+read timeout per object. So an outage costs one deadline, whatever the number of
+calls or objects (with ``RetryPolicy.paced_probes``):
+
+1. A call that spends its whole deadline on transient failures declares the store
+   *down* (logged once at WARNING).
+2. While it is down, calls are *probes*, paced: a call makes a single attempt only
+   if the time since the last failed attempt ended is at least what that attempt
+   took; any other call fails at once, with no attempt (``RetriesExhausted`` with
+   ``attempts == 0`` and the outage's last error). So probing takes at most half
+   of the time: a hung endpoint (attempts that last the whole deadline) is tried
+   about once per deadline, while one whose failures take less than the first
+   backoff (a refused connection, a 503) is still tried by every call, and a store
+   that is back is found by the next call.
+3. One probe at a time: a call that arrives while another thread's probe is running
+   waits for its outcome (within its own deadline), then makes its attempt if the
+   store is back, or fails at once if not.
+4. The first call that succeeds ends the outage (logged at WARNING).
+5. A call that failed at once counts as one whose inner layer gave up (rule (2) of
+   NOTE [ One retry layer ]): the outage already spent the time, so an enclosing
+   call does not retry it either.
+
+Without ``paced_probes`` every call makes one attempt while the store is down.
 """
 
 from __future__ import annotations
@@ -108,6 +134,9 @@ class RetryPolicy:
     """Cap on one backoff."""
     min_attempt_s: float = 1.0
     """The least time an attempt gets even when the deadline is nearer (async filesystems)."""
+    paced_probes: bool = False
+    """While the store is down, pace the calls' attempts so that an outage costs one
+    deadline (NOTE [ Outages ]); ``False``: every call makes one attempt."""
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
@@ -123,7 +152,10 @@ class RetryStats:
     retries: int = 0
     """Attempts repeated after a transient failure."""
     gave_up: int = 0
-    """Operations that failed: a permanent error or the deadline passed."""
+    """Operations that failed: a permanent error, the deadline passed, or the store was
+    down (NOTE [ Outages ])."""
+    not_attempted: int = 0
+    """Of those, the operations that failed at once because the store was down."""
     last_error: str = ""
     """``repr`` of the latest transient error (for messages and logs)."""
 
@@ -392,9 +424,10 @@ class Retrier:
     NOTE [ One retry layer ]).
 
     Once a call has exhausted its deadline on transient errors the store counts as
-    *down*: later calls make a single attempt each (so a dead endpoint costs one
-    deadline, not one per object, and writers fall back to memory quickly) until one
-    succeeds, which ends the outage. Outages are logged at WARNING, retries at INFO.
+    *down* until a call succeeds: later calls make a single attempt each, paced with
+    ``policy.paced_probes`` so that a dead or hung endpoint costs one deadline, not
+    one per call or object, and writers fall back to memory quickly (NOTE
+    [ Outages ]). Outages are logged at WARNING, retries at INFO.
     """
 
     def __init__(
@@ -411,10 +444,14 @@ class Retrier:
         self.stats = RetryStats()
         self._classify = classify
         self._lock = threading.Lock()
+        self._probe_done = threading.Condition(self._lock)
         self._sleep = sleep
         self._clock = clock
         self._rng = random.Random()
         self._down_since: float | None = None
+        self._last_error: BaseException | None = None  # the outage's latest failure
+        self._prober: int | None = None  # the thread whose probe is running (rule 3)
+        self._next_probe = 0.0  # clock time from which the next probe may start (rule 2)
 
     @property
     def down(self) -> bool:
@@ -430,18 +467,18 @@ class Retrier:
             budget_s = min(budget_s, outer.deadline - time.monotonic())
         deadline = start + budget_s
         op = _Operation(time.monotonic() + budget_s)
+        down_since, probe = self._admit(what, outer, deadline)
         attempt = 0
-        with self._lock:
-            self.stats.calls += 1
-            down_since = self._down_since
         _current.op = op
         try:
             while True:
                 attempt += 1
                 op.inner_gave_up = False
+                attempt_start = self._clock()
                 try:
-                    result = fn(max(deadline - self._clock(), policy.min_attempt_s))
+                    result = fn(max(deadline - attempt_start, policy.min_attempt_s))
                 except Exception as e:
+                    attempt_s = self._clock() - attempt_start
                     failure = self._classify(e)
                     if failure in (Failure.NOT_FOUND, Failure.ANSWER):
                         self._up()
@@ -450,6 +487,7 @@ class Retrier:
                         what, e, failure, attempt, start, deadline, down_since, op
                     )
                     if backoff is None:
+                        self._pace(attempt_s)
                         if outer is not None:
                             outer.inner_gave_up = True  # rule (2)
                         raise RetriesExhausted(
@@ -466,6 +504,50 @@ class Retrier:
                 self._sleep(backoff)
         finally:
             _current.op = outer
+            if probe:
+                with self._probe_done:
+                    self._prober = None
+                    self._probe_done.notify_all()
+
+    def _admit(
+        self, what: str, outer: _Operation | None, deadline: float
+    ) -> tuple[float | None, bool]:
+        """Count the call; returns (when the outage began, whether this call is a probe),
+        or raises at once when the store is down and no probe is due (NOTE [ Outages ])."""
+        me = threading.get_ident()
+        with self._probe_done:
+            self.stats.calls += 1
+            while True:
+                down_since = self._down_since
+                if down_since is None or not self.policy.paced_probes:
+                    return down_since, False
+                if self._prober is None:
+                    if self._clock() >= self._next_probe:  # rule 2
+                        self._prober = me
+                        return down_since, True
+                    break
+                left = deadline - self._clock()
+                if self._prober == me or left <= 0:
+                    break
+                self._probe_done.wait(left)  # rule 3: the running probe's outcome
+            self.stats.gave_up += 1
+            self.stats.not_attempted += 1
+            cause = self._last_error
+        if outer is not None:
+            outer.inner_gave_up = True  # rule 5: the outage spent the time
+        if cause is None:  # pragma: no cover - an outage always has its error
+            cause = TimeoutError("the store is down")
+        log.debug("%s: %s not attempted: the store is down", self.label, what)
+        raise RetriesExhausted(what, cause, Failure.TRANSIENT, 0, 0.0, down_since=down_since)
+
+    def _pace(self, attempt_s: float) -> None:
+        """After a call's last failed attempt (of ``attempt_s`` seconds): during an
+        outage, the next probe waits as long, unless that was shorter than the first
+        backoff (NOTE [ Outages ] rule 2)."""
+        with self._lock:
+            if self._down_since is not None:
+                slow = attempt_s >= self.policy.first_backoff_s
+                self._next_probe = self._clock() + attempt_s if slow else 0.0
 
     def _backoff_or_give_up(
         self,
@@ -499,6 +581,8 @@ class Retrier:
                 self.stats.last_error = repr(e)
             else:
                 self.stats.gave_up += 1
+                if failure is Failure.TRANSIENT:
+                    self._last_error = e
                 went_down = (
                     failure is Failure.TRANSIENT
                     and not op.inner_gave_up
@@ -508,14 +592,20 @@ class Retrier:
                     # The outage began when this call's first attempt failed.
                     self._down_since = start
         if went_down:
+            how = (
+                "calls make one attempt each"
+                if not policy.paced_probes
+                else "calls fail at once but a probe now and then (NOTE [ Outages ])"
+            )
             log.warning(
-                "%s: %s failed for %.1fs (%s: %s); treating the store as down: "
-                "calls make one attempt each until one succeeds",
+                "%s: %s failed for %.1fs (%s: %s); treating the store as down: %s until one "
+                "succeeds",
                 self.label,
                 what,
                 now - start,
                 type(e).__name__,
                 e,
+                how,
             )
         if not retry:
             return None
@@ -535,6 +625,7 @@ class Retrier:
             return
         with self._lock:
             since, self._down_since = self._down_since, None
+            self._last_error = None
         if since is not None:
             log.warning(
                 "%s: the store answers again after %.1fs", self.label, self._clock() - since

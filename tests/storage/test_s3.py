@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import gc
 import itertools
 import logging
 import re
@@ -284,6 +285,110 @@ def test_server_goes_away_during_forward(private_s3_server: S3Server) -> None:
     del loss
     hooks.close()
     store.close()
+
+
+def _never_retrieved(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """asyncio's complaints about tasks that failed with nobody awaiting them (logged
+    when such a task is collected)."""
+    gc.collect()
+    return [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def _get_when_back(store: TensorStore, key: str, deadline_s: float) -> torch.Tensor:
+    give_up = time.monotonic() + 4 * deadline_s
+    while True:
+        try:
+            return store.get(key)
+        except StoreUnavailableError:
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_hung_store_costs_one_deadline(
+    s3_bucket: str, s3_options: dict[str, Any], s3_faults: FaultPlan,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Finding 11 of issue 36: an S3 endpoint that accepts requests and never answers
+    costs one retry deadline, not one read timeout per object (NOTE [ Outages ]), and
+    leaves no background task behind (NOTE [ No stray tasks ])."""
+    deadline_s = 1.5
+    url = f"s3://{s3_bucket}/acts"
+    store = tsh.open_store(url, storage_options=s3_options, retry_deadline_s=deadline_s)
+    try:
+        keys = [store.put(torch.full((1024,), float(i))) for i in range(24)]
+        big = store.put(torch.randn(8, 1024))  # two 16 KiB chunks: one batched read
+        s3_faults.configure(hang=1.0, max_faults=10**6)
+        t0 = time.monotonic()
+        for key in keys[:10]:  # a freed graph deletes its keys one by one
+            store.delete(key)
+        store.delete_many(keys[10:20])  # many objects in one operation
+        errors = []
+        for key in [*keys[20:], big]:  # a step's reads
+            with pytest.raises(StoreUnavailableError, match=re.escape(url)) as info:
+                store.get(key)
+            errors.append(str(info.value))
+        elapsed = time.monotonic() - t0
+        hung = s3_faults.injected["hang"]
+        # One operation spent the deadline (an attempt or two); every later call failed
+        # at once. One read timeout per object would be 15 requests and >= 22 s.
+        assert hung <= 3, f"{hung} requests went to the hung endpoint"
+        assert elapsed < 3 * deadline_s, f"took {elapsed:.1f}s"
+        assert all("not answered" in e or "failing for" in e for e in errors), errors
+        # Back: a probe finds it within as long as the hung attempt took, and the keys
+        # not deleted read again.
+        s3_faults.clear()
+        assert torch.equal(_get_when_back(store, keys[20], deadline_s), torch.full((1024,), 20.0))
+        assert store.get(big).shape == (8, 1024)
+    finally:
+        s3_faults.clear()
+        store.close()
+    assert _never_retrieved(caplog) == []
+
+
+def test_a_step_on_a_hung_store_costs_one_deadline(
+    s3_bucket: str, s3_options: dict[str, Any], s3_faults: FaultPlan,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A training step whose store hangs after forward: backward raises naming the
+    store within one deadline, freeing the graph does not wait per key, and the next
+    step falls back to memory with the same gradients."""
+    deadline_s = 1.5
+    url = f"s3://{s3_bucket}/acts"
+    store = tsh.open_store(url, storage_options=s3_options, retry_deadline_s=deadline_s)
+    hooks = tsh.offload(store, min_bytes=0)
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    x = torch.randn(32, 64)
+    try:
+        with hooks:
+            loss = model(x)
+        hooks.flush()  # every saved tensor is in S3 only
+        assert hooks.stats.tensors_offloaded >= 10
+        s3_faults.configure(hang=1.0, max_faults=10**6)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=re.escape(url)):
+            loss.backward()
+        del loss  # the graph's keys are deleted from the hung store
+        backward_s = time.monotonic() - t0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = torch.randn(32, 64)  # the next batch
+            want = _step(ref, x)
+            got = _step(model, x, hooks, flush=True)
+        step_s = time.monotonic() - t0 - backward_s
+        hung = s3_faults.injected["hang"]
+        assert hung <= 5, f"{hung} requests went to the hung endpoint"
+        assert backward_s < 3 * deadline_s and step_s < 3 * deadline_s, (backward_s, step_s)
+        assert hooks.stats.fallbacks > 0 and any(url in str(w.message) for w in caught)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"gradient of {name} differs"
+    finally:
+        s3_faults.clear()
+        hooks.close()
+        store.close()
+    assert _never_retrieved(caplog) == []
 
 
 def test_missing_bucket_fails_fast(s3_server: S3Server, s3_options: dict[str, Any]) -> None:

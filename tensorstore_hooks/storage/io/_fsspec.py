@@ -1,4 +1,17 @@
-"""Any fsspec filesystem (S3, GCS, ...), batching many objects into one concurrent call."""
+"""Any fsspec filesystem (S3, GCS, ...), batching many objects into one concurrent call.
+
+NOTE [ No stray tasks ]
+An attempt on an async filesystem runs as one coroutine on fsspec's event loop,
+cut off at the time it has left (``fsspec.asyn.sync(..., timeout=...)``, which
+cancels it). fsspec's own batch helpers (``cat`` of many paths, ``rm``) start a
+task per object and, when cancelled, leave those tasks running: against a hung
+endpoint each then fails on its own after a read timeout, holding a connection
+until then, and asyncio prints "Task exception was never retrieved" for it. So
+every batch here goes through :func:`_gather_each`: the requests of one attempt
+are children of its coroutine, cancelled with it and awaited before the attempt
+returns. Deletes on S3 call ``DeleteObjects`` directly (1000 keys a request), so
+deleting many objects is one operation with one deadline.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from tensorstore_hooks._codec import as_memoryview
@@ -184,9 +197,18 @@ class FsspecIO(ChunkIO):
     def _unavailable(self, e: RetriesExhausted) -> StoreUnavailableError:
         cause = e.cause
         detail = f"{type(cause).__name__}: {cause}"
+        if not str(cause):  # fsspec's timeout says nothing
+            silent = " (no answer in time)" if isinstance(cause, TimeoutError) else ""
+            detail = f"{type(cause).__name__}{silent}"
         codes = {code for c in error_chain(cause) if (code := service_code(c)) is not None}
         if e.failure is Failure.TRANSIENT:
-            if e.down_since is not None and e.attempts == 1:
+            if e.down_since is not None and e.attempts == 0:
+                how_long = (
+                    f"the store has not answered for {time.monotonic() - e.down_since:.1f}s "
+                    "and this call was not attempted (calls now and then test whether it "
+                    "is back: NOTE [ Outages ])"
+                )
+            elif e.down_since is not None and e.attempts == 1:
                 how_long = f"the store has been failing for {time.monotonic() - e.down_since:.1f}s"
             else:
                 how_long = (
@@ -260,18 +282,24 @@ class FsspecIO(ChunkIO):
         self._run(f"writing {len(items)} objects ({items[0][0]!r}, ...)", attempt)
 
     async def _pipe_each(self, batch: list[tuple[str, bytes]]) -> list[BaseException | None]:
-        limit = asyncio.Semaphore(_BATCH_CONCURRENCY)
+        results = await _gather_each(
+            [functools.partial(self.fs._pipe_file, p, d) for p, d in batch], _BATCH_CONCURRENCY
+        )
+        return [r if isinstance(r, BaseException) else None for r in results]
 
-        async def one(path: str, data: bytes) -> None:
-            async with limit:
-                await self.fs._pipe_file(path, data)
+    def _each(self, method: str, paths: list[str], time_left_s: float) -> list[object]:
+        """``fs.<method>(path)`` for every path, concurrently, within one attempt:
+        each path's result or exception, in order. Async filesystems run it as one
+        coroutine whose every request is cancelled with the attempt (NOTE [ No stray
+        tasks ]); others call one path after another."""
+        if not self._async:
+            return [_result(getattr(self.fs, method), p) for p in paths]
+        from fsspec.asyn import sync
 
-        results = await asyncio.gather(*(one(p, d) for p, d in batch), return_exceptions=True)
-        out: list[BaseException | None] = []
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r  # cancellation (the attempt's timeout) and the like
-            out.append(r if isinstance(r, BaseException) else None)
+        calls = [functools.partial(getattr(self.fs, "_" + method), p) for p in paths]
+        out = sync(self.fs.loop, _gather_each, calls, _BATCH_CONCURRENCY, timeout=time_left_s)
+        if not isinstance(out, list):
+            raise TypeError(f"FsspecIO({self.url}): {method} returned {type(out).__name__}")
         return out
 
     def read(self, path: str) -> bytes:
@@ -285,12 +313,9 @@ class FsspecIO(ChunkIO):
 
         def attempt(time_left_s: float) -> None:
             todo = [f for f in full if f not in done]
-            got = self._attempt("cat", time_left_s, todo, on_error="return")
+            got = self._each("cat_file", todo, time_left_s)
             errors: list[BaseException] = []
-            for f in todo:
-                v = got.get(f) if isinstance(got, dict) else None
-                if v is None:
-                    v = FileNotFoundError(f)
+            for f, v in zip(todo, got, strict=True):
                 if isinstance(v, BaseException):
                     errors.append(v)
                 else:
@@ -305,25 +330,61 @@ class FsspecIO(ChunkIO):
         return [done[f] for f in full]
 
     def delete(self, paths: Sequence[str]) -> None:
+        """Delete ``paths`` (missing ones are fine) in one operation: one deadline for
+        all of them, however many (S3: one request per 1000 objects)."""
         if not paths:
             return
-        full = [self._full(p) for p in paths]
-        try:
-            self._run(
-                f"deleting {len(full)} objects ({paths[0]!r}, ...)",
-                lambda t: self._changing(paths, lambda: self._attempt("rm", t, full)),
-            )
-        except FileNotFoundError:
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    self._delete_one(path)
+        pending = {self._full(p): p for p in paths}
 
-    def _delete_one(self, path: str) -> None:
-        full = self._full(path)
-        self._run(
-            f"deleting {full!r}",
-            lambda t: self._changing([path], lambda: self._attempt("rm_file", t, full)),
+        def attempt(time_left_s: float) -> None:
+            batch = list(pending)
+            outcomes = self._changing(
+                [pending[f] for f in batch], lambda: self._delete_batch(batch, time_left_s)
+            )
+            errors = []
+            for f, err in zip(batch, outcomes, strict=True):
+                if err is None or isinstance(err, FileNotFoundError):
+                    del pending[f]  # gone, or never there
+                else:
+                    self._note_uncertain([pending[f]])
+                    errors.append(err)
+            if errors:
+                errors.sort(key=lambda err: classify(err) is Failure.TRANSIENT)
+                raise errors[0]
+
+        self._run(f"deleting {len(paths)} objects ({paths[0]!r}, ...)", attempt)
+
+    def _delete_batch(self, batch: list[str], time_left_s: float) -> list[BaseException | None]:
+        """One attempt at deleting ``batch``: each object's error, or ``None``."""
+        if self._async and _is_s3(self.fs):
+            from fsspec.asyn import sync
+
+            out = sync(self.fs.loop, self._bulk_delete, batch, timeout=time_left_s)
+            if not isinstance(out, list):
+                raise TypeError(f"FsspecIO({self.url}): a delete returned {type(out).__name__}")
+            return out
+        if not self._async:
+            try:  # one call for the batch (a wrapped filesystem may batch it itself)
+                self.fs.rm(batch)
+                return [None] * len(batch)
+            except FileNotFoundError:
+                pass  # some were missing: each on its own, below
+            except Exception as e:
+                return [e] * len(batch)
+        done = self._each("rm_file", batch, time_left_s)
+        return [r if isinstance(r, BaseException) else None for r in done]
+
+    async def _bulk_delete(self, paths: list[str]) -> list[BaseException | None]:
+        """S3 DeleteObjects, 1000 keys a request, a few requests at once; a request's
+        failure is each of its objects' (S3 reports none for a missing key)."""
+        groups = [paths[i : i + _S3_DELETE_KEYS] for i in range(0, len(paths), _S3_DELETE_KEYS)]
+        results = await _gather_each(
+            [functools.partial(self.fs._bulk_delete, g) for g in groups], _DELETE_CONCURRENCY
         )
+        out: list[BaseException | None] = []
+        for group, r in zip(groups, results, strict=True):
+            out += [r if isinstance(r, BaseException) else None] * len(group)
+        return out
 
     def exists(self, path: str) -> bool:
         return bool(self._call(f"checking {path or '/'!r}", "exists", self._full(path)))
@@ -338,6 +399,20 @@ class FsspecIO(ChunkIO):
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
     def remove_tree(self, path: str) -> None:
+        if self._async and _is_s3(self.fs):
+            # Listed, then deleted as a batch: s3fs's recursive rm leaves tasks behind
+            # when an attempt is cut off (NOTE [ No stray tasks ]).
+            root = self._full(path)
+            try:
+                found = self._call(f"listing {path or '/'!r}", "find", root)
+            except FileNotFoundError:
+                return
+            if not isinstance(found, list):
+                raise TypeError(f"FsspecIO({self.url}): find returned {type(found).__name__}")
+            prefix = self.root + "/"
+            names = [str(f) for f in found]
+            self.delete([f[len(prefix) :] if f.startswith(prefix) else f for f in names])
+            return
         with contextlib.suppress(FileNotFoundError):
             self._call(f"removing {path or '/'!r}", "rm", self._full(path), recursive=True)
 
@@ -365,6 +440,8 @@ class FsspecIO(ChunkIO):
 
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 _BATCH_CONCURRENCY = 32  # objects in flight per batch; s3fs's own default is similar
+_S3_DELETE_KEYS = 1000  # the most keys one DeleteObjects request may name
+_DELETE_CONCURRENCY = 3  # DeleteObjects requests in flight (s3fs's own choice)
 _DENIED_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 )
@@ -429,6 +506,38 @@ def _outcome(fn: Callable[..., object], *args: object) -> BaseException | None:
     except Exception as e:
         return e
     return None
+
+
+def _result(fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)``, or the exception it raised."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
+
+
+async def _gather_each(
+    calls: Sequence[Callable[[], Awaitable[object]]], concurrency: int
+) -> list[object]:
+    """Await every call, at most ``concurrency`` at once: each one's result or exception,
+    in order (NOTE [ No stray tasks ]).
+
+    Cancelled (the attempt's timeout), it cancels every request still running and
+    returns only once they have ended, their outcomes retrieved: no task outlives
+    the attempt, and none leaves a "Task exception was never retrieved" behind."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(call: Callable[[], Awaitable[object]]) -> object:
+        async with limit:
+            return await call()
+
+    # gather(return_exceptions=True) retrieves every outcome and, when it is itself
+    # cancelled, cancels what is still running.
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r  # cancellation (the attempt's timeout) and the like
+    return results
 
 
 def _filesystems(fs: AbstractFileSystem) -> list[AbstractFileSystem]:

@@ -185,7 +185,8 @@ def make_io(
         raise ConfigError(
             f"ZarrStore: retry_deadline_s must be a number of seconds > 0, got {retry_deadline_s!r}"
         )
-    retry = RetryPolicy(deadline_s=float(retry_deadline_s))
+    # An outage costs one deadline, not one per object (NOTE [ Outages ]).
+    retry = RetryPolicy(deadline_s=float(retry_deadline_s), paced_probes=True)
     try:
         fs, path, owned = FsspecIO.open_filesystem(location, storage_options or {}, retry)
     except ImportError as e:
