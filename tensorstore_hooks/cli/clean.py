@@ -6,6 +6,8 @@ removes the namespaces of dead processes on this host and their temporary roots
 (NOTE [ Stale namespaces ] in ``tensorstore_hooks.storage.zarr._housekeeping``): only what the
 library made (its own attributes, its lock, its temporary-root marker); a live
 process's namespace, another program's files and symbolic links are never touched.
+Each candidate's lock is taken before anything under it is read, measured or
+removed, so what a live process holds is not even read.
 It prints exactly what it removed, and what it had to leave and why. Stores also
 sweep their root when they open.
 """
@@ -13,7 +15,6 @@ sweep their root when they open.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -57,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(root):
         print(f"clean: {root!r} is not a directory", file=sys.stderr)
         return 2
-    found = find_stale(root)
-    sizes = {item.path: _tree_bytes(item.path) for item in found}
+    found = find_stale(root)  # each measured holding its locks, like its removal
+    sizes = {item.path: item.nbytes for item in found}
     if args.dry_run:
         done: list[tuple[Stale, str | None]] = [(item, None) for item in found]
         verb = "would remove"
@@ -76,11 +77,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"{verb} {len(removed)} stale item(s), {total} under {root}")
     return 1 if len(removed) != len(done) else 0
 
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total

@@ -133,6 +133,81 @@ def test_a_held_namespace_lock_protects_a_reused_pid(tmp_path: Path) -> None:
     assert [s.path for s in find_stale(str(tmp_path))] == [str(ns)]
 
 
+_OWNER = """
+import fcntl, json, os, sys, torch
+from tensorstore_hooks import ZarrStore
+root, ns, temp_root, dead_pid, host = sys.argv[1:6]
+shared = ZarrStore(root, namespace=ns)           # named as a dead process's would be
+k1 = shared.put(torch.arange(4096.0))
+os.makedirs(temp_root)                           # a temporary root whose marker names a
+marker = os.open(os.path.join(temp_root, ".tensorstore-hooks-temporary"),   # dead pid
+                 os.O_RDWR | os.O_CREAT)
+fcntl.flock(marker, fcntl.LOCK_EX)               # ... but its owner lives and holds it
+os.write(marker, json.dumps({"pid": int(dead_pid), "host": host}).encode())
+inner = ZarrStore(temp_root, namespace=ns)
+k2 = inner.put(torch.ones(4096))
+print("ready", flush=True)
+sys.stdin.readline()
+same = torch.equal(shared.get(k1), torch.arange(4096.0)) and torch.equal(inner.get(k2), torch.ones(4096))
+print("intact" if same else "damaged", flush=True)
+"""
+
+
+def test_nothing_a_live_owner_holds_is_read_or_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: the lock is taken before anything under a root is read, swept or
+    removed. A live process holds the locks of a namespace and of a temporary root
+    whose names and marker say their pid is dead (another PID namespace, a reused
+    pid): the open-time sweeps and ``clean`` open its lock files to try them, and
+    read, write or remove nothing else (the kernel's own record, inotify, says so)."""
+    from tests.storage._inotify import Watch
+
+    root, temp_parent = tmp_path / "root", tmp_path / "tmp"
+    temp_parent.mkdir()
+    dead = _dead_pid()
+    ns = f"{host_tag()}-{dead}-0badcafe"
+    live_temp = temp_parent / "tensorstore-hooks-live"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(root), ns, str(live_temp), str(dead), host_tag()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None and owner.stdin is not None
+        assert owner.stdout.readline().strip() == "ready"
+        trees = [root / ns, live_temp]
+        before = {t: sorted(p.relative_to(t) for p in t.rglob("*")) for t in trees}
+        with Watch(*trees) as watch:
+            assert find_stale(str(root)) == [] and find_stale(str(temp_parent)) == []
+            assert cli_main(["clean", str(root)]) == 0
+            assert cli_main(["clean", str(temp_parent)]) == 0
+            assert capsys.readouterr().out.count("removed 0 stale item(s)") == 2
+            with tsh.open_store(str(root)):  # sweeps the root when it opens
+                pass
+            monkeypatch.setenv("TSH_TMPDIR", str(temp_parent))
+            with tsh.open_store(None):  # sweeps the temporary stores' parent
+                pass
+            events = watch.events()
+        locks = {str(root / ns / "lock"), str(live_temp / TEMP_MARKER)}
+        tried = {p for p, e in events if e == "open"}
+        assert tried == locks, events  # each lock was tried...
+        touched = [(p, e) for p, e in events if p not in locks or e not in ("open", "close_nowrite")]
+        assert touched == []  # ... and nothing else opened, read, written or removed
+        for t in trees:
+            assert sorted(p.relative_to(t) for p in t.rglob("*")) == before[t]
+        owner.stdin.write("check\n")
+        owner.stdin.flush()
+        assert owner.stdout.readline().strip() == "intact"
+    finally:
+        owner.kill()
+        owner.wait(30)
+        for f in (owner.stdin, owner.stdout):
+            if f is not None:
+                f.close()
+
+
 def _ram_tmp(monkeypatch: pytest.MonkeyPatch) -> str:
     shm = "/dev/shm"
     if os.path.isdir(shm) and _housekeeping.filesystem_type(shm) == "tmpfs":
@@ -274,3 +349,25 @@ def test_clean_reports_exactly_what_it_could_not_remove(
     assert "removed 1 stale item(s)" in out
     assert f"clean: left namespace {stuck}: " in err and "denied" in err
     assert stuck.is_dir() and not gone.exists()
+
+
+def test_a_temporary_root_is_locked_while_its_store_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marker of a live temporary root is held (``flock``), so a sweep by any
+    process meets the lock before reading anything under it; closing releases it."""
+    monkeypatch.setenv("TSH_TMPDIR", str(tmp_path))
+    store = tsh.open_store(None)
+    root = Path(store.url.removeprefix("file://"))
+    marker = root / TEMP_MARKER
+    assert json.loads(marker.read_text())["pid"] == os.getpid()
+    fd = os.open(marker, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        store.close()
+        assert not root.exists()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the root
+    finally:
+        os.close(fd)
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temporary file of the marker

@@ -285,8 +285,10 @@ class ZarrStore(BlobStore):
             raise ConfigError(f"ZarrStore: namespace {namespace!r} must be 1-128 of [A-Za-z0-9._-]")
         self._temporary = url is None
         self._pid = os.getpid()  # NOTE [ Fork safety ]: only this process changes the store
-        # NOTE [ Stale namespaces ]: a temporary root sweeps its dead siblings.
-        location = make_temp_root() if self._temporary else None
+        # NOTE [ Stale namespaces ]: a temporary root sweeps its dead siblings, and is
+        # locked (its marker) until it is removed.
+        temp = make_temp_root() if self._temporary else None
+        location = temp[0] if temp is not None else None
         self._io = make_io(location or url, storage_options, retry_deadline_s)
         self._url = self._io.url
         self.namespace = namespace or default_namespace()
@@ -316,9 +318,10 @@ class ZarrStore(BlobStore):
         except BaseException as e:
             if self._unlock is not None:
                 self._unlock()
-            if self._temporary:
+            if temp is not None:
                 with contextlib.suppress(Exception):
                     self._io.remove_tree("")
+                temp[1]()
             self._io.close()
             if isinstance(e, TensorStoreError) or not isinstance(e, Exception):
                 raise
@@ -329,7 +332,7 @@ class ZarrStore(BlobStore):
         # Collected without close(): close the journal quietly, release the namespace
         # (and remove a temporary directory).
         self._finalizer = weakref.finalize(
-            self, _finalize, self._pid, self._ns.log, self._unlock, location
+            self, _finalize, self._pid, self._ns.log, self._unlock, temp
         )
 
     @property
@@ -603,15 +606,19 @@ def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec
 
 
 def _finalize(
-    pid: int, index_log: IndexLog, unlock: Callable[[], None] | None, temp_dir: str | None
+    pid: int,
+    index_log: IndexLog,
+    unlock: Callable[[], None] | None,
+    temp: tuple[str, Callable[[], None]] | None,
 ) -> None:
     if foreign(pid):  # a forked child's exit: the store is its parent's (NOTE [ Fork safety ])
         return
     index_log.close()
     if unlock is not None:
         unlock()
-    if temp_dir is not None:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    if temp is not None:
+        shutil.rmtree(temp[0], ignore_errors=True)
+        temp[1]()  # the temporary root's lock, once nothing is left under it
 
 
 def default_namespace() -> str:
