@@ -73,6 +73,8 @@ class NamespaceListing(TypedDict):
     keys: list[KeyListing]
     damage: list[str]
     """The damaged index records (the rest is listed)."""
+    damaged_docs: list[str]
+    """Its ``zarr.json`` when it cannot be parsed: named, with how to recover."""
     error: str | None
     """Why the namespace could not be listed at all."""
 
@@ -180,11 +182,12 @@ def inspect_root(url: str, storage_options: StorageOptions | None = None) -> Roo
     Returns ``{"url", "format", "direct_io", "capture": [{"name", "shape", "dtype",
     "chunk_rows", "bytes"}], "namespaces": [{"name", "format", "chunk_bytes", "codec",
     "tensors", "bytes", "stored_bytes", "keys": [{"key", "dtype", "shape", "stride",
-    "device", "framework", "nbytes", "stored_bytes"}], "damage": [str], "error": str |
-    None}], "totals": {...}, "problems": [str]}``. ``stored_bytes`` counts whole chunks
-    (payload plus padding, before the codec). ``damage`` lists the damaged index
-    records of a namespace (the rest is listed), ``error`` says why a namespace could
-    not be listed at all; ``problems`` gathers both, one line each. Raises
+    "device", "framework", "nbytes", "stored_bytes"}], "damage": [str],
+    "damaged_docs": [str], "error": str | None}], "totals": {...}, "problems": [str]}``.
+    ``stored_bytes`` counts whole chunks (payload plus padding, before the codec).
+    ``damage`` lists the damaged index records of a namespace (the rest is listed),
+    ``damaged_docs`` its ``zarr.json`` if it cannot be parsed, ``error`` says why a
+    namespace could not be listed at all; ``problems`` gathers them, one line each. Raises
     :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root.
     """
     from tensorstore_hooks.storage.zarr import make_io
@@ -204,7 +207,8 @@ def inspect_root(url: str, storage_options: StorageOptions | None = None) -> Roo
         "bytes": sum(n["bytes"] for n in namespaces),
         "stored_bytes": sum(n["stored_bytes"] for n in namespaces),
     }
-    problems = [f"namespace {n['name']}: {d}" for n in namespaces for d in n["damage"]]
+    problems = [f"namespace {n['name']}: {d}" for n in namespaces for d in n["damaged_docs"]]
+    problems += [f"namespace {n['name']}: {d}" for n in namespaces for d in n["damage"]]
     problems += [f"namespace {n['name']}: {n['error']}" for n in namespaces if n["error"]]
     return {
         "url": io.url,
@@ -323,7 +327,7 @@ def _namespace(io: ChunkIO, name: str) -> NamespaceListing | None:
     from tensorstore_hooks.errors import TensorStoreError
     from tensorstore_hooks.storage.zarr import Entry, IndexLog
 
-    attrs = _namespace_attrs(io, name)
+    attrs, doc_damage = _namespace_attrs(io, name)
     if attrs is None and not io.exists(f"{name}/index"):
         return None  # not a namespace (e.g. a stray file or someone else's data)
     attrs = attrs or {}
@@ -360,18 +364,27 @@ def _namespace(io: ChunkIO, name: str) -> NamespaceListing | None:
         "stored_bytes": sum(k["stored_bytes"] for k in keys),
         "keys": keys,
         "damage": [str(d) for d in index.damage],
+        "damaged_docs": doc_damage,
         "error": error,
     }
 
 
-def _namespace_attrs(io: ChunkIO, name: str) -> dict[str, JSON] | None:
+def _namespace_attrs(io: ChunkIO, name: str) -> tuple[dict[str, JSON] | None, list[str]]:
+    """A namespace's attributes from its ``zarr.json`` (``None``: none of ours), and
+    the document's damage: one that cannot be parsed is named, with how to recover
+    (the store never overwrites it: NOTE [ Atomic documents ])."""
+    from tensorstore_hooks.storage.zarr import damaged_doc_advice, read_doc
+
+    path = f"{name}/zarr.json"
     try:
-        doc = json.loads(bytes(io.read(f"{name}/zarr.json")))
-    except (OSError, ValueError):
-        return None
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        doc = read_doc(io, path)
+    except OSError:
+        return None, []
+    if doc.error is not None:
+        return None, [f"{path} cannot be parsed ({doc.error}); {damaged_doc_advice(io, path)}"]
+    attrs = doc.parsed.get("attributes") if doc.parsed is not None else None
     ours = attrs.get("tensorstore_hooks") if isinstance(attrs, dict) else None
-    return ours if isinstance(ours, dict) else None
+    return (ours if isinstance(ours, dict) else None), []
 
 
 def _key_order(key: str) -> tuple[int, str]:
@@ -405,6 +418,8 @@ def _format(listing: RootListing) -> str:
         )
         if ns["error"]:
             lines.append(f"  not listed: {ns['error']}")
+        for doc in ns["damaged_docs"]:
+            lines.append(f"  DAMAGED document: {doc}")
         if ns["damage"]:
             lines.append(f"  DAMAGED index: {len(ns['damage'])} region(s); the rest is listed")
         if not ns["keys"]:

@@ -104,3 +104,15 @@ def test_a_healthy_root_exits_0(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "2 tensors" in proc.stdout
+
+
+def test_a_damaged_namespace_document_is_named_with_the_way_back(tmp_path: Path) -> None:
+    """A namespace zarr.json that cannot be parsed (never overwritten by the store) is
+    named, with how to recover; its tensors are still listed from the index."""
+    root = _root(tmp_path)
+    doc = root / "ns" / "zarr.json"
+    doc.write_bytes(b'{"zarr_format": 3, "node_')
+    proc = _cli(str(root))
+    _one_line_failure(proc, "namespace ns", "ns/zarr.json cannot be parsed", "zarr.json.damaged")
+    assert "DAMAGED document" in proc.stdout and "2 tensors" in proc.stdout
+    assert doc.read_bytes() == b'{"zarr_format": 3, "node_'

@@ -2,7 +2,30 @@
 
 Three backends share one small interface: :class:`LocalIO` talks to the OS directly
 (one ``open``/``write`` per chunk, ``readinto`` a caller's buffer: no extra copy; with
-``O_DIRECT`` where the filesystem allows it,
+``O_DIRECT`` where the filesystem allows it, NOTE [ Direct I/O ]), :class:`MemoryIO`
+keeps bytes in a private dict, and :class:`FsspecIO` goes through any fsspec
+filesystem (S3, GCS, ...), batching many objects into one concurrent call. Paths are
+``/``-separated and relative to the root.
+
+NOTE [ Atomic documents ]
+A metadata document (a ``zarr.json``, an index snapshot, a capture array's
+attributes) is rewritten whole, and a reader or a crash must see the old document or
+the new one, never a mix or a prefix: a torn ``zarr.json`` makes a root unreadable
+to plain zarr and ``inspect``, and one that cannot be parsed is never overwritten
+(the store reports it instead). So documents go through :meth:`ChunkIO.write_atomic`:
+
+1. Local files: the bytes go to a new temporary file beside the document
+   (``.NAME.tmp-PID-RANDOM``), which is ``fsync``-ed, renamed over the document
+   (``rename`` is atomic within a directory), and the directory is ``fsync``-ed so
+   the rename itself survives a power loss. A write that fails (ENOSPC, EFBIG,
+   EIO, ...) removes the temporary file and leaves the document as it was.
+2. Object stores and memory: a PUT (a dict assignment) replaces a whole object at
+   once, so :meth:`ChunkIO.write` is already atomic there.
+3. A file someone holds a ``flock`` on (a namespace's ``lock``) is never replaced:
+   the lock belongs to the file, and a renamed-over file would drop it.
+
+Chunk files are not documents: they are written in place (NOTE [ Spare chunk
+files ]) and bound to their index entry by checksums, which catch a torn chunk.
 """
 
 from __future__ import annotations
@@ -49,6 +72,15 @@ class ChunkIO(ABC):
     @abstractmethod
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         """Write the concatenation of ``parts`` as object ``path`` (replacing it)."""
+
+    def write_atomic(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Replace object ``path`` with the concatenation of ``parts`` so that a reader,
+        or a crash, sees the old object whole or the new one whole, never a mix
+        (NOTE [ Atomic documents ]); durable when it returns where the backend can
+        make it so. On failure the old object is untouched and the error (``OSError``
+        for a local file) is raised. Default: :meth:`write`, for backends where
+        writing one object is atomic (object stores, memory)."""
+        self.write(path, parts)
 
     def write_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
         for path, parts in items:

@@ -1,9 +1,8 @@
 """A local directory through plain OS calls, with ``O_DIRECT`` where the filesystem allows it.
 
-NOTE [ Direct I/O ]), :class:`MemoryIO`
-keeps bytes in a private dict, and :class:`FsspecIO` goes through any fsspec
-filesystem (S3, GCS, ...), batching many objects into one concurrent call. Paths are
-``/``-separated and relative to the root.
+Chunk files are written in place (NOTE [ Spare chunk files ] in
+``storage/zarr/_store.py``), documents replaced atomically (NOTE [ Atomic documents ]
+in ``storage/io/_base.py``).
 
 NOTE [ Direct I/O ]
 Through the page cache, every offloaded byte is copied by the CPU on its way to the
@@ -85,7 +84,10 @@ class LocalIO(ChunkIO):
         self._write(path, parts, size)
 
     def _open_for_write(self, path: str, extra_flags: int = 0) -> int:
-        full = self._full(path)
+        return self._open_file(self._full(path), extra_flags)
+
+    def _open_file(self, full: str, extra_flags: int = 0) -> int:
+        """Open ``full`` (under the root) for writing, making its directories."""
         flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | extra_flags
         try:
             return os.open(full, flags, 0o644)
@@ -111,6 +113,27 @@ class LocalIO(ChunkIO):
                 os.ftruncate(fd, want)
         finally:
             os.close(fd)
+
+    def write_atomic(self, path: str, parts: Sequence[Buffer]) -> None:
+        """NOTE [ Atomic documents ] rule 1: a temporary file, ``fsync``, ``rename``
+        over ``path``, ``fsync`` of the directory."""
+        full = self._full(path)
+        directory, name = os.path.split(full)
+        tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = self._open_file(tmp, os.O_EXCL)
+        try:
+            try:
+                for part in parts:
+                    _write_all(fd, part)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, full)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_directory(directory)
 
     # ------------------------------------------------------- NOTE [ Direct I/O ]
     def configure_direct_io(self, mode: str, probe_path: str) -> DirectIOStatus:
@@ -262,6 +285,19 @@ def _write_all(fd: int, part: Buffer) -> int:
     while mv:
         mv = mv[os.write(fd, mv) :]
     return n
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable (NOTE [ Atomic documents ] rule 1)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(directory, flags)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise  # some filesystems cannot sync a directory: the rename stands anyway
+    finally:
+        os.close(fd)
 
 
 def _pwrite_aligned(fd: int, views: Sequence[memoryview]) -> None:

@@ -5,7 +5,14 @@ the chunk codec with checksums, and the housekeeping of stale namespaces.
 from __future__ import annotations
 
 from tensorstore_hooks.storage.zarr._checksum import crc
-from tensorstore_hooks.storage.zarr._docs import root_doc, zarr_json_of
+from tensorstore_hooks.storage.zarr._docs import (
+    Doc,
+    damaged_doc_advice,
+    parse_doc,
+    read_doc,
+    root_doc,
+    zarr_json_of,
+)
 from tensorstore_hooks.storage.zarr._housekeeping import (
     Stale,
     find_stale,
@@ -38,6 +45,7 @@ from tensorstore_hooks.storage.zarr._store import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "Damage",
+    "Doc",
     "Entry",
     "FORMAT_VERSION",
     "IndexEntry",
@@ -47,6 +55,7 @@ __all__ = [
     "ZarrStore",
     "check_chunk_bytes",
     "crc",
+    "damaged_doc_advice",
     "default_namespace",
     "distributed_rank",
     "find_stale",
@@ -54,6 +63,8 @@ __all__ = [
     "make_io",
     "parse_codec",
     "parse_direct_io",
+    "parse_doc",
+    "read_doc",
     "remove_stale",
     "root_doc",
     "scan_journal",

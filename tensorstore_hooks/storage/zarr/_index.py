@@ -37,9 +37,10 @@ written is kept and written before the next record (the key is already gone from
 memory; see :meth:`IndexLog.record_delete`).
 
 The snapshot uses the same framing: one header record ``["snap", "", {"records":
-N}]`` then ``N`` put records, written to ``snapshot.tmp`` and renamed over
-``snapshot``; a snapshot with fewer valid records than its header promised reports
-the shortfall as damage.
+N}]`` then ``N`` put records, replacing ``snapshot`` atomically (a temporary file,
+``fsync``, rename, directory ``fsync``: NOTE [ Atomic documents ] in
+``storage/io/_base.py``) before the journal is cut; a snapshot with fewer valid
+records than its header promised reports the shortfall as damage.
 
 Format 1 files (a bare ``u32`` length + msgpack, no checksum; a snapshot that is one
 msgpack map) are refused with an :class:`~tensorstore_hooks.IntegrityError` that
@@ -439,20 +440,13 @@ class IndexLog:
         """
         if not self._persist:
             return
-        tmp = self._snapshot_path + ".tmp"
         parts = [frame_record(["snap", "", {"records": len(live)}])]
         parts.extend(frame_record(["put", k, e]) for k, e in live.items())
         try:
-            self._io.write(tmp, parts)
-            self._io.replace(tmp, self._snapshot_path)
+            # Whole and on disk before the journal is cut (NOTE [ Atomic documents ]).
+            self._io.write_atomic(self._snapshot_path, parts)
         except OSError as e:
-            with contextlib.suppress(Exception):
-                self._io.delete([tmp])
             raise os_error(e, f"writing index snapshot {self._where(self._snapshot_path)}") from e
-        except TensorStoreError:
-            with contextlib.suppress(Exception):
-                self._io.delete([tmp])
-            raise
         self._deferred.clear()  # the snapshot holds only live keys
         if self._append:
             # Records already in the snapshot may be replayed again after a crash between

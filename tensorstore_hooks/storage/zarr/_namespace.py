@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from tensorstore_hooks.storage.zarr._allocator import (
     Run,
     SegmentFullError,
 )
-from tensorstore_hooks.storage.zarr._docs import segment_doc
+from tensorstore_hooks.storage.zarr._docs import damaged_doc_advice, ensure_doc, segment_doc
 from tensorstore_hooks.storage.zarr._index import HEADER_BYTES, Damage, IndexEntry, IndexLog
 
 __all__ = ["Entry", "NamespaceIndex"]
@@ -120,6 +121,7 @@ class NamespaceIndex:
         self._url = url
         self.namespace = namespace
         self._lock = threading.Lock()
+        self._docs_lock = threading.Lock()  # the zarr.json documents (rarely written)
         self._entries: dict[str, Entry] = {}
         self._nbytes = 0
         self._next_key = 0
@@ -192,25 +194,41 @@ class NamespaceIndex:
 
     def ensure_root_doc(self) -> None:
         """The root's ``zarr.json``, where missing: written at the first put, so a store
-        that never stored anything leaves no file at its root."""
+        that never stored anything leaves no file at its root. One that cannot be
+        parsed is left as it is and reported once (a ``RuntimeWarning``): the store
+        goes on, only plain zarr and ``inspect`` need it."""
         if self.root_doc_written or self.root_doc is None:
             return
-        with self._lock:
+        with self._docs_lock:  # documents are written outside the index lock
             if not self.root_doc_written:
-                if not self._io.exists("zarr.json"):
-                    self._io.write("zarr.json", [self.root_doc])
+                self._ensure_doc("zarr.json", self.root_doc, replace=False, what="the root")
                 self.root_doc_written = True
 
     def ensure_segment(self, chunk: int, compressors: list[BytesBytesCodec]) -> None:
-        """Write the segment array document of size class ``chunk`` if not yet done."""
+        """The segment array document of size class ``chunk``: written where missing or
+        different (atomically), once per store object; one that cannot be parsed is
+        left as it is and reported once."""
         if chunk in self._segments_made:
             return
-        with self._lock:
+        with self._docs_lock:
             if chunk in self._segments_made:
                 return
             doc = segment_doc(chunk, SEGMENT_CHUNKS, compressors)
-            self._io.write(f"{self.segment_path(chunk)}/zarr.json", [doc])
+            path = f"{self.segment_path(chunk)}/zarr.json"
+            self._ensure_doc(path, doc, replace=True, what=f"the segment array seg-{chunk}")
             self._segments_made.add(chunk)
+
+    def _ensure_doc(self, path: str, doc: bytes, *, replace: bool, what: str) -> None:
+        damaged = ensure_doc(self._io, path, doc, replace=replace)
+        if damaged is None:
+            return
+        warnings.warn(
+            f"ZarrStore({self._url}): {path} cannot be parsed ({damaged}): plain zarr and "
+            f"`tensorstore-hooks inspect` cannot open {what} until it is restored, while "
+            f"this store goes on storing and reading tensors; {damaged_doc_advice(self._io, path)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def commit(self, key: str, entry: Entry) -> None:
         """Journal ``entry`` under ``key``, then make it readable. Raises a
@@ -390,11 +408,26 @@ class NamespaceIndex:
             self.closed = True
             empty = not self._entries
             spares = self._alloc.drain_spares()
-            with contextlib.suppress(Exception):
-                if not empty and not self._io.supports_append:
-                    self.log.snapshot({k: e.to_record() for k, e in self._entries.items()})
+            if not empty and not self._io.supports_append:
+                self._persist_at_close()
             self.log.close()
         return empty, spares
+
+    def _persist_at_close(self) -> None:
+        """The index of an object store, written at close; a failure is said (its keys
+        cannot be resumed by a later store), never raised from ``close()``."""
+        try:
+            self.log.snapshot({k: e.to_record() for k, e in self._entries.items()})
+        except Exception as e:
+            log.warning(
+                "ZarrStore(%s): namespace %r: writing its index at close failed (%s); the "
+                "%d key(s) it holds were not persisted, so a store that reopens this "
+                "namespace will not find those stored since the last flush()",
+                self._url,
+                self.namespace,
+                e,
+                len(self._entries),
+            )
 
     def spare_stats(self) -> tuple[int, int]:
         """(bytes of spare runs, peak live bytes): for tests and ``inspect``."""

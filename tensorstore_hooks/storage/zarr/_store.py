@@ -132,7 +132,13 @@ from tensorstore_hooks.storage.io import (
     PoolStats,
 )
 from tensorstore_hooks.storage.zarr._chunkcodec import ChunkCodec
-from tensorstore_hooks.storage.zarr._docs import namespace_doc, namespace_format, root_doc
+from tensorstore_hooks.storage.zarr._docs import (
+    damaged_doc_advice,
+    namespace_doc,
+    namespace_format,
+    read_doc,
+    root_doc,
+)
 from tensorstore_hooks.storage.zarr._housekeeping import make_temp_root, sweep_at_open
 from tensorstore_hooks.storage.zarr._index import Damage, IndexLog, os_error
 from tensorstore_hooks.storage.zarr._namespace import NamespaceIndex
@@ -587,14 +593,29 @@ def _configure_direct_io(io: ChunkIO, mode: str, namespace: str) -> DirectIOStat
 
 
 def _write_layout(io: ChunkIO, url: str, namespace: str, chunk_bytes: int, codec: str) -> None:
-    """The namespace's ``zarr.json`` (a group document), where missing; a namespace of
-    another layout format is refused (``ConfigError`` naming it). The root's is written
-    at the first put (``NamespaceIndex.ensure_root_doc``)."""
+    """The namespace's ``zarr.json`` (a group document), where missing, written
+    atomically (NOTE [ Atomic documents ]). One that cannot be parsed is left as it
+    is and refused (``IntegrityError`` naming it and how to recover); a namespace of
+    another layout format is refused (``ConfigError`` naming it). The root's document
+    is written at the first put (``NamespaceIndex.ensure_root_doc``)."""
     ns_doc = f"{namespace}/zarr.json"
-    if not io.exists(ns_doc):
-        io.write(ns_doc, [namespace_doc(FORMAT_VERSION, namespace, chunk_bytes, codec)])
+    doc = read_doc(io, ns_doc)
+    if doc.missing:
+        io.write_atomic(ns_doc, [namespace_doc(FORMAT_VERSION, namespace, chunk_bytes, codec)])
         return
-    found = namespace_format(io.read(ns_doc))
+    if doc.parsed is None:
+        raise IntegrityError(
+            f"ZarrStore({url}): namespace {namespace!r}: its document {ns_doc} cannot be "
+            f"parsed ({doc.error}), so its layout format is unknown and the namespace "
+            f"cannot be opened; {damaged_doc_advice(io, ns_doc)}"
+        )
+    found = namespace_format(doc.parsed)
+    if found is None:
+        raise ConfigError(
+            f"ZarrStore({url}): {namespace!r} under the root is a Zarr node that "
+            f"tensorstore-hooks did not make ({ns_doc} has no attributes.tensorstore_hooks); "
+            "nothing in it was changed. Open another namespace, or another root"
+        )
     if found != FORMAT_VERSION:
         raise ConfigError(
             f"ZarrStore({url}): namespace {namespace!r} is in layout format "
