@@ -148,7 +148,8 @@ inner = ZarrStore(temp_root, namespace=ns)
 k2 = inner.put(torch.ones(4096))
 print("ready", flush=True)
 sys.stdin.readline()
-same = torch.equal(shared.get(k1), torch.arange(4096.0)) and torch.equal(inner.get(k2), torch.ones(4096))
+same = torch.equal(shared.get(k1), torch.arange(4096.0))
+same = same and torch.equal(inner.get(k2), torch.ones(4096))
 print("intact" if same else "damaged", flush=True)
 """
 
@@ -193,7 +194,9 @@ def test_nothing_a_live_owner_holds_is_read_or_removed(
         locks = {str(root / ns / "lock"), str(live_temp / TEMP_MARKER)}
         tried = {p for p, e in events if e == "open"}
         assert tried == locks, events  # each lock was tried...
-        touched = [(p, e) for p, e in events if p not in locks or e not in ("open", "close_nowrite")]
+        touched = [
+            (p, e) for p, e in events if p not in locks or e not in ("open", "close_nowrite")
+        ]
         assert touched == []  # ... and nothing else opened, read, written or removed
         for t in trees:
             assert sorted(p.relative_to(t) for p in t.rglob("*")) == before[t]
