@@ -243,11 +243,11 @@ def test_a_probe_that_may_change_its_answer_is_asked_again(
     answer (tmpfs, EINVAL) is kept for the process."""
     from tensorstore_hooks.storage.io import _local
 
-    answers = [(False, "cannot create a probe file (No space left on device)", False)]
-    answers.append((True, "", True))
+    no_room = "cannot create a probe file (No space left on device)"
+    answers = [_local._Probe(False, no_room, errno.ENOSPC), _local._Probe(True, "", None)]
     calls: list[str] = []
 
-    def fake(directory: str, name: str | None) -> tuple[bool, str, bool]:
+    def fake(directory: str, name: str | None) -> _local._Probe:
         calls.append(directory)
         return answers[min(len(calls), len(answers)) - 1]
 

@@ -611,6 +611,73 @@ def test_a_full_disk_is_never_acknowledged_with_direct_io(small_ext4: Path) -> N
         assert torch.equal(again.get(fresh), torch.ones(3 * MiB // 8))
 
 
+def _fill(directory: Path) -> Path:
+    """Fill the filesystem of ``directory`` to the last block (as root: the reserved
+    blocks too); returns the file that holds the space."""
+    filler = directory / "filler"
+    chunk = b"\xff" * MiB
+    with open(filler, "wb", buffering=0) as f:
+        for size in (MiB, 4 * KiB, 512):
+            while True:
+                try:
+                    f.write(chunk[:size])
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+            os.fsync(f.fileno())
+    return filler
+
+
+def _a_namespace_on_a_full_disk(fs: Path) -> Path:
+    """A namespace with one key (its documents, index and lock in place), on a
+    filesystem then filled to the last block: opening it again writes nothing new but
+    the direct-I/O probe."""
+    root = fs / "root"
+    with ZarrStore(root, namespace="ns", direct_io="off") as store:
+        store.put(torch.ones(16))
+    _fill(fs)
+    return root
+
+
+def test_a_probe_a_full_disk_kept_from_running_runs_again(small_ext4: Path) -> None:
+    """Issue 36, finding 12: ``direct_io="auto"`` opened when the disk had no room for
+    the probe file is buffered only until there is room again, not for the store's
+    whole life (NOTE [ Direct I/O ] rule 2)."""
+    root = _a_namespace_on_a_full_disk(small_ext4)
+    with ZarrStore(root, namespace="ns", direct_io="auto") as store:
+        status = store.direct_io
+        assert not status.enabled and "No space left" in status.reason
+        assert "probed again" in status.reason
+        (small_ext4 / "filler").unlink()  # room again
+        time.sleep(1.1)  # the probe runs again at most once a second
+        t = torch.randn(2 * MiB)  # 8 MiB: a size class that goes direct
+        key = store.put(t)
+        assert store.direct_io.enabled and store.direct_io.reason == ""
+        assert store.moves_direct(key)
+        assert torch.equal(store.get(key), t)
+        moved = store.transfers
+        assert moved.direct_written == t.nbytes and moved.direct_read == t.nbytes
+
+
+def test_direct_io_on_a_full_disk_is_a_disk_full_error(small_ext4: Path) -> None:
+    """Issue 36, finding 12: ``direct_io="on"`` on a full disk is the disk-full error
+    a put would meet (free space and retry), not a ConfigError saying the filesystem
+    cannot do O_DIRECT (it can); once there is room, it opens with direct I/O on."""
+    from tensorstore_hooks import QuotaExceededError
+
+    root = _a_namespace_on_a_full_disk(small_ext4)
+    with pytest.raises(QuotaExceededError) as info:
+        ZarrStore(root, namespace="ns", direct_io="on")
+    assert not isinstance(info.value, ConfigError)
+    msg = str(info.value)
+    assert "filesystem is full" in msg and "probe" in msg and "free space" in msg
+    (small_ext4 / "filler").unlink()
+    with ZarrStore(root, namespace="ns", direct_io="on") as store:
+        assert store.direct_io.enabled
+        assert torch.equal(store.get(store.put(torch.ones(MiB))), torch.ones(MiB))
+
+
 _CRASH_CHILD = textwrap.dedent(
     """
     import sys, torch

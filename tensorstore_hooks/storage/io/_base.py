@@ -115,6 +115,10 @@ class ChunkIO(ABC):
         self.direct_io = DirectIOStatus(False, mode, "not a local directory")
         return self.direct_io
 
+    def recheck_direct_io(self) -> None:  # noqa: B027 - optional: most backends never probe
+        """Run again a direct-I/O probe that could not run before (a full disk, no
+        permission), rate-limited; called before each write. Default: nothing."""
+
     def write_aligned(self, path: str, views: Sequence[memoryview], size: int) -> None:
         """Write the concatenation of ``views`` at offset 0 of ``path`` with ``O_DIRECT``,
         then make the object ``size`` bytes (NOTE [ Direct I/O ] rule 4). Each view must

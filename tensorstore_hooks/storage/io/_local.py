@@ -19,7 +19,12 @@ behind. Rules:
    (:func:`probe_direct_io`): RAM filesystems (tmpfs, ramfs) are refused outright
    (their files are memory; since Linux 6.6 tmpfs accepts ``O_DIRECT`` and ignores
    it), then one aligned block is written and read back with ``O_DIRECT`` in a probe
-   file. A root without it is said once at INFO and in the store's stats.
+   file. A root without it is said once at INFO and in the store's stats. A probe
+   that could not run (no room for its file, no permission) says nothing about the
+   filesystem: it is run again before a later write, at most once a second, until it
+   answers (a disk full when the store opened must not keep it buffered for life),
+   and with ``"on"`` it is that OS error (a full disk: the store's
+   ``QuotaExceededError``), not a ``ConfigError`` about O_DIRECT support.
 3. Only chunk objects go direct (:meth:`ChunkIO.write_aligned`,
    :meth:`ChunkIO.read_aligned`): addresses, lengths and the offset 0 are multiples of
    :data:`~tensorstore_hooks.storage.io._aligned.BLOCK_BYTES`; NOTE [ Aligned buffers ] says
@@ -41,8 +46,9 @@ import shutil
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from tensorstore_hooks._codec import as_memoryview
 from tensorstore_hooks.errors import ConfigError
@@ -73,6 +79,9 @@ class LocalIO(ChunkIO):
         self.root_made = False
         """Set once the store's layout is written: from then on a missing root is an
         error (removed or renamed), never made again under the writes' feet."""
+        self._pending_probe: str | None = None  # a direct-I/O probe to run again
+        self._next_probe = 0.0  # time.monotonic() from which it may run
+        self._probe_lock = threading.Lock()
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -137,6 +146,10 @@ class LocalIO(ChunkIO):
 
     # ------------------------------------------------------- NOTE [ Direct I/O ]
     def configure_direct_io(self, mode: str, probe_path: str) -> DirectIOStatus:
+        """NOTE [ Direct I/O ] rules 1-2. With ``"on"``, a filesystem that refuses
+        O_DIRECT is a :class:`ConfigError`; a probe that could not run (no room, no
+        permission) raises its ``OSError`` (the store's disk-full error), never a
+        ConfigError about O_DIRECT support."""
         if mode not in DIRECT_IO_MODES:
             raise ConfigError(
                 f"direct_io: expected one of {', '.join(DIRECT_IO_MODES)}, got {mode!r}"
@@ -146,15 +159,47 @@ class LocalIO(ChunkIO):
             return self.direct_io
         full = self._full(probe_path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        ok, why = _probe_cached(self.root, full)
-        if not ok and mode == "on":
+        probe = _probe_cached(self.root, full)
+        if not probe.ok and probe.transient_errno is not None:
+            if mode == "on":
+                raise OSError(
+                    probe.transient_errno,
+                    f"{os.strerror(probe.transient_errno)} (direct_io='on': the O_DIRECT probe "
+                    f"file under {self.root} could not be written: {probe.why})",
+                )
+            self._pending_probe, self._next_probe = full, time.monotonic() + _REPROBE_S
+            why = f"{probe.why}; probed again at a later write"
+            self.direct_io = DirectIOStatus(False, mode, why)
+            log.info("direct I/O is off under %s for now: %s", self.root, why)
+            return self.direct_io
+        if not probe.ok and mode == "on":
             raise ConfigError(
-                f"direct_io='on': {self.url} cannot do direct I/O: {why}. Put the store on a "
-                "filesystem that supports O_DIRECT (ext4, xfs, btrfs on a disk), or use "
+                f"direct_io='on': {self.url} cannot do direct I/O: {probe.why}. Put the store "
+                "on a filesystem that supports O_DIRECT (ext4, xfs, btrfs on a disk), or use "
                 "direct_io='auto' (buffered where unsupported) or 'off'"
             )
-        self.direct_io = DirectIOStatus(ok, mode, why)
+        self.direct_io = DirectIOStatus(probe.ok, mode, probe.why)
         return self.direct_io
+
+    def recheck_direct_io(self) -> None:
+        """A probe that could not run when the store opened (no room, no permission) is
+        run again, at most once per second, until it gives an answer that holds: a disk
+        full at open does not keep a store buffered for life (NOTE [ Direct I/O ]
+        rule 2). Cheap when there is nothing to do (one attribute read)."""
+        if self._pending_probe is None or time.monotonic() < self._next_probe:
+            return
+        with self._probe_lock:
+            path = self._pending_probe
+            if path is None or time.monotonic() < self._next_probe:
+                return
+            probe = _probe_cached(self.root, path)
+            mode = self.direct_io.mode if self.direct_io is not None else "auto"
+            if not probe.ok and probe.transient_errno is not None:
+                self._next_probe = time.monotonic() + _REPROBE_S
+                return
+            self._pending_probe = None
+            self.direct_io = DirectIOStatus(probe.ok, mode, probe.why)
+        log.info("direct I/O under %s, probed again: %s", self.root, self.direct_io.describe())
 
     def write_aligned(self, path: str, views: Sequence[memoryview], size: int) -> None:
         fd = self._open_for_write(path, _O_DIRECT)
@@ -319,8 +364,10 @@ def _pwrite_aligned(fd: int, views: Sequence[memoryview]) -> None:
 
 # ----------------------------------------------------------- NOTE [ Direct I/O ]
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_REPROBE_S = 1.0
+"""How often a probe that could not run (no room, no permission) may run again."""
 _RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs(2) f_type magics
-_probed: dict[str, tuple[bool, str]] = {}
+_probed: dict[str, _Probe] = {}
 _probed_lock = threading.Lock()
 
 
@@ -343,8 +390,8 @@ def probe_direct_io(directory: str, probe_name: str | None = None) -> tuple[bool
     """Whether ``O_DIRECT`` chunk I/O works in ``directory`` (which must exist), and if
     not, why (NOTE [ Direct I/O ] rule 2). Creates and removes one probe file
     (``probe_name``, default a unique hidden name); never raises for a refusal."""
-    ok, why, _ = _probe(directory, probe_name)
-    return ok, why
+    probe = _probe(directory, probe_name)
+    return probe.ok, probe.why
 
 
 def direct_io_readonly_check(root: str) -> str:
@@ -366,22 +413,33 @@ def direct_io_readonly_check(root: str) -> str:
     return "available (the filesystem accepts O_DIRECT; direct_io=auto uses it)"
 
 
-def _probe(directory: str, probe_name: str | None) -> tuple[bool, str, bool]:
-    """:func:`probe_direct_io`, plus whether the answer holds for good (a filesystem
+class _Probe(NamedTuple):
+    """What a direct-I/O probe found."""
+
+    ok: bool
+    why: str
+    """Why not (empty when ``ok``)."""
+    transient_errno: int | None
+    """The OS error that kept the probe from running (no room for its file, no
+    permission), which may go away; ``None`` when the answer holds for good."""
+
+
+def _probe(directory: str, probe_name: str | None) -> _Probe:
+    """:func:`probe_direct_io`, and whether the answer holds for good (a filesystem
     that refuses O_DIRECT) or may change (no room for the probe file, no permission)."""
     if not _O_DIRECT:
-        return False, "this platform has no O_DIRECT", True
+        return _Probe(False, "this platform has no O_DIRECT", None)
     ram = _ram_filesystem(directory)
     if ram is not None:
-        return False, f"the root is on {ram}, whose files live in RAM", True
+        return _Probe(False, f"the root is on {ram}, whose files live in RAM", None)
     name = probe_name or f".tsh-direct-probe-{os.getpid()}-{secrets.token_hex(4)}"
     path = os.path.join(directory, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT, 0o600)
     except OSError as e:
         if e.errno == errno.EINVAL:
-            return False, "the filesystem refuses O_DIRECT", True
-        return False, f"cannot create a probe file ({e.strerror})", False
+            return _Probe(False, "the filesystem refuses O_DIRECT", None)
+        return _Probe(False, f"cannot create a probe file ({e.strerror})", e.errno or errno.EIO)
     try:
         out, back = AlignedBuffer(BLOCK_BYTES), AlignedBuffer(BLOCK_BYTES)
         out.view[:] = (b"tsh-direct-probe" * (BLOCK_BYTES // 16))[:BLOCK_BYTES]
@@ -389,37 +447,32 @@ def _probe(directory: str, probe_name: str | None) -> tuple[bool, str, bool]:
             os.pwrite(fd, out.view, 0)
             got = os.preadv(fd, [back.view], 0)
         except OSError as e:
-            definitive = e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
-            return (
-                False,
-                f"O_DIRECT I/O of {BLOCK_BYTES}-byte blocks fails ({e.strerror})",
-                definitive,
-            )
+            why = f"O_DIRECT I/O of {BLOCK_BYTES}-byte blocks fails ({e.strerror})"
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                return _Probe(False, why, None)
+            return _Probe(False, why, e.errno or errno.EIO)
         if got != BLOCK_BYTES or back.view != out.view:
-            return False, "O_DIRECT reads did not return what was written", True
-        return True, "", True
+            return _Probe(False, "O_DIRECT reads did not return what was written", None)
+        return _Probe(True, "", None)
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(path)
 
 
-def _probe_cached(root: str, probe_file: str) -> tuple[bool, str]:
+def _probe_cached(root: str, probe_file: str) -> _Probe:
     """:func:`probe_direct_io` (with ``probe_file``) once per root directory in this
-    process; a refusal is said once, at INFO."""
+    process; an answer that may change (``transient_errno``) is asked again next time."""
     key = os.path.realpath(root)
     with _probed_lock:
         hit = _probed.get(key)
         if hit is not None:
             return hit
-        ok, why, definitive = _probe(os.path.dirname(probe_file), os.path.basename(probe_file))
-        result = (ok, why)
-        if definitive:  # a full disk or a permission problem is asked again next time
-            _probed[key] = result
-    if not result[0]:
+        probe = _probe(os.path.dirname(probe_file), os.path.basename(probe_file))
+        if probe.transient_errno is None:
+            _probed[key] = probe
+    if not probe.ok and probe.transient_errno is None:  # said once per root and process
         log.info(
-            "direct I/O is off under %s: %s; chunk files go through the page cache", key, result[1]
+            "direct I/O is off under %s: %s; chunk files go through the page cache", key, probe.why
         )
-    return result
-
-
+    return probe

@@ -143,14 +143,23 @@ class ChunkCodec:
 
     # ------------------------------------------------------------------ write
     def write(
-        self, io: ChunkIO, paths: Sequence[str], data: memoryview, chunk: int
+        self,
+        io: ChunkIO,
+        paths: Sequence[str],
+        data: memoryview,
+        chunk: int,
+        direct: bool | None = None,
     ) -> tuple[bytes, int]:
         """Write ``data`` as the chunks ``paths`` of ``chunk`` bytes each; returns their
         crc32c values (NOTE [ Bound chunk checksums ]) and the rotation the stream was
-        stored with (NOTE [ Chunk objects ] rule 4)."""
+        stored with (NOTE [ Chunk objects ] rule 4). ``direct``: the caller's
+        :meth:`moves_direct` decision (taken once, so that what it counts is what was
+        done); ``None``: decided here."""
+        if direct is None:
+            direct = self.moves_direct(io, chunk)
         if self._compressor is not None:
             return self._write_compressed(io, paths, data, chunk), 0
-        if io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES:
+        if direct:
             if self.zero_copy:
                 written = self._write_direct(io, paths, data, len(data), chunk, in_place=False)
                 if written is not None:
@@ -161,19 +170,27 @@ class ChunkCodec:
         return self._write_objects(io, paths, data, chunk), 0
 
     def write_aligned(
-        self, io: ChunkIO, paths: Sequence[str], region: memoryview, n: int, chunk: int
+        self,
+        io: ChunkIO,
+        paths: Sequence[str],
+        region: memoryview,
+        n: int,
+        chunk: int,
+        direct: bool | None = None,
     ) -> bytes:
         """:meth:`write` of ``region[:n]``, where ``region`` starts on a ``BLOCK_BYTES``
         boundary and has at least ``round_up(n, BLOCK_BYTES)`` writable bytes: with
         direct I/O every block goes to the disk straight from it (the bytes after
         ``n`` up to the next block are zeroed first), with no copy at all and no
-        rotation."""
-        if self._compressor is None and io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES:
+        rotation. ``direct`` as in :meth:`write`."""
+        if direct is None:
+            direct = self.moves_direct(io, chunk)
+        if direct:
             written = self._write_direct(io, paths, region, n, chunk, in_place=True)
             if written is not None:
                 return written[0]
             return self._write_copied(io, paths, region[:n], chunk)
-        return self.write(io, paths, region[:n], chunk)[0]
+        return self.write(io, paths, region[:n], chunk, False)[0]
 
     def _write_direct(
         self,
@@ -326,18 +343,22 @@ class ChunkCodec:
         crcs: bytes,
         what: str,
         first: int = 0,
+        direct: bool | None = None,
     ) -> None:
         """Fill ``region[:n]`` from the chunks ``paths``, verifying each against
         ``crcs``. ``region`` starts on a ``BLOCK_BYTES`` boundary and has at least
         ``round_up(n, BLOCK_BYTES)`` writable bytes (a direct read fills whole blocks).
-        ``what`` names the key in messages, ``first`` the run position of ``paths[0]``.
+        ``what`` names the key in messages, ``first`` the run position of ``paths[0]``,
+        ``direct`` as in :meth:`write`.
 
         Raises :class:`IntegrityError` (corrupt, truncated, misplaced) and lets
         ``FileNotFoundError`` (a missing chunk) and other OS errors through.
         """
+        if direct is None:
+            direct = self.moves_direct(io, chunk)
         if self._compressor is not None:
             self._read_objects(io, paths, region, n, chunk, crcs, what, first)
-        elif io.uses_direct_io and chunk >= DIRECT_MIN_CHUNK_BYTES:
+        elif direct:
             self._read_direct(io, paths, region, n, chunk, crcs, what, first)
         elif io.supports_direct_read:
             self._read_local(io, paths, region, n, chunk, crcs, what, first)

@@ -141,8 +141,9 @@ class KeyReader:
         paths = self._ns.run_paths(entry.run)[first:last]
         crcs = entry.crc[4 * first : 4 * last]
         what = f"ZarrStore({self._url}): key {key!r}"
+        direct = self._codec.moves_direct(self._io, entry.chunk)  # once: read as counted
         try:
-            self._codec.read(self._io, paths, region, n, entry.chunk, crcs, what, first)
+            self._codec.read(self._io, paths, region, n, entry.chunk, crcs, what, first, direct)
         except Exception as e:
             gone = None
             if isinstance(e, FileNotFoundError) and key in self._ns:
@@ -160,7 +161,6 @@ class KeyReader:
         # the bound checksums catch that, and so does this.
         if key not in self._ns:
             raise self.missing(key)
-        direct = self._codec.moves_direct(self._io, entry.chunk)
         self._counter.add(n, direct=direct, read=True)
 
     def missing(self, key: str) -> KeyNotFoundError:

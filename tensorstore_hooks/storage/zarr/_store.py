@@ -353,7 +353,8 @@ class ZarrStore(BlobStore):
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
         return self._writes.put(
-            meta, lambda paths, chunk: self._codec.write(self._io, paths, data, chunk)
+            meta,
+            lambda paths, chunk, direct: self._codec.write(self._io, paths, data, chunk, direct),
         )
 
     def put_aligned(self, meta: TensorMeta, buffer: Buffer) -> str:
@@ -374,8 +375,8 @@ class ZarrStore(BlobStore):
         region = aligned_region(buffer, n, "put_aligned")
         return self._writes.put(
             meta,
-            lambda paths, chunk: (
-                self._codec.write_aligned(self._io, paths, region, n, chunk),
+            lambda paths, chunk, direct: (
+                self._codec.write_aligned(self._io, paths, region, n, chunk, direct),
                 0,
             ),
         )
@@ -467,9 +468,11 @@ class ZarrStore(BlobStore):
 
     @property
     def direct_io(self) -> DirectIOStatus:
-        """Whether chunk files are written and read with ``O_DIRECT``, what was asked
-        (``direct_io=``) and, when off, why (NOTE [ Direct I/O ] in ``storage/io/_local.py``)."""
-        return self._direct
+        """Whether chunk files are written and read with ``O_DIRECT`` now, what was asked
+        (``direct_io=``) and, when off, why (NOTE [ Direct I/O ] in ``storage/io/_local.py``).
+        A probe that a full disk kept from running at open runs again at a later put,
+        so this may turn on during the store's life."""
+        return self._io.direct_io if self._io.direct_io is not None else self._direct
 
     def moves_direct(self, key: str) -> bool:
         """Whether ``key``'s chunks are written and read with ``O_DIRECT``."""

@@ -29,8 +29,9 @@ from tensorstore_hooks.storage.zarr._reads import TransferCounter, store_gone
 
 __all__ = ["KeyWriter", "check_writer"]
 
-Write = Callable[[list[str], int], tuple[bytes, int]]
-"""Writes a payload as the chunks ``paths`` of ``chunk`` bytes; returns (crcs, rot)."""
+Write = Callable[[list[str], int, bool], tuple[bytes, int]]
+"""Writes a payload as the chunks ``paths`` of ``chunk`` bytes, with ``O_DIRECT`` or
+not (decided once by the caller); returns (crcs, rot)."""
 
 
 class KeyWriter:
@@ -52,14 +53,16 @@ class KeyWriter:
     def put(self, meta: TensorMeta, write: Write) -> str:
         """Reserve a run for ``meta.nbytes``, ``write`` it, journal it; the new key."""
         check_writer(self._pid, self._url, "write")
+        self._io.recheck_direct_io()  # a probe a full disk kept from running (NOTE [ Direct I/O ])
         key, run = self._ns.reserve(meta.nbytes)
         chunk, _, count = run
         paths = self._ns.run_paths(run)
+        direct = self._codec.moves_direct(self._io, chunk)  # once: what is done is what counts
         try:
             self._ns.ensure_root_doc()
             if count:
                 self._ns.ensure_segment(chunk, self._codec.zarr_compressors())
-            crcs, rot = write(paths, chunk) if count else (b"", 0)
+            crcs, rot = write(paths, chunk, direct) if count else (b"", 0)
         except Exception as e:
             self._undo(run, paths)
             raise self._error(key, e) from e
@@ -70,7 +73,7 @@ class KeyWriter:
             if isinstance(e, StoreClosedError):
                 raise
             raise self._error(key, e) from e
-        self._counter.add(meta.nbytes, direct=self._codec.moves_direct(self._io, chunk), read=False)
+        self._counter.add(meta.nbytes, direct=direct, read=False)
         return key
 
     def _undo(self, run: Run, paths: list[str]) -> None:
