@@ -176,7 +176,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def inspect_root(url: str, storage_options: StorageOptions | None = None) -> RootListing:
+def inspect_root(
+    url: str, storage_options: StorageOptions | None = None, *, empty_ok: bool = False
+) -> RootListing:
     """Describe the ZarrStore root at ``url`` without writing to it.
 
     Returns ``{"url", "format", "direct_io", "capture": [{"name", "shape", "dtype",
@@ -188,7 +190,9 @@ def inspect_root(url: str, storage_options: StorageOptions | None = None) -> Roo
     ``damage`` lists the damaged index records of a namespace (the rest is listed),
     ``damaged_docs`` its ``zarr.json`` if it cannot be parsed, ``error`` says why a
     namespace could not be listed at all; ``problems`` gathers them, one line each. Raises
-    :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root.
+    :class:`~tensorstore_hooks.ConfigError` if ``url`` is not a tensorstore-hooks root;
+    with ``empty_ok`` (a chain's tier), a root that has no ``zarr.json`` yet (no store
+    ever put a tensor there) is listed with ``format`` ``None`` instead.
     """
     from tensorstore_hooks.storage.zarr import make_io
 
@@ -196,7 +200,7 @@ def inspect_root(url: str, storage_options: StorageOptions | None = None) -> Roo
     # store: ZarrStore.__init__ would write the root layout and a namespace.
     io = make_io(url, storage_options or {}, retry_deadline_s=30.0)
     try:
-        fmt = _root_format(io)
+        fmt = _root_format(io, empty_ok=empty_ok)
         namespaces = [ns for name in io.listdir("") if (ns := _namespace(io, name)) is not None]
         captured = _captured(io)
     finally:
@@ -207,9 +211,11 @@ def inspect_root(url: str, storage_options: StorageOptions | None = None) -> Roo
         "bytes": sum(n["bytes"] for n in namespaces),
         "stored_bytes": sum(n["stored_bytes"] for n in namespaces),
     }
-    problems = [f"namespace {n['name']}: {d}" for n in namespaces for d in n["damaged_docs"]]
-    problems += [f"namespace {n['name']}: {d}" for n in namespaces for d in n["damage"]]
-    problems += [f"namespace {n['name']}: {n['error']}" for n in namespaces if n["error"]]
+    problems = [
+        f"namespace {n['name']}: damaged: {d}" for n in namespaces for d in n["damaged_docs"]
+    ]
+    problems += [f"namespace {n['name']}: damaged: {d}" for n in namespaces for d in n["damage"]]
+    problems += [f"namespace {n['name']}: damaged: {n['error']}" for n in namespaces if n["error"]]
     return {
         "url": io.url,
         "format": fmt,
@@ -259,14 +265,28 @@ def inspect_chain(
     A namespace is listed once with what each tier holds of it (a chain gives its Zarr
     tiers one namespace name). ``budgets``: shown beside each tier (from a config).
     """
+    from tensorstore_hooks.errors import ConfigError, TensorStoreError
+
     budgets = budgets or [None] * len(urls)
     tiers = []
+    why_not: list[str] = []
     for i, (url, so, budget) in enumerate(zip(urls, storage_options, budgets, strict=True)):
-        listing = inspect_root(url, so)
+        try:
+            # A tier that never received a put (tensors larger than its budget go
+            # past it) has no zarr.json: listed as holding nothing, not an error.
+            listing = inspect_root(url, so, empty_ok=True)
+        except TensorStoreError as e:
+            listing = _unlisted_tier(url, str(e))
+            why_not.append(f"tier {i} ({url}): {e}")
         listing["tier"] = i
         listing["budget"] = budget
         listing["url"] = url
         tiers.append(listing)
+    if all(t["format"] is None for t in tiers):
+        raise ConfigError(
+            "inspect: none of the chain's tiers is a tensorstore-hooks store root: "
+            + "; ".join(why_not or [f"tier {t['tier']} ({t['url']}): no zarr.json" for t in tiers])
+        )
     names = sorted({ns["name"] for t in tiers for ns in t["namespaces"]})
     namespaces: list[ChainNamespace] = []
     for name in names:
@@ -287,6 +307,19 @@ def inspect_chain(
     return {"tiers": tiers, "namespaces": namespaces, "totals": totals, "problems": problems}
 
 
+def _unlisted_tier(url: str, why: str) -> RootListing:
+    """A chain's tier that could not be listed: shown with why, beside the others."""
+    return {
+        "url": url,
+        "format": None,
+        "direct_io": None,
+        "namespaces": [],
+        "capture": [],
+        "totals": {"namespaces": 0, "tensors": 0, "bytes": 0, "stored_bytes": 0},
+        "problems": [f"not listed: {why}"],
+    }
+
+
 def _not_a_root(io: ChunkIO, why: str) -> Exception:
     from tensorstore_hooks.errors import ConfigError
 
@@ -296,11 +329,15 @@ def _not_a_root(io: ChunkIO, why: str) -> Exception:
     )
 
 
-def _root_format(io: ChunkIO) -> JSON:
-    """The root's format number, or a ConfigError saying why it is not a root."""
+def _root_format(io: ChunkIO, *, empty_ok: bool = False) -> JSON:
+    """The root's format number, or a ConfigError saying why it is not a root
+    (``empty_ok``: ``None`` for a root without a ``zarr.json``, where nothing was
+    ever stored)."""
     try:
         raw = bytes(io.read("zarr.json"))
     except FileNotFoundError:
+        if empty_ok:
+            return None
         raise _not_a_root(io, "it has no zarr.json") from None
     except NotADirectoryError:
         raise _not_a_root(io, "it is a file, not a directory") from None
@@ -403,7 +440,9 @@ def _format(listing: RootListing) -> str:
     from tensorstore_hooks._units import format_bytes as fb
     from tensorstore_hooks.storage.zarr import FORMAT_VERSION
 
-    lines = [f"store {listing['url']}  (tensorstore-hooks format {listing['format']})"]
+    fmt = listing["format"]
+    about = "nothing stored yet: no zarr.json" if fmt is None else f"tensorstore-hooks format {fmt}"
+    lines = [f"store {listing['url']}  ({about})"]
     if listing.get("direct_io") is not None:
         lines.append(f"direct I/O: {listing['direct_io']}")
     for ns in listing["namespaces"]:
@@ -458,10 +497,10 @@ def _format_chain(listing: ChainListing) -> str:
     lines = [f"tier chain of {len(tiers)} stores, fastest first"]
     for t in tiers:
         budget = f", budget {fb(t['budget'])}" if t["budget"] is not None else ""
-        lines.append(
-            f"  tier {t['tier']}: {t['url']}{budget}: {_count(t['totals']['tensors'], 'tensor')}, "
-            f"{fb(t['totals']['bytes'])}"
-        )
+        held = f"{_count(t['totals']['tensors'], 'tensor')}, {fb(t['totals']['bytes'])}"
+        if t["format"] is None:
+            held = "not listed" if t["problems"] else f"{held} (nothing stored there yet)"
+        lines.append(f"  tier {t['tier']}: {t['url']}{budget}: {held}")
     for ns in listing["namespaces"]:
         where = ", ".join(
             f"tier {i} {n} ({fb(b)})"
@@ -561,8 +600,8 @@ def run(args: argparse.Namespace) -> int:
         print(_format_chain(listing))
     else:
         print(_format(listing))
-    for problem in listing["problems"]:
-        print(f"inspect: damaged: {_one_line(problem)}", file=sys.stderr)
+    for problem in listing["problems"]:  # each says what it is (damaged, not listed)
+        print(f"inspect: {_one_line(problem)}", file=sys.stderr)
     return 1 if listing["problems"] else 0
 
 

@@ -3,14 +3,19 @@ exit 1 with one line per problem, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import tensorstore_hooks as tsh
 from tensorstore_hooks import ZarrStore
+from tensorstore_hooks.cli import main as cli_main
+from tests.s3_fixtures import *  # noqa: F403 - the fixtures
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -116,3 +121,51 @@ def test_a_damaged_namespace_document_is_named_with_the_way_back(tmp_path: Path)
     _one_line_failure(proc, "namespace ns", "ns/zarr.json cannot be parsed", "zarr.json.damaged")
     assert "DAMAGED document" in proc.stdout and "2 tensors" in proc.stdout
     assert doc.read_bytes() == b'{"zarr_format": 3, "node_'
+
+
+# ------------------------------------------------------------------- chains
+def test_a_chain_whose_first_tier_never_stored_shows_the_others(
+    tmp_path: Path,
+    s3_url: str,
+    s3_options: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 36, finding 13: every tensor was larger than the first tier's budget, so
+    the S3 tier holds them all and the first tier has no zarr.json: ``inspect`` of the
+    chain lists the S3 tier's tensors (exit 0) instead of "not a store root"."""
+    local = f"file://{tmp_path / 'nvme'}"
+    chain = tsh.open_store([local, s3_url], budgets=["16KiB"], storage_options=[{}, s3_options])
+    try:
+        keys = [chain.put(torch.full((16384,), float(i))) for i in range(3)]  # 64 KiB each
+        assert [chain.tier_of(k) for k in keys] == [1, 1, 1]  # type: ignore[attr-defined]
+        chain.flush()  # an object store's index is written on flush/close
+        options = json.dumps([{}, s3_options])
+        code = cli_main(["inspect", "--storage-options", options, local, s3_url])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert f"tier 0: {local}: 0 tensors, 0 B (nothing stored there yet)" in out
+        assert f"tier 1: {s3_url}: 3 tensors, 192.00 KiB" in out
+        assert "nothing stored yet: no zarr.json" in out and err == ""
+        assert cli_main(["inspect", "--json", "--storage-options", options, local, s3_url]) == 0
+        listing = json.loads(capsys.readouterr().out)
+        assert [t["totals"]["tensors"] for t in listing["tiers"]] == [0, 3]
+        assert listing["tiers"][0]["format"] is None and listing["problems"] == []
+    finally:
+        chain.close()
+
+
+def test_a_chain_tier_that_cannot_be_listed_is_named_beside_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    upper, lower = tmp_path / "upper", tmp_path / "lower"
+    with ZarrStore(lower, namespace="ns") as store:
+        store.put(torch.ones(10))
+    upper.write_text("not a directory")  # a tier URL that points at a file
+    assert cli_main(["inspect", str(upper), str(lower)]) == 1
+    out, err = capsys.readouterr()
+    assert f"tier 1: {lower}: 1 tensor, 40 B" in out and "tier 0" in out
+    (line,) = err.strip().splitlines()
+    assert "tier 0" in line and "not listed" in line and "is a file" in line
+    # No tier a store root at all: an error, not an empty listing.
+    assert cli_main(["inspect", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "none of the chain's tiers is a tensorstore-hooks store root" in capsys.readouterr().err
