@@ -34,6 +34,15 @@ concurrently (what ``FsspecIO.read_many`` does).
 With ``--url`` the figures are those of that service from this machine (credentials
 from the environment or ``--storage-options``); objects go under ``URL/ours`` and
 ``URL/raw`` and are removed afterwards.
+
+``--hung N`` measures instead what an endpoint that accepts connections and never
+answers costs (NOTE [ Outages ] in ``storage/_retry.py``): moto behind a loopback
+proxy that, once switched, reads every request and answers none; with
+``--deadline`` seconds of ``retry_deadline_s``, ``N`` keys deleted one by one (a
+freed graph), ``N`` in one ``delete_many`` and ``N`` reads, against one read timeout
+per object (``N x deadline``), and the requests that reached the hung endpoint.
+
+    python benchmarks/s3_io.py --hung 100 --deadline 2
 """
 
 from __future__ import annotations
@@ -147,10 +156,6 @@ def cpu_seconds(pids: list[int]) -> float:
 def own_cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _median_pair(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -420,6 +425,131 @@ def _measure(
     return row
 
 
+class HangingProxy:
+    """A loopback TCP proxy in front of ``upstream`` that, after :meth:`hang`, reads
+    every request and answers none (a wedged gateway, a black-holed route) until
+    :meth:`release` closes its connections. Counts the requests it swallowed."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.hung = threading.Event()
+        self.released = threading.Event()
+        self.swallowed = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self.released.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self._upstream)
+            for a, b in ((client, up), (up, client)):
+                threading.Thread(target=self._pump, args=(a, b, a is client), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any, requests: bool) -> None:
+        with contextlib.suppress(OSError):
+            while not self.released.is_set():
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if not self.hung.is_set():
+                    dst.sendall(data)
+                elif requests and data.split(b" ", 1)[0] in _METHODS:
+                    with self._lock:
+                        self.swallowed += 1
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def hang(self) -> None:
+        self.hung.set()
+
+    def release(self) -> None:
+        self.released.set()
+        self._listener.close()
+
+
+_METHODS = {b"GET", b"PUT", b"POST", b"DELETE", b"HEAD"}
+
+
+def hung(args: argparse.Namespace) -> dict[str, Any]:
+    """``--hung N``: the cost of an endpoint that never answers (module docstring)."""
+    import tensorstore_hooks as tsh
+    from tensorstore_hooks import StoreUnavailableError
+
+    n, deadline = args.hung, args.deadline
+    os.environ.update(CREDENTIALS)
+    with ServerProcess() as moto:
+        proxy = HangingProxy(moto.endpoint_url)
+        options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+        store = tsh.open_store(
+            f"s3://{BUCKET}/hung", storage_options=options, retry_deadline_s=deadline
+        )
+        keys = [store.put(torch.full((1024,), float(i))) for i in range(3 * n)]
+        proxy.hang()
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for key in keys[:n]:
+            store.delete(key)
+        times["delete_one_by_one_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        store.delete_many(keys[n : 2 * n])
+        times["delete_many_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for key in keys[2 * n :]:
+            with contextlib.suppress(StoreUnavailableError):
+                store.get(key)
+        times["reads_s"] = time.perf_counter() - t0
+        swallowed = proxy.swallowed
+        proxy.release()
+        t0 = time.perf_counter()
+        store.close()
+        times["close_s"] = time.perf_counter() - t0
+    return {
+        "benchmark": "s3_io --hung",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "command": " ".join(["python", "benchmarks/s3_io.py", *sys.argv[1:]]),
+        "objects": n,
+        "deadline_s": deadline,
+        "one_timeout_per_object_s": n * deadline,
+        "requests_to_the_hung_endpoint": swallowed,
+        **times,
+    }
+
+
+def format_hung(r: dict[str, Any]) -> str:
+    d = r["deadline_s"]
+    lines = [
+        f"An endpoint that never answers: {r['objects']} objects per operation, "
+        f"retry_deadline_s={d:g}; one read timeout per object would be "
+        f"{r['one_timeout_per_object_s']:.0f} s each",
+        "",
+        "| operation | seconds | in deadlines |",
+        "|---|---|---|",
+    ]
+    for what, key in (
+        (f"{r['objects']} deletes, one by one", "delete_one_by_one_s"),
+        (f"delete_many of {r['objects']} keys", "delete_many_s"),
+        (f"{r['objects']} reads", "reads_s"),
+        ("close", "close_s"),
+    ):
+        lines.append(f"| {what} | {r[key]:.2f} | {r[key] / d:.2f} |")
+    lines.append(f"\nrequests that reached the hung endpoint: {r['requests_to_the_hung_endpoint']}")
+    return "\n".join(lines)
+
+
 def _close_s3fs(fs: Any) -> None:
     """Close the filesystem's HTTP session now (not at garbage collection)."""
     from fsspec.asyn import sync
@@ -518,9 +648,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--storage-options", metavar="JSON", help="s3fs options as JSON (with --url)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.add_argument(
+        "--hung", type=int, metavar="N", default=0,
+        help="measure a hung endpoint's cost instead (N objects per operation; moto)",
+    )
+    p.add_argument("--deadline", type=float, default=2.0, help="retry_deadline_s for --hung")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.hung:
+        result = hung(args)
+        print(f"\ns3_io --hung: {result['machine']}; {result['date']}\n")
+        print(format_hung(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
     result = run(args)
     print(f"\ns3_io: {result['machine']}; {result['date']}; {result['server']}\n")
     print(format_table(result))
