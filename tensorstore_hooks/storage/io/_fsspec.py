@@ -288,8 +288,8 @@ class FsspecIO(ChunkIO):
         return [r if isinstance(r, BaseException) else None for r in results]
 
     def _each(self, method: str, paths: list[str], time_left_s: float) -> list[object]:
-        """``fs.<method>(path)`` for every path, concurrently, within one attempt:
-        each path's result or exception, in order. Async filesystems run it as one
+        """``fs.<method>(path)`` for every path within one attempt: each path's result
+        or exception, in order. Async filesystems run them concurrently as one
         coroutine whose every request is cancelled with the attempt (NOTE [ No stray
         tasks ]); others call one path after another."""
         if not self._async:
@@ -313,9 +313,15 @@ class FsspecIO(ChunkIO):
 
         def attempt(time_left_s: float) -> None:
             todo = [f for f in full if f not in done]
-            got = self._each("cat_file", todo, time_left_s)
+            if self._async:
+                got = self._each("cat_file", todo, time_left_s)
+            else:  # one call: a wrapped filesystem may batch it itself
+                found = self.fs.cat(todo, on_error="return")
+                got = [found.get(f) if isinstance(found, dict) else None for f in todo]
             errors: list[BaseException] = []
             for f, v in zip(todo, got, strict=True):
+                if v is None:
+                    v = FileNotFoundError(f)
                 if isinstance(v, BaseException):
                     errors.append(v)
                 else:
