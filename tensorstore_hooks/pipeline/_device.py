@@ -149,12 +149,25 @@ class DeviceStager:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the host tier (rule 1) rather than straight to a write."""
+        return self.holds_bytes(span_bytes(t), t.device)
+
+    def holds_bytes(self, nbytes: int, device: torch.device) -> bool:
+        """Whether ``nbytes`` leaving ``device`` go to the host tier (rule 1)."""
         tier = self.tier
         return (
             tier is not None
-            and self.accelerated(t.device)
-            and self._pinned_bytes(span_bytes(t)) <= tier.cap_bytes
+            and self.accelerated(device)
+            and self._pinned_bytes(nbytes) <= tier.cap_bytes
         )
+
+    def _moved(self, nbytes: int, *, to_host: bool) -> None:
+        """Count bytes copied between the device and host memory (``stats``)."""
+        stats = self._stats
+        if stats is not None:
+            if to_host:
+                stats.bytes_to_host += nbytes
+            else:
+                stats.bytes_to_device += nbytes
 
     def stages(self, t: torch.Tensor) -> bool:
         """Whether a write of ``t`` goes through a pooled buffer (no tier: rule 2 otherwise)."""
@@ -199,6 +212,7 @@ class DeviceStager:
 
     def _started(self, rec: Record, t: torch.Tensor, buf: torch.Tensor) -> None:
         host, event = self.ops.to_host(t, buf)
+        self._moved(span_bytes(t), to_host=True)
         copy = HostCopy(host, buf, event)
         if not self._copies.attach(rec, copy):  # gone meanwhile (an interrupted pack)
             self.give_back(rec, copy)
@@ -228,12 +242,14 @@ class DeviceStager:
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
         """``t``'s bytes in pageable host memory, copied on the copy stream after
         ``ready`` (:meth:`producer_event`); blocks the calling (I/O) thread until done."""
+        self._moved(span_bytes(t), to_host=True)
         return self.ops.to_pageable(t, ready)
 
     def pin(self, t: torch.Tensor) -> Loaded:
         """A ``host`` rule's pinned copy of ``t`` (no ``host_budget``: not the tier's),
         queued on the producing stream, and the event recorded there after it (rule 8
         of NOTE [ Stream ordering ]): the caller keeps both, for :meth:`unpin`."""
+        self._moved(span_bytes(t), to_host=True)
         return self.ops.pin(t)
 
     def unpin(
@@ -242,6 +258,7 @@ class DeviceStager:
         """A ``host`` rule's tensor back on ``device``, on the current stream once it
         has waited (on the device) for ``ready``, the event :meth:`pin` returned: pack
         and unpack may run on different streams."""
+        self._moved(span_bytes(host), to_host=False)
         return self.ops.unpin(host, device, ready)
 
     # ----------------------------------------------------------- buffer returns
@@ -309,6 +326,7 @@ class DeviceStager:
             return None
         try:
             out = self.ops.to_device(copy.host, rec.device, copy.event)
+            self._moved(span_bytes(copy.host), to_host=False)
         except BaseException:
             self._end_read(rec, copy)
             raise
@@ -327,6 +345,7 @@ class DeviceStager:
         """
         self._poll()
         n = span_bytes(t)
+        self._moved(n, to_host=False)
         tier = self.tier
         if tier is not None:
             key = object()

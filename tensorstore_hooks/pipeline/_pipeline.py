@@ -205,6 +205,7 @@ class Pipeline:
 
     def flush(self) -> None:
         """Block until every pending write of this pipeline has reached the store."""
+        self.router.close_spans()  # open spans are pending writes (NOTE [ Span unions ])
         self.writer.flush()
         self.emit_warning()
 
@@ -217,6 +218,7 @@ class Pipeline:
         """Stop taking tensors; close the store (if owned) once every record is freed."""
         if foreign(self._pid):  # a forked child: no lock, no store (NOTE [ Fork safety ])
             return  # (its router keeps every tensor it packs)
+        self.router.close_spans()
         if self.table.close():
             self._close_now()
 
