@@ -15,8 +15,8 @@ from torch import nn
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks.pipeline import _recompute
-from tensorstore_hooks.pipeline._recompute import CAST_LABEL, Recomputed, recomputable
 from tensorstore_hooks.pipeline._iopool import shutdown_pool
+from tensorstore_hooks.pipeline._recompute import CAST_LABEL, Recomputed, recomputable
 from tensorstore_hooks.testing import WrappedStore
 from tests.fake_accelerator import CpuAsAccelerator, on_fake_accelerator
 
@@ -98,7 +98,8 @@ def test_autocast_weight_casts_are_recomputed_not_moved(dtype: torch.dtype, insi
     assert stats.per_rule[CAST_LABEL].bytes == cast_bytes
     # What moved is what is left: not one byte of a cast.
     assert stats.bytes_written == stats.bytes_offloaded
-    assert stats.tensors_saved == stats.tensors_offloaded + stats.tensors_kept + stats.dedup_hits + casts
+    saves = stats.tensors_offloaded + stats.tensors_kept + stats.dedup_hits + casts
+    assert stats.tensors_saved == saves
     shutdown_pool(store)
 
 
