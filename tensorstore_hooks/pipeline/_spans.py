@@ -26,7 +26,7 @@ moves that union once. Rules, numbered so code can cite them:
    over (it becomes that region).
 4. A periodic span stays open while views may still join: it is written once it
    covers its whole period (then it is the region ``[start, start + n * period)``),
-   or when ``OPEN_PACKS`` saves have passed without a join, when backward starts
+   or at the first save after ``OPEN_PACKS`` saves without a join, when backward starts
    (the first unpack), at ``flush()`` and ``close()``, and before pack would wait
    for room under ``max_inflight`` (its bytes count in flight from its first view).
 5. What moves: a region as the contiguous range; a periodic span as its rows with
