@@ -8,7 +8,7 @@ host tier and in the store. Gradients are compared with ``torch.equal``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -38,13 +38,13 @@ def heads(qkv: torch.Tensor) -> list[torch.Tensor]:
 # ----------------------------------------------------------------- patterns
 def test_patterns() -> None:
     qkv = torch.randn(B, L, 3 * D)
-    q, k, v = heads(qkv)
+    q, _k, v = heads(qkv)
     assert pat(q) == Pattern(0, B * L, 3 * D, D)
     assert pat(v) == Pattern(2 * D, B * L, 3 * D, D)
     assert pat(qkv) == Pattern(0, 1, B * L * 3 * D, B * L * 3 * D)  # a region
     assert pat(qkv.transpose(0, 1)) == pat(qkv)  # any dense layout
     assert pat(qkv[0].expand(3, L, 3 * D)) == Pattern(0, 1, L * 3 * D, L * 3 * D)
-    gate, up = torch.randn(B, L, 2 * D).chunk(2, dim=-1)
+    _gate, up = torch.randn(B, L, 2 * D).chunk(2, dim=-1)
     assert pat(up) == Pattern(D, B * L, 2 * D, D)
     x = torch.randn(8, 8)
     assert pat(x[::2, ::2]) is None  # gaps both ways: no one sequence of rows
@@ -83,7 +83,7 @@ class SaveAll(torch.autograd.Function):
     """``sum(t * t)`` over its inputs, saving them; backward notes the storages the
     saved tensors come back in (``SEEN``)."""
 
-    SEEN: list[list[tuple[int, int]]] = []
+    SEEN: ClassVar[list[list[tuple[int, int]]]] = []
 
     @staticmethod
     def forward(ctx: Any, *ts: torch.Tensor) -> torch.Tensor:
