@@ -109,7 +109,7 @@ class Pipeline:
         # (runtime/_effects.py).
         self._unuse = store._use()
         trim_every = settings.release_heap_every if self.heap.enabled else 0
-        self._effects = PipelineEffects(settings.mmap_threshold, trim_every)
+        self._effects = self.router.effects = PipelineEffects(settings.mmap_threshold, trim_every)
 
     @property
     def scope(self) -> ModulePaths | None:

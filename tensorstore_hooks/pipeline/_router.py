@@ -46,7 +46,7 @@ from tensorstore_hooks.pipeline._staging import CopyEvent, device_bytes
 from tensorstore_hooks.pipeline._stats import OffloadStats, RouteStats
 from tensorstore_hooks.pipeline._timeline import PACK_RANGE, UNPACK_RANGE, Timeline, span
 from tensorstore_hooks.pipeline._writebehind import WriteBehind
-from tensorstore_hooks.runtime import foreign, never_compiled, shielded
+from tensorstore_hooks.runtime import PipelineEffects, foreign, never_compiled, shielded
 
 __all__ = [
     "CAPTURE_LABEL",
@@ -176,6 +176,9 @@ class Router:
         self.ledger = DecisionLedger()
         """Every counted decision per module path, for ``hooks.report()``
         (NOTE [ Report ledger ])."""
+        self.effects: PipelineEffects | None = None
+        """Told when bytes start and stop moving (NOTE [ Process-wide effects ], effect 2)."""
+        self._stored = False  # the running forward stored something
 
     @property
     def closing(self) -> bool:
@@ -315,6 +318,9 @@ class Router:
         if self._table.has_open:
             self.close_spans()  # the forward is over: nothing more joins (NOTE [ Span unions ])
         if self.budget is not None and self.budget.backward_started():
+            if not self._stored and self._table.live == 0 and self.effects is not None:
+                self.effects.idle()  # a forward that moved nothing, nothing left stored
+            self._stored = False
             self._prefetcher.restart()
 
     def _recompute(self, nbytes: int) -> None:
@@ -356,6 +362,10 @@ class Router:
         tensor goes to the host tier when there is one (NOTE [ Host tier wiring ]);
         ``host``: a ``host`` rule sent it (counted as host, not as offloaded).
         """
+        if not self._stored:
+            self._stored = True
+            if self.effects is not None:
+                self.effects.moving()
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
         handle = self._table.share(t, key)
