@@ -482,7 +482,7 @@ class _ReadsAhead(Protocol):
 
 
 class _Tier(Protocol):
-    """The host tier (``_host_tier.HostTier``): its cap and what it uses."""
+    """The host tier (``_host_tier.SlabTier``): its cap and what it uses."""
 
     cap_bytes: int
 

@@ -18,7 +18,7 @@ NOTE [ Host tier wiring ]
 Without ``host_budget`` the host buffers come from a :class:`PinnedPool`: a tensor
 stays in one only while its write runs (``max_inflight`` bounds them). With a
 ``host_budget`` every pinned buffer of the pipeline comes from one
-:class:`~tensorstore_hooks.pipeline._host_tier.HostTier` capped by it (NOTE [ Host tier ]):
+:class:`~tensorstore_hooks.pipeline._host_tier.SlabTier` capped by it (NOTE [ Host tier ]):
 
 1. A tensor the rules send to the store (or to ``host``), small enough for the cap,
    is *held*: its record starts HELD and its bytes are copied into a tier buffer,
@@ -43,11 +43,11 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    thread), and a read still using a record's copy defers it to that read's end
    (``HostCopy.readers``, rule 4 of NOTE [ Record lifecycle ]).
 5. The tier counts the pinned memory the allocator really holds (rule 1 of NOTE
-   [ Host tier ]): each buffer at the allocator's size (torch rounds every pinned
-   allocation up to a power of two,
-   :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
-   and buffers are never dropped while the pipeline lives (torch keeps freed pinned
-   blocks cached, so dropping one would free nothing).
+   [ Host tier ]): its slabs (NOTE [ Pinned slabs ]: powers of two, which torch's
+   pinned allocator holds exactly, :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
+   each tensor a 4 KiB-aligned range of one; slabs are never dropped while the
+   pipeline lives (torch keeps freed pinned blocks cached, so dropping one would free
+   nothing).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from collections.abc import Callable
 import torch
 
 from tensorstore_hooks._codec import span_of
-from tensorstore_hooks.pipeline._host_tier import HostTier
+from tensorstore_hooks.pipeline._host_tier import SlabTier
 from tensorstore_hooks.pipeline._records import HostCopies, HostCopy, Record
 from tensorstore_hooks.pipeline._staging import (
     CopyEvent,
@@ -73,6 +73,11 @@ from tensorstore_hooks.pipeline._staging import (
 from tensorstore_hooks.pipeline._stats import OffloadStats
 
 __all__ = ["DeviceStager"]
+
+
+def _cut(slab: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """A tensor's range of a pinned slab (NOTE [ Pinned slabs ])."""
+    return slab[offset : offset + nbytes]
 
 
 class DeviceStager:
@@ -101,13 +106,8 @@ class DeviceStager:
         self.ops: DeviceOps = CudaOps() if ops is None else ops
         """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
         self.pinned: PinnedPool | None = None
-        self.tier: HostTier[torch.Tensor] | None = (
-            HostTier(
-                host_budget,
-                self._allocate,
-                block_bytes=self._pinned_bytes,
-                keeps_freed=True,  # rule 5 of NOTE [ Host tier wiring ]
-            )
+        self.tier: SlabTier[torch.Tensor] | None = (
+            SlabTier(host_budget, self._allocate, _cut)  # rule 5 of NOTE [ Host tier wiring ]
             if host_budget > 0
             else None
         )
@@ -122,9 +122,6 @@ class DeviceStager:
         if self._stats is not None:
             self._stats.pinned_allocations += 1
         return self.ops.allocate(nbytes)
-
-    def _pinned_bytes(self, nbytes: int) -> int:
-        return self.ops.pinned_bytes(nbytes)
 
     def _pool(self) -> PinnedPool:
         if self.pinned is None:
@@ -154,11 +151,7 @@ class DeviceStager:
     def holds_bytes(self, nbytes: int, device: torch.device) -> bool:
         """Whether ``nbytes`` leaving ``device`` go to the host tier (rule 1)."""
         tier = self.tier
-        return (
-            tier is not None
-            and self.accelerated(device)
-            and self._pinned_bytes(nbytes) <= tier.cap_bytes
-        )
+        return tier is not None and self.accelerated(device) and tier.fits(nbytes)
 
     def _moved(self, nbytes: int, *, to_host: bool) -> None:
         """Count bytes copied between the device and host memory (``stats``)."""
@@ -370,7 +363,9 @@ class DeviceStager:
             flat = t.as_strided((span,), (1,), t.storage_offset())
             staged = buf[: span * t.element_size()].view(t.dtype)
             staged.copy_(flat)  # host to pinned host: synchronous
-            dev, done = self.ops.to_device(staged.as_strided(t.shape, t.stride(), 0), device)
+            # ``buf`` may be a range of a slab: its own offset (NOTE [ Pinned slabs ]).
+            host = staged.as_strided(t.shape, t.stride(), staged.storage_offset())
+            dev, done = self.ops.to_device(host, device)
         except BaseException:
             release()
             raise
