@@ -84,6 +84,23 @@ by parameter, step by step.
     python benchmarks/train_step.py --seaweedfs --modes none,tsh-disk,tsh-remote,tsh-chain
     python benchmarks/train_step.py --store s3://bucket/acts --modes none,tsh-remote
 
+The headline (``--model llama``): a Llama-config fine-tune (hidden 512, 4 layers, vocab
+8k, AdamW, dynamic padding, bf16 autocast), one torch thread per process, each mode in
+its own process: ``none``; ``none-mmap`` (glibc's ``MALLOC_MMAP_THRESHOLD_=1048576``,
+the allocator alone); ``hf-ckpt`` and ``hf-ckpt-mmap`` (HF gradient checkpointing, alone
+and with that variable); ``tsh`` (``tsh.wrap(model)``); ``tsh-auto``
+(``device_budget="auto"``); ``trainer-none`` and ``trainer-tsh`` (the HF Trainer with
+``bf16=True``, and with ``OffloadCallback``)::
+
+    python benchmarks/train_step.py --model llama --rounds 3 --steps 3
+
+Bytes (``--bytes``): bytes moved each way per step against the minimum, the elements
+that must leave (per storage, the union of what its saved tensors cover; no parameter
+casts), for the design's model, the Llama-config model under bf16 autocast, and blocks
+of a fused qkv projection into SDPA and SwiGLU halves; in this process (no clock)::
+
+    python benchmarks/train_step.py --bytes
+
 Budgets (``device_budget``): ``--dynamic`` draws each step's sequence length from a
 fixed seeded list within +-30% of ``--seq`` (the model's positions cover the longest),
 as dynamic padding does; the "budgets" table then shows what the plan kept per step
@@ -697,11 +714,17 @@ def _worker_argv(
         argv += ["--chain-budget", str(args.chain_budget)]
     if args.dynamic:
         argv.append("--dynamic")
+    if args.model != "gpt":
+        argv += ["--model", args.model]
     return argv
 
 
-def _worker_env(args: argparse.Namespace) -> dict[str, str]:
+def _worker_env(args: argparse.Namespace, mode: str = "none") -> dict[str, str]:
     env = dict(os.environ)
+    if args.model == "llama":
+        env["OMP_NUM_THREADS"] = "1"  # one torch thread per process (and set_num_threads)
+        if mode.endswith("-mmap"):
+            env["MALLOC_MMAP_THRESHOLD_"] = str(LLAMA_MMAP_THRESHOLD)  # the allocator alone
     if args.malloc_mmap_threshold is not None:
         # A fixed threshold also turns off glibc's dynamic one, which otherwise rises to
         # 32 MiB after the first large free and serves activations from a heap that
@@ -770,6 +793,8 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run: ``--modes`` (or every mode) plus one per ``--budget-sweep`` size."""
     from tensorstore_hooks._units import check_budget
 
+    if args.model == "llama":
+        return _llama_modes(args)
     default = CUDA_MODES if args.device == "cuda" else CPU_MODES
     remote = bool(args.store or args.seaweedfs)
     if remote:
@@ -801,6 +826,23 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
     if "none" not in modes:
         modes.insert(0, "none")  # every figure is a ratio to it
     return modes
+
+
+def _llama_modes(args: argparse.Namespace) -> list[str]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else []
+    modes = modes or list(LLAMA_MODES)
+    for m in modes:
+        if m not in LLAMA_MODES:
+            raise SystemExit(
+                f"train_step: unknown --model llama mode {m!r}; choose from "
+                + ", ".join(LLAMA_MODES)
+            )
+    if args.device != "cpu":
+        raise SystemExit("train_step: --model llama runs on the CPU (one torch thread)")
+    modes = list(dict.fromkeys(modes))
+    if "none" in modes:
+        modes.remove("none")
+    return ["none", *modes]
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -848,7 +890,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "machine": _machine(),
         "command": " ".join(["python", "benchmarks/train_step.py", *sys.argv[1:]]),
-        "config": dataclasses.asdict(cfg),
+        "model": args.model,
+        "config": dataclasses.asdict(cfg)
+        if args.model == "gpt"
+        else {
+            "hidden": args.d_model or 512,
+            "layers": args.blocks or 4,
+            "heads": args.heads or 8,
+            "vocab": LLAMA_VOCAB,
+            "batch": args.batch or 2,
+            "seq": args.seq or 512,
+        },
         "device": args.device,
         "rounds": args.rounds,
         "steps": args.steps,
@@ -887,7 +939,7 @@ def _run_one(
     argv = _worker_argv(args, mode, rnd, result, ref)
     if budget is not None:
         argv += ["--memory-budget", str(budget)]
-    env = _worker_env(args)
+    env = _worker_env(args, mode)
     group = memcg.ChildGroup(support, tag) if support.version is not None else None
     label = "" if budget is None else f" under a limit of +{budget / GiB:.2f} GiB"
     print(f"[round {rnd + 1}/{args.rounds}] {mode}{label} ...", file=sys.stderr, flush=True)
@@ -1202,6 +1254,498 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ------------------------------------------------------------- bytes (issue 39)
+BYTES_MODELS = ("cpu-model", "llama-bf16", "swiglu-qkv")
+"""The models of ``--bytes``: the design's GPT (fp32), the Llama-config model under bf16
+autocast, and blocks of a fused qkv projection into SDPA and SwiGLU halves."""
+
+
+def _swiglu_qkv_model(d: int, layers: int, heads: int) -> Any:
+    """Blocks whose saved tensors are views with gaps: q, k, v cut from one qkv
+    projection (SDPA saves them), SwiGLU's gate and up halves of one projection."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.o = nn.Linear(d, d, bias=False)
+            self.gate_up = nn.Linear(d, 2 * 4 * d, bias=False)
+            self.down = nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            b, t, _ = x.shape
+            q, k, v = (
+                z.view(b, t, heads, d // heads).transpose(1, 2)
+                for z in self.qkv(self.norm1(x)).split(d, dim=-1)
+            )
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+            gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+
+    return nn.Sequential(*[Block() for _ in range(layers)])
+
+
+def _must_leave(step: Any, min_bytes: int) -> tuple[int, int, int]:
+    """Run ``step()`` under a counting hook (no library): ``(tensors saved, the bytes of
+    every saved tensor a store-everything policy moves, each at its own span as a naive
+    offloader moves it, casts included; the minimum: the union of the elements of those
+    tensors per storage, without parameter casts)``."""
+    import torch
+
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    naive = 0
+    masks: dict[tuple[int, str], torch.Tensor] = {}
+    for t in saved:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            continue
+        if t.numel() * t.element_size() < min_bytes:
+            continue
+        from tensorstore_hooks._codec import span_of
+
+        naive += span_of(tuple(t.shape), tuple(t.stride())) * t.element_size()
+        base = t if t._base is None else t._base
+        fn = base.grad_fn
+        if fn is not None and fn.name() == "ToCopyBackward0":
+            leaf = getattr(fn.next_functions[0][0], "variable", None)
+            if isinstance(leaf, torch.Tensor):
+                continue  # a parameter's cast: nothing need leave
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), str(t.dtype))
+        mask = masks.get(key)
+        if mask is None:
+            mask = masks[key] = torch.zeros(storage.nbytes() // t.element_size(), dtype=torch.bool)
+        mask.as_strided(t.shape, t.stride(), t.storage_offset()).fill_(True)
+    minimum = sum(
+        int(m.sum()) * torch.empty(0, dtype=getattr(torch, k[1].split(".")[-1])).element_size()
+        for k, m in masks.items()
+    )
+    del loss
+    return len(saved), naive, minimum
+
+
+def _bytes_case(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(model, step)`` of one ``--bytes`` model, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "cpu-model":
+        from tensorstore_hooks.cli._demo_model import GPT, synthetic_batch
+
+        cfg = _model_config(args)
+        model = GPT(cfg, seed=0)
+        tokens, targets = synthetic_batch(cfg, 0, device=torch.device("cpu"))
+        return model, lambda: model(tokens, targets)
+    seq = args.seq or 512
+    if name == "llama-bf16":
+        model = _llama_model(args)
+        ids = torch.randint(0, LLAMA_VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
+
+        def llama_step() -> Any:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(input_ids=ids, labels=ids).loss
+
+        return model, llama_step
+    model = _swiglu_qkv_model(512, 4, 8)
+    x = torch.randn(2, seq, 512, generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(x).pow(2).mean()
+
+
+def bytes_figure(args: argparse.Namespace) -> dict[str, Any]:
+    """Bytes moved each way per step against the minimum (the elements that must leave),
+    in this process: no clock involved, so one quiet run is as good as many."""
+    import torch
+
+    import tensorstore_hooks as tsh
+
+    out: dict[str, Any] = {}
+    min_bytes = 64 << 10  # the default policy
+    for name in BYTES_MODELS:
+        model, step = _bytes_case(name, args)
+        saves, naive, minimum = _must_leave(step, min_bytes)
+        model.zero_grad(set_to_none=True)
+        hooks = tsh.offload("memory://", max_inflight="1GiB", prefetch="1GiB")
+        with hooks:
+            loss = step()
+        hooks.flush()  # everything leaves: the tail shortcut would move less
+        loss.backward()
+        s = hooks.stats
+        out[name] = {
+            "saves": saves,
+            "min_bytes": minimum,
+            "naive_bytes": naive,
+            "out_bytes": s.bytes_written,
+            "back_bytes": s.bytes_read,
+            "payload_bytes": s.bytes_offloaded,
+            "recomputed_bytes": s.bytes_recomputed,
+            "reuse_hits": s.reuse_hits,
+            "dedup_hits": s.dedup_hits,
+            "out_ratio": s.bytes_written / minimum if minimum else None,
+            "back_ratio": s.bytes_read / minimum if minimum else None,
+        }
+        del loss
+        hooks.close()
+        torch.manual_seed(0)
+    return out
+
+
+def format_bytes_table(figure: dict[str, Any]) -> str:
+    lines = [
+        "| model | saves | must leave (minimum) | moved out | vs minimum | moved back "
+        "| vs minimum | each save at its span, casts included | casts recomputed | "
+        "unpacks reusing a record |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = float(1 << 20)
+    for name, e in figure.items():
+        lines.append(
+            f"| {name} | {e['saves']} | {e['min_bytes'] / mib:.1f} MiB | "
+            f"{e['out_bytes'] / mib:.1f} MiB | {e['out_ratio']:.3f}x | "
+            f"{e['back_bytes'] / mib:.1f} MiB | {e['back_ratio']:.3f}x | "
+            f"{e['naive_bytes'] / mib:.1f} MiB ({e['naive_bytes'] / e['min_bytes']:.2f}x) | "
+            f"{e['recomputed_bytes'] / mib:.1f} MiB | {e['reuse_hits']} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------- the headline: a Llama-config fine-tune
+LLAMA_VOCAB = 8192
+LLAMA_MODES = (
+    "none",
+    "none-mmap",
+    "hf-ckpt",
+    "hf-ckpt-mmap",
+    "tsh",
+    "tsh-auto",
+    "trainer-none",
+    "trainer-tsh",
+)
+"""``--model llama`` modes. ``-mmap``: the process runs with glibc's
+``MALLOC_MMAP_THRESHOLD_=1048576`` (the allocator alone, no library); ``hf-ckpt``: HF
+gradient checkpointing (``gradient_checkpointing_enable``); ``tsh``: ``tsh.wrap(model)``,
+as a new user writes it; ``tsh-auto``: the same with ``device_budget="auto"``;
+``trainer-*``: the HF ``Trainer`` (``bf16=True``), with ``OffloadCallback`` for
+``trainer-tsh``."""
+LLAMA_MMAP_THRESHOLD = 1 << 20
+
+
+def _llama_model(args: argparse.Namespace) -> Any:
+    """The Llama-config model of the headline (hidden 512, 4 layers, vocab 8k), seeded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=args.d_model or 512,
+        intermediate_size=4 * (args.d_model or 512) * 2 // 3 // 64 * 64 + 64,
+        num_hidden_layers=args.blocks or 4,
+        num_attention_heads=args.heads or 8,
+        num_key_value_heads=args.heads or 8,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def llama_sequences(args: argparse.Namespace) -> list[list[int]]:
+    """Token sequences of the run, ``batch`` per step, lengths within +-30% of ``seq``
+    (seeded): padded per batch to its longest (dynamic padding)."""
+    import random
+
+    rng = random.Random(DYNAMIC_SEED)
+    seq = args.seq or 512
+    n = (args.batch or 2) * (1 + args.steps)
+    low, high = round(seq * (1 - DYNAMIC_SPREAD)), round(seq * (1 + DYNAMIC_SPREAD))
+    lengths = [rng.randint(low, high) for _ in range(n)]
+    return [[rng.randrange(1, LLAMA_VOCAB) for _ in range(k)] for k in lengths]
+
+
+def llama_collate(rows: list[Any]) -> dict[str, Any]:
+    """Pad a batch to its longest row: ``input_ids``, ``attention_mask`` and ``labels``
+    (-100 at the padding)."""
+    import torch
+
+    seqs = [r["input_ids"] if isinstance(r, dict) else r for r in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class _Grads:
+    """Per-step gradients: the reference process writes them, every other compares."""
+
+    def __init__(self, path: Path, names: list[str]) -> None:
+        import torch
+
+        self.path, self.names = path, names
+        self.writes = not path.exists()
+        self.ref = None if self.writes else torch.load(path, weights_only=True)
+        self.mine: list[dict[str, Any]] = []
+        self.identical = True
+        self.mismatches: list[str] = []
+
+    def check(self, step: int, model: Any) -> None:
+        import torch
+
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if self.writes:
+            self.mine.append({n: g.detach().clone() for n, g in grads.items()})
+            return
+        want = self.ref[step] if self.ref is not None and step < len(self.ref) else {}
+        bad = [
+            n
+            for n in self.names
+            if n not in grads or n not in want or not torch.equal(grads[n], want[n])
+        ]
+        if bad:
+            self.identical = False
+            self.mismatches.extend(f"step {step}: {n}" for n in bad[:5])
+
+    def close(self) -> None:
+        import torch
+
+        if self.writes:
+            torch.save(self.mine, self.path)
+
+    def verdict(self) -> dict[str, Any]:
+        return {
+            "grads_reference": self.writes,
+            "grads_identical": None if self.writes else self.identical,
+            "grad_mismatches": self.mismatches,
+        }
+
+
+def run_llama_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``--model llama`` mode in this process, one torch thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    mode = args.mode
+    base = mode.removesuffix("-mmap")
+    model = _llama_model(args)
+    if base == "hf-ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    names = [n for n, _ in model.named_parameters()]
+    trainer = base.startswith("trainer-")
+    ref = Path(args.ref_grads)
+    grads = _Grads(ref.with_name(ref.stem + ("-trainer" if trainer else "") + ref.suffix), names)
+    sequences = llama_sequences(args)
+    group = _worker_group()
+    sampler = RssSampler(group=group)
+    ru_before = ru_maxrss_bytes()
+    container = _container_start(group, args.memory_budget)
+    base_rss = sampler.start()
+    if trainer:
+        steps, hooks = _llama_trainer(args, model, sequences, base, sampler, grads)
+    else:
+        steps, hooks = _llama_loop(args, model, sequences, base, sampler, grads)
+    sampled_peak = sampler.stop()
+    ru_after = ru_maxrss_bytes()
+    peak = max(sampled_peak, ru_after) if ru_after > ru_before else sampled_peak
+    memory: dict[str, Any] = {
+        "act_bytes": peak - base_rss,
+        "sampled_peak_bytes": sampled_peak - base_rss,
+        "sampler_missed_bytes": max(0, ru_after - sampled_peak) if ru_after > ru_before else 0,
+        "samples": len(sampler.samples),
+    }
+    memory.update(_container_end(group, container, sampler))
+    grads.close()
+    if hooks is not None:
+        hooks.close()
+    return {
+        "mode": mode,
+        "round": args.round,
+        "device": "cpu",
+        "memory": memory,
+        "steps": steps,
+        "rss_trace": [(t, r - base_rss) for t, r in sampler.trace()],
+        "container_trace": [],
+        "marks": sampler.marks,
+        "chain_stats": None,
+        "lengths": [len(s) for s in sequences],
+        **grads.verdict(),
+    }
+
+
+def _llama_step_entry(
+    i: int, step_s: float, sampler: RssSampler, t_start: float, rss_before: int, hooks: Any,
+    stats_before: Any, cpu_before: float,
+) -> dict[str, Any]:  # fmt: skip
+    entry: dict[str, Any] = {
+        "step": i,
+        "warmup": i == 0,
+        "step_s": step_s,
+        "step_delta_bytes": sampler.peak_between(t_start, sampler.now()) - rss_before,
+        "rss_before": rss_before,
+        "lib_cpu_s": library_thread_cpu_s() - cpu_before,
+    }
+    if hooks is not None and stats_before is not None:
+        entry["stats"] = _stats_delta(stats_before, hooks.stats)
+    return entry
+
+
+def _llama_loop(
+    args: argparse.Namespace, model: Any, sequences: list[list[int]], mode: str,
+    sampler: RssSampler, grads: _Grads,
+) -> tuple[list[dict[str, Any]], Any]:  # fmt: skip
+    """The plain loop: AdamW, bf16 autocast, dynamic padding."""
+    import torch
+
+    hooks: Any = None
+    if mode in ("tsh", "tsh-auto"):
+        import tensorstore_hooks as tsh
+
+        options = _parse_tsh_options(args.tsh_option)
+        if mode == "tsh-auto":
+            options["device_budget"] = "auto"
+        hooks = tsh.wrap(model, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = args.batch or 2
+    steps: list[dict[str, Any]] = []
+    for i in range(1 + args.steps):
+        inputs = llama_collate(sequences[i * batch : (i + 1) * batch])
+        stats_before = hooks.stats.snapshot() if hooks is not None else None
+        cpu_before, rss_before, t_start = library_thread_cpu_s(), sampler.rss(), sampler.now()
+        sampler.mark(f"step {i} forward")
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        sampler.mark(f"step {i} backward")
+        loss.backward()
+        step_s = time.perf_counter() - t0
+        sampler.mark(f"step {i} end")
+        del loss
+        steps.append(
+            _llama_step_entry(
+                i, step_s, sampler, t_start, rss_before, hooks, stats_before, cpu_before
+            )
+        )
+        grads.check(i, model)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    if hooks is not None:
+        import tensorstore_hooks as tsh
+
+        tsh.unwrap(model)
+    return steps, hooks
+
+
+def _llama_trainer(
+    args: argparse.Namespace, model: Any, sequences: list[list[int]], mode: str,
+    sampler: RssSampler, grads: _Grads,
+) -> tuple[list[dict[str, Any]], Any]:  # fmt: skip
+    """The HF Trainer (``bf16=True``, AdamW, dynamic padding), timed per step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    callbacks: list[Any] = []
+    offload: Any = None
+    if mode == "trainer-tsh":
+        from tensorstore_hooks.integrations.transformers import OffloadCallback
+
+        offload = OffloadCallback(**_parse_tsh_options(args.tsh_option))
+        callbacks.append(offload)
+    steps: list[dict[str, Any]] = []
+
+    class Timer(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            hooks = offload.hooks if offload is not None else None
+            self.before = hooks.stats.snapshot() if hooks is not None else None
+            self.cpu, self.rss, self.t_start = library_thread_cpu_s(), sampler.rss(), sampler.now()
+            sampler.mark(f"step {state.global_step} forward")
+            self.t0 = time.perf_counter()
+
+        def on_pre_optimizer_step(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.step_s = time.perf_counter() - self.t0  # forward + backward, as the loop
+            grads.check(state.global_step, kw["model"])
+
+        def on_step_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            hooks = offload.hooks if offload is not None else None
+            steps.append(
+                _llama_step_entry(
+                    state.global_step - 1, self.step_s, sampler, self.t_start, self.rss,
+                    hooks, self.before, self.cpu,
+                )
+            )  # fmt: skip
+
+    scratch = tempfile.mkdtemp(prefix="tsh-bench-trainer-")
+    targs = TrainingArguments(
+        output_dir=scratch,
+        per_device_train_batch_size=args.batch or 2,
+        max_steps=1 + args.steps,
+        bf16=True,
+        use_cpu=True,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=[{"input_ids": s} for s in sequences],
+        data_collator=llama_collate,
+        callbacks=[Timer(), *callbacks],
+    )
+    trainer.train()
+    shutil.rmtree(scratch, ignore_errors=True)
+    return steps, (offload.hooks if offload is not None else None)
+
+
+def format_llama_table(result: dict[str, Any]) -> str:
+    """The headline: each mode's step and memory beside no offloading's (and the
+    Trainer's modes beside ``trainer-none``)."""
+    summary = result["summary"]
+    lines = [
+        "| mode | step time | vs none | vs its loop's none | memory (whole run) | vs none "
+        "| container | vs none | grads |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    trainer_none = summary.get("trainer-none")
+    for mode, e in summary.items():
+        own = trainer_none if mode.startswith("trainer-") and trainer_none else summary["none"]
+        vs_own = e["step_s"] / own["step_s"] if own["step_s"] else None
+        grads = (
+            "reference"
+            if e["grads_reference"] and e["grads_identical"] is None
+            else "-"
+            if e["grads_identical"] is None
+            else "identical"
+            if e["grads_identical"]
+            else "DIFFER"
+        )
+        cont, cr = e.get("container_act_bytes"), e.get("container_ratio")
+        lines.append(
+            f"| {mode} | {e['step_s']:.2f}s | {e['time_ratio']:.2f}x | "
+            f"{vs_own:.2f}x | {e['act_bytes'] / GiB:.2f} GiB | {100 * e['mem_ratio']:.0f}% | "
+            + (f"{cont / GiB:.2f} GiB | {100 * cr:.0f}% | " if cont and cr else "- | - | ")
+            + f"{grads} |"
+        )
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train-step benchmark: step time and activation memory with each "
@@ -1318,6 +1862,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="lever: run the library's threads at nice N (lower priority than torch's "
         "compute threads)",
     )
+    p.add_argument(
+        "--model",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="gpt: the design's model (default); llama: the headline, a Llama-config "
+        f"fine-tune (hidden 512, 4 layers, vocab 8k, AdamW, dynamic padding, bf16 autocast, "
+        f"batch 2 x --seq (default 512) +-30%%, one torch thread per process), modes "
+        f"{', '.join(LLAMA_MODES)}",
+    )
+    p.add_argument(
+        "--bytes",
+        action="store_true",
+        help="only the bytes figure: bytes moved each way per step against the minimum "
+        f"(the elements that must leave) for {', '.join(BYTES_MODELS)}, in this process",
+    )
     # Internal: one mode in this process.
     p.add_argument("--memory-budget", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -1335,9 +1894,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.store and args.seaweedfs:
         raise SystemExit("train_step: --store and --seaweedfs are exclusive")
     if args.worker:
-        Path(args.result).write_text(json.dumps(run_worker(args)))
+        worker = run_llama_worker if args.model == "llama" else run_worker
+        Path(args.result).write_text(json.dumps(worker(args)))
         return 0
+    if args.bytes:
+        return _main_bytes(args)
     result = run_benchmark(args)
+    if args.model == "llama":
+        return _main_llama(args, result)
     print(f"\ntrain_step: {result['machine']}; {result['date']}")
     cfg = result["config"]
     print(
@@ -1382,6 +1946,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(result, args.plot)
+    if bad:
+        print(f"\ngradients DIFFER from no offloading in: {', '.join(bad)}")
+        return 1
+    return 0
+
+
+def _main_bytes(args: argparse.Namespace) -> int:
+    figure = bytes_figure(args)
+    print(f"\ntrain_step --bytes: {_machine()}; {time.strftime('%Y-%m-%d')}")
+    print(
+        "bytes moved each way in one step (every write done before backward) against the "
+        "minimum: the elements that must leave (the union of what the saved tensors of "
+        "each storage cover, no parameter casts), min_bytes 64 KiB\n"
+    )
+    print(format_bytes_table(figure))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "train_step --bytes", **figure}))
+    over = [n for n, e in figure.items() if max(e["out_ratio"], e["back_ratio"]) > 1.02]
+    if over:
+        print(f"\nmore than 1.02x the minimum: {', '.join(over)}")
+    return 0
+
+
+def _main_llama(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    print(f"\ntrain_step --model llama: {result['machine']}; {result['date']}")
+    print(
+        f"Llama config: hidden {args.d_model or 512}, {args.blocks or 4} layers, vocab "
+        f"{LLAMA_VOCAB}; AdamW; bf16 autocast; batch {args.batch or 2} x {args.seq or 512} "
+        f"+-{DYNAMIC_SPREAD:.0%} tokens (dynamic padding); one torch thread per process; "
+        f"{args.rounds} rounds x {args.steps} steps (+1 warm-up) per mode\n"
+    )
+    print(format_llama_table(result))
+    print()
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    bad = [m for m, e in result["summary"].items() if e["grads_identical"] is False]
     if bad:
         print(f"\ngradients DIFFER from no offloading in: {', '.join(bad)}")
         return 1

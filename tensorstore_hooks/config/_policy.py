@@ -371,6 +371,11 @@ class Policy:
     """Tensors smaller than this (payload bytes) stay where they are, unless a rule matches."""
     skip_parameters: bool = setting(True)
     """Keep ``nn.Parameter`` s and views of them: they live on anyway, storing them only costs."""
+    recompute_casts: bool = setting(True)
+    """A parameter's cast the rules would move (autocast's weight casts, ``.to(dtype)``
+    of a parameter) is recomputed at unpack instead, version-checked; ``False``: such
+    casts go through the rules like any tensor. NOTE [ Parameter casts ] in
+    ``pipeline/_recompute.py``."""
     rules: tuple[Rule, ...] = setting((), items=Rule)
     """Checked in order; the first that matches decides."""
     default: Action = setting("store")

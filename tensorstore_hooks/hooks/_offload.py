@@ -274,9 +274,9 @@ def offload(
     store, else a fresh temporary local Zarr store removed at close/exit.
     ``config``: a YAML file (or ``tsh.load_config(...)`` result); the ``TSH_CONFIG``
     environment variable names a default. Keyword overrides win over the file:
-    ``min_bytes``, ``skip_parameters``, ``prefetch``, ``max_inflight``, ``rules``,
-    ``default``, ``writer_threads``, ``read_deadline_s``, ``release_heap_every``, ``codec``,
-    ``chunk_bytes``, ``storage_options``, ``direct_io``.
+    ``min_bytes``, ``skip_parameters``, ``recompute_casts``, ``prefetch``, ``max_inflight``,
+    ``rules``, ``default``, ``writer_threads``, ``read_deadline_s``, ``release_heap_every``,
+    ``codec``, ``chunk_bytes``, ``storage_options``, ``direct_io``.
     ``model``: track its module paths for ``module`` rules (or ``hooks.attach(model)``).
 
     Raises :class:`ConfigError` for bad options, before anything is changed.

@@ -23,7 +23,10 @@ Rules, numbered so code can cite them:
    count. Parameters, tensors below ``min_bytes`` and ``keep`` rules are kept by the
    rules and are not the plan's to spend the budget on.
 3. The first forward of a pipeline follows the rules and records, in pack order, the
-   sizes of the tensors that count (its *trace*).
+   sizes of the tensors that count (its *trace*). Under an ``auto`` (or percentage)
+   budget it also keeps its oldest counting tensors while they fit the first-forward
+   figure (NOTE [ Auto budgets ] rule 5), and moves the rest: where everything fits,
+   nothing moves from the first step on.
 4. The last ``REMEMBERED_TRACES`` distinct traces are remembered, newest first. A
    forward whose trace is one of them changes nothing; one whose trace is new is
    remembered (the oldest is forgotten) and counts a replan (``stats.replans``).
@@ -123,16 +126,20 @@ shares ] in ``_units.py``): a share of the *room*, the memory there is.
    the host, the host tier's bytes at backward's start). A high-water mark never
    falls, so neither does the baseline: a step that needs more memory lowers the
    budget, and a peak that held saved tensors never raises it.
-4. When: ``device_budget`` at the start of the second forward (the first step's
-   peak is known then), ``host_budget`` when the pipeline is made (from the peak
-   so far) and again at the second forward; both again at the start of every
+4. When: ``device_budget`` at the first pack of the first forward (rule 5) and again
+   at the start of the second forward (the first step's peak is known then),
+   ``host_budget`` when the pipeline is made (from the peak so far) and again at the
+   second forward; both again at the start of every
    forward after a replan (rule 4 of NOTE [ Device budget plan ]) or after the
    baseline rose. The figure is logged at INFO (when it moves by 1/16 or more;
    DEBUG otherwise) and kept in ``stats.effective_device_budget`` /
    ``stats.effective_host_budget``; the windows follow it (NOTE [ Windows ]).
-5. Before ``device_budget`` is derived there is no plan (the first forward follows
-   the rules anyway) and the windows are derived as without a budget. A device
-   whose memory cannot be read (neither CPU nor CUDA) gets no plan and one warning.
+5. The first forward's figure is half the budget's share of the room the peak so far
+   leaves (the step's own peak, which rule 3 subtracts, is not known yet: half is
+   left for it), and that forward keeps its oldest tensors within it (rule 3 of NOTE
+   [ Device budget plan ]). From the second forward on the figure is rule 2's, in
+   full. A device whose memory cannot be read (neither CPU nor CUDA) gets no plan and
+   one warning.
 6. Why it cannot get a run killed where offloading everything fits: under a limit
    ``L`` offloading everything peaks at the baseline ``B``; the budgets keep at
    most ``L - headroom - B`` (the windows included), so the run peaks near
@@ -475,7 +482,7 @@ class _ReadsAhead(Protocol):
 
 
 class _Tier(Protocol):
-    """The host tier (``_host_tier.HostTier``): its cap and what it uses."""
+    """The host tier (``_host_tier.SlabTier``): its cap and what it uses."""
 
     cap_bytes: int
 
@@ -652,7 +659,7 @@ class BudgetControl:
         (rule 2 of NOTE [ Device budget plan ]); any call starts a forward (rule 1).
         """
         with self._lock:
-            fwd = self._fwd if self._fwd is not None else self._begin_forward()
+            fwd = self._fwd if self._fwd is not None else self._begin_forward(device)
             keep = self._decide(fwd, nbytes, device) if action in _MOVES else False
             warning, self._warning = self._warning, None
         if warning is not None:
@@ -671,8 +678,10 @@ class BudgetControl:
                 # rule 1); two integer assignments when they change.
                 self._set_windows(self._derive_windows())
         budget = self.windows.plan_budget
-        if budget is None or not self._traces:
+        if budget is None:
             return False
+        if not self._traces:
+            return self._first_forward(fwd, nbytes, budget)
         for align in fwd.aligns:  # also after the run started: rule 7 checks it
             align.add(nbytes)
         if fwd.run == _KEEPING and fwd.kept + nbytes <= budget:
@@ -690,10 +699,22 @@ class BudgetControl:
         fwd.run, fwd.kept, fwd.run_start, fwd.predicted, fwd.align = _KEEPING, nbytes, i, rest, best
         return True
 
-    def _begin_forward(self) -> _Forward:
+    def _first_forward(self, fwd: _Forward, nbytes: int, budget: int) -> bool:
+        """Rule 3 under an ``auto`` budget: keep the oldest tensors while they fit."""
+        if not isinstance(self._specs["device"], MemoryShare) or fwd.run == _CLOSED:
+            return False  # a budget given in bytes: the first forward follows the rules
+        if fwd.kept + nbytes <= budget:
+            fwd.run, fwd.kept = _KEEPING, fwd.kept + nbytes
+            return True
+        fwd.run = _CLOSED
+        return False
+
+    def _begin_forward(self, device: torch.device) -> _Forward:
         """A forward starts (rule 1): derive what is due; the rule 9 warning, if due."""
         if self.forwards and any(isinstance(v, MemoryShare) for v in self._specs.values()):
             self._update_budgets()
+        elif not self.forwards and isinstance(self._specs["device"], MemoryShare):
+            self._first_budget(device)
         if self._kept_nothing >= KEPT_NOTHING_FORWARDS and "kept" not in self._warned:
             self._warned.add("kept")
             newest = self._traces[0].sizes[-1] if self._traces[0].sizes else 0
@@ -769,6 +790,26 @@ class BudgetControl:
                 self.host_budget = figure or 0
                 if self._tier is not None:
                     self._tier.cap_bytes = self.host_budget
+        self._publish()
+        self._set_windows(self._derive_windows())
+
+    def _first_budget(self, device: torch.device) -> None:
+        """``device_budget`` for the first forward (NOTE [ Auto budgets ] rule 5): half its
+        share of the room the peak so far leaves, since the step's own peak is not known
+        yet. Derived again, in full, when the second forward starts."""
+        if self.device_budget is not None:
+            return
+        self._device = device
+        figure = self._derive("device", device, 0)
+        if figure is None:
+            return
+        self.device_budget = figure // 2
+        self._derive_due = True
+        log.info(
+            "device_budget %s for the first forward: %s (half of %s: the step's own peak is "
+            "not known yet)",
+            self._specs["device"], format_bytes(self.device_budget), format_bytes(figure),
+        )  # fmt: skip
         self._publish()
         self._set_windows(self._derive_windows())
 

@@ -18,7 +18,7 @@ NOTE [ Host tier wiring ]
 Without ``host_budget`` the host buffers come from a :class:`PinnedPool`: a tensor
 stays in one only while its write runs (``max_inflight`` bounds them). With a
 ``host_budget`` every pinned buffer of the pipeline comes from one
-:class:`~tensorstore_hooks.pipeline._host_tier.HostTier` capped by it (NOTE [ Host tier ]):
+:class:`~tensorstore_hooks.pipeline._host_tier.SlabTier` capped by it (NOTE [ Host tier ]):
 
 1. A tensor the rules send to the store (or to ``host``), small enough for the cap,
    is *held*: its record starts HELD and its bytes are copied into a tier buffer,
@@ -43,11 +43,11 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    thread), and a read still using a record's copy defers it to that read's end
    (``HostCopy.readers``, rule 4 of NOTE [ Record lifecycle ]).
 5. The tier counts the pinned memory the allocator really holds (rule 1 of NOTE
-   [ Host tier ]): each buffer at the allocator's size (torch rounds every pinned
-   allocation up to a power of two,
-   :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
-   and buffers are never dropped while the pipeline lives (torch keeps freed pinned
-   blocks cached, so dropping one would free nothing).
+   [ Host tier ]): its slabs (NOTE [ Pinned slabs ]: powers of two, which torch's
+   pinned allocator holds exactly, :func:`~tensorstore_hooks.pipeline._staging.pinned_block_bytes`),
+   each tensor a 4 KiB-aligned range of one; slabs are never dropped while the
+   pipeline lives (torch keeps freed pinned blocks cached, so dropping one would free
+   nothing).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from collections.abc import Callable
 import torch
 
 from tensorstore_hooks._codec import span_of
-from tensorstore_hooks.pipeline._host_tier import HostTier
+from tensorstore_hooks.pipeline._host_tier import SlabTier
 from tensorstore_hooks.pipeline._records import HostCopies, HostCopy, Record
 from tensorstore_hooks.pipeline._staging import (
     CopyEvent,
@@ -73,6 +73,11 @@ from tensorstore_hooks.pipeline._staging import (
 from tensorstore_hooks.pipeline._stats import OffloadStats
 
 __all__ = ["DeviceStager"]
+
+
+def _cut(slab: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """A tensor's range of a pinned slab (NOTE [ Pinned slabs ])."""
+    return slab[offset : offset + nbytes]
 
 
 class DeviceStager:
@@ -101,13 +106,8 @@ class DeviceStager:
         self.ops: DeviceOps = CudaOps() if ops is None else ops
         """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
         self.pinned: PinnedPool | None = None
-        self.tier: HostTier[torch.Tensor] | None = (
-            HostTier(
-                host_budget,
-                self._allocate,
-                block_bytes=self._pinned_bytes,
-                keeps_freed=True,  # rule 5 of NOTE [ Host tier wiring ]
-            )
+        self.tier: SlabTier[torch.Tensor] | None = (
+            SlabTier(host_budget, self._allocate, _cut)  # rule 5 of NOTE [ Host tier wiring ]
             if host_budget > 0
             else None
         )
@@ -122,9 +122,6 @@ class DeviceStager:
         if self._stats is not None:
             self._stats.pinned_allocations += 1
         return self.ops.allocate(nbytes)
-
-    def _pinned_bytes(self, nbytes: int) -> int:
-        return self.ops.pinned_bytes(nbytes)
 
     def _pool(self) -> PinnedPool:
         if self.pinned is None:
@@ -149,12 +146,21 @@ class DeviceStager:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the host tier (rule 1) rather than straight to a write."""
+        return self.holds_bytes(span_bytes(t), t.device)
+
+    def holds_bytes(self, nbytes: int, device: torch.device) -> bool:
+        """Whether ``nbytes`` leaving ``device`` go to the host tier (rule 1)."""
         tier = self.tier
-        return (
-            tier is not None
-            and self.accelerated(t.device)
-            and self._pinned_bytes(span_bytes(t)) <= tier.cap_bytes
-        )
+        return tier is not None and self.accelerated(device) and tier.fits(nbytes)
+
+    def _moved(self, nbytes: int, *, to_host: bool) -> None:
+        """Count bytes copied between the device and host memory (``stats``)."""
+        stats = self._stats
+        if stats is not None:
+            if to_host:
+                stats.bytes_to_host += nbytes
+            else:
+                stats.bytes_to_device += nbytes
 
     def stages(self, t: torch.Tensor) -> bool:
         """Whether a write of ``t`` goes through a pooled buffer (no tier: rule 2 otherwise)."""
@@ -199,6 +205,7 @@ class DeviceStager:
 
     def _started(self, rec: Record, t: torch.Tensor, buf: torch.Tensor) -> None:
         host, event = self.ops.to_host(t, buf)
+        self._moved(span_bytes(t), to_host=True)
         copy = HostCopy(host, buf, event)
         if not self._copies.attach(rec, copy):  # gone meanwhile (an interrupted pack)
             self.give_back(rec, copy)
@@ -228,12 +235,14 @@ class DeviceStager:
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
         """``t``'s bytes in pageable host memory, copied on the copy stream after
         ``ready`` (:meth:`producer_event`); blocks the calling (I/O) thread until done."""
+        self._moved(span_bytes(t), to_host=True)
         return self.ops.to_pageable(t, ready)
 
     def pin(self, t: torch.Tensor) -> Loaded:
         """A ``host`` rule's pinned copy of ``t`` (no ``host_budget``: not the tier's),
         queued on the producing stream, and the event recorded there after it (rule 8
         of NOTE [ Stream ordering ]): the caller keeps both, for :meth:`unpin`."""
+        self._moved(span_bytes(t), to_host=True)
         return self.ops.pin(t)
 
     def unpin(
@@ -242,6 +251,7 @@ class DeviceStager:
         """A ``host`` rule's tensor back on ``device``, on the current stream once it
         has waited (on the device) for ``ready``, the event :meth:`pin` returned: pack
         and unpack may run on different streams."""
+        self._moved(span_bytes(host), to_host=False)
         return self.ops.unpin(host, device, ready)
 
     # ----------------------------------------------------------- buffer returns
@@ -309,6 +319,7 @@ class DeviceStager:
             return None
         try:
             out = self.ops.to_device(copy.host, rec.device, copy.event)
+            self._moved(span_bytes(copy.host), to_host=False)
         except BaseException:
             self._end_read(rec, copy)
             raise
@@ -327,6 +338,7 @@ class DeviceStager:
         """
         self._poll()
         n = span_bytes(t)
+        self._moved(n, to_host=False)
         tier = self.tier
         if tier is not None:
             key = object()
@@ -351,7 +363,9 @@ class DeviceStager:
             flat = t.as_strided((span,), (1,), t.storage_offset())
             staged = buf[: span * t.element_size()].view(t.dtype)
             staged.copy_(flat)  # host to pinned host: synchronous
-            dev, done = self.ops.to_device(staged.as_strided(t.shape, t.stride(), 0), device)
+            # ``buf`` may be a range of a slab: its own offset (NOTE [ Pinned slabs ]).
+            host = staged.as_strided(t.shape, t.stride(), staged.storage_offset())
+            dev, done = self.ops.to_device(host, device)
         except BaseException:
             release()
             raise

@@ -109,7 +109,7 @@ class Pipeline:
         # (runtime/_effects.py).
         self._unuse = store._use()
         trim_every = settings.release_heap_every if self.heap.enabled else 0
-        self._effects = PipelineEffects(settings.mmap_threshold, trim_every)
+        self._effects = self.router.effects = PipelineEffects(settings.mmap_threshold, trim_every)
 
     @property
     def scope(self) -> ModulePaths | None:
@@ -205,6 +205,7 @@ class Pipeline:
 
     def flush(self) -> None:
         """Block until every pending write of this pipeline has reached the store."""
+        self.router.close_spans()  # open spans are pending writes (NOTE [ Span unions ])
         self.writer.flush()
         self.emit_warning()
 
@@ -217,6 +218,7 @@ class Pipeline:
         """Stop taking tensors; close the store (if owned) once every record is freed."""
         if foreign(self._pid):  # a forked child: no lock, no store (NOTE [ Fork safety ])
             return  # (its router keeps every tensor it packs)
+        self.router.close_spans()
         if self.table.close():
             self._close_now()
 

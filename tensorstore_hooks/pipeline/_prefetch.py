@@ -101,8 +101,10 @@ class Prefetcher:
             self.on_window(nbytes)
 
     # ---------------------------------------------------------------- unpack
-    def take(self, rec: Record, fut: Future[Loaded] | None, t0: float) -> torch.Tensor:
-        """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss)."""
+    def take(self, rec: Record, fut: Future[Loaded] | None, t0: float) -> Loaded:
+        """The tensor of ``rec`` from ``fut`` (a hit) or a read of its own (a miss),
+        ordered on the current stream, and the event its copy completed on (for a
+        later unpack on another stream: rule 8 of NOTE [ Record lifecycle ])."""
         out: Loaded | None = None
         if fut is not None:
             with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
@@ -120,7 +122,7 @@ class Prefetcher:
                 out = self.read(rec)
         self._stats.unpack_stall_s += time.perf_counter() - t0
         self.fill()
-        return self._stager.finish(out)
+        return self._stager.finish(out), out[1]
 
     # ------------------------------------------------------------------ read
     def read(self, rec: Record) -> Loaded:

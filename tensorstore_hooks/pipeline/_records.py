@@ -12,8 +12,13 @@ tensorstore-hooks) and returns what the caller must do outside the lock. The uni
 
     intent              move                              the caller then
     add                 new QUEUED, or new HELD           starts the write, or the copy
-                        (held in the host tier)           into the host tier
+                        (held in the host tier), or new   into the host tier (or, OPEN,
+                        OPEN (a span views may join)      nothing yet)
     share               none: one more handle (dedup)     -
+    cover               none: one more handle (a view     -
+                        the record's span holds)
+    join                none: the open span grows         writes it if it is complete
+    take_open           OPEN -> QUEUED (or HELD)          writes it (or holds it)
     spill               HELD -> QUEUED                    submits the write (host copy)
     write_directly      HELD -> QUEUED                    writes from the device
     copies.done         HELD/QUEUED/WRITING -> DIRTY      gives the worthless copy back
@@ -22,8 +27,10 @@ tensorstore-hooks) and returns what the caller must do outside the lock. The uni
     end_write           WRITING -> STORED                 -
                         WRITING -> MEMORY (write failed)  warns once (fallback)
                         WRITING -> DIRTY (modified)       deletes what it wrote
-    claim_for_unpack    QUEUED/WRITING -> MEMORY          returns the tensor itself
+    claim_for_unpack    OPEN/QUEUED/WRITING -> MEMORY     returns the tensor itself
                         (the tail shortcut)               (or reads, waits, raises)
+    loaded              none: what unpack brought back    -
+                        is remembered (weakly)
     free                any -> FREED                      deletes the key, or waits for
                                                           the write under way
 
@@ -35,8 +42,10 @@ Rules, numbered so code can cite them:
    callback, shielded from signals: NOTE [ Signals and finalizers ] in
    ``runtime/_signals.py``), never on unpack: unpack may run many times
    (``retain_graph=True``, double backward).
-3. A record counts in flight (``max_inflight``) from QUEUED until its write has
-   finished (:meth:`RecordTable.write_finished`), whatever state it ends in.
+3. A record counts in flight (``max_inflight``) from QUEUED (or OPEN) until its
+   write has finished (:meth:`RecordTable.write_finished`), whatever state it ends
+   in; an OPEN record that never reaches a write (freed, or unpacked from memory,
+   while open) leaves the bytes in flight when that is seen.
 4. A host copy goes back to its pool or tier only when no copy to the device reads
    it any more (rule 4 of NOTE [ Host tier wiring ] in ``pipeline/_device.py``).
 5. Dedup: a tensor saved twice (``exp`` saves its output, and so do the ``sin`` and
@@ -45,6 +54,14 @@ Rules, numbered so code can cite them:
    hit is trusted only while a weak reference proves the first saver is still alive.
 6. The lock is re-entrant: a handle's finalizer may run, and free a record, while it
    is held (dropping a tensor can free a graph).
+7. A record moves the *span* of what its views cover (NOTE [ Span unions ] in
+   ``pipeline/_spans.py``): the views of one storage saved in one forward share one
+   record, and each handle carries the view it stands for, rebuilt over the
+   record's tensor at unpack.
+8. One copy back per record while it lives: what an unpack brought back is kept by
+   a weak reference, and a later unpack of the same record (another handle, another
+   view of its span, a second backward) while that tensor is alive and unchanged
+   gets it again (``stats.reuse_hits``) rather than a second read.
 
 NOTE [ Detached aliases ]
 The pack hook receives the saved tensor with its ``grad_fn``; for ops that save their
@@ -69,9 +86,11 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tensorstore_hooks.errors import StoreUnavailableError
-from tensorstore_hooks.pipeline._staging import CopyEvent, Loaded, returned_bytes
+from tensorstore_hooks.pipeline._spans import OPEN_PACKS, Pattern, Span, View
+from tensorstore_hooks.pipeline._staging import CopyEvent, Loaded, alloc_bytes, returned_bytes
 from tensorstore_hooks.pipeline._stats import OffloadStats
 from tensorstore_hooks.runtime import foreign, never_compiled, shielded
 
@@ -110,6 +129,7 @@ class State(enum.IntEnum):
     DIRTY = 4
     FREED = 5
     HELD = 6
+    OPEN = 7
 
 
 TRANSITIONS: Mapping[State, frozenset[State]] = {
@@ -120,10 +140,11 @@ TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.DIRTY: frozenset({State.FREED}),
     State.FREED: frozenset(),
     State.HELD: frozenset({State.QUEUED, State.DIRTY, State.FREED}),
+    State.OPEN: frozenset({State.QUEUED, State.HELD, State.MEMORY, State.FREED}),
 }
 """The allowed moves of NOTE [ Record lifecycle ]: state -> states it may move to."""
 
-_IN_MEMORY = (State.QUEUED, State.WRITING, State.MEMORY)
+_IN_MEMORY = (State.OPEN, State.QUEUED, State.WRITING, State.MEMORY)
 """States in which unpack may return the saved tensor itself (the tail shortcut)."""
 _COPYING = (State.HELD, State.QUEUED, State.WRITING)
 """States in which a finished copy to host replaces the saved tensor (rule 1)."""
@@ -190,19 +211,30 @@ class Record:
         "dedup_key",
         "device",
         "device_nbytes",
+        "dtype",
         "error",
         "fetch",
         "guard",
         "guard_ref",
         "host_rule",
+        "joined_at",
         "key",
+        "members",
         "nbytes",
+        "payload",
         "pos",
         "refs",
+        "returned",
         "source",
+        "span",
+        "span_key",
         "staged",
         "state",
+        "storage_ref",
+        "strong",
+        "unpacked",
         "version",
+        "view",
         "write_started",
         "writing_done",
     )
@@ -214,20 +246,49 @@ class Record:
         pos: int,
         guard: VersionCounter | None = None,
         state: State = State.QUEUED,
+        span: Span | None = None,
     ) -> None:
-        # The saved tensor until its bytes are elsewhere, detached: NOTE [ Detached aliases ].
-        self.source: torch.Tensor | None = t.detach()
-        # What in-place checks read ``_version`` from: the tensor itself, or for another
-        # framework's tensor (seen here through a zero-copy alias) that tensor's counter.
+        # The saved tensor (or the span of it and its sibling views: rule 7) until its
+        # bytes are elsewhere, detached: NOTE [ Detached aliases ].
+        self.source: torch.Tensor | None = (
+            t if span is None or span.region else span.source(t)
+        ).detach()
+        # What in-place checks read ``_version`` from: the tensor itself (its storage's
+        # counter, which every view shares), or for another framework's tensor (seen
+        # here through a zero-copy alias) that tensor's counter.
         self.guard: VersionCounter | None = self.source if guard is None else guard
         self.version: int = self.source._version if guard is None else guard._version
-        # Outlives ``guard``: see NOTE [ In-place checks ].
-        self.guard_ref = _weak(t if guard is None else guard)
+        # Outlives ``guard``: see NOTE [ In-place checks ]. A span's views keep their
+        # base alive, and share its counter: the base is watched.
+        base = t if span is None or t._base is None else t._base
+        self.guard_ref = _weak(base if guard is None else guard)
         self.nbytes = nbytes
+        """Bytes the record moves: the saved tensor's payload, or its span's (rule 7)."""
+        self.payload = nbytes
+        """Payload bytes of the saved tensors this record offloads (``bytes_offloaded``)."""
+        self.members = 1  # tensors offloaded into it (``tensors_offloaded``)
+        self.span = span
+        self.view: View | None = None  # the first handle's view over the record's tensor
+        self.dtype = t.dtype
         # What it takes on its device when read back (its span, rounded): the
         # read-ahead window counts this (rule 7 of NOTE [ Stream ordering ]).
-        self.device_nbytes = returned_bytes(t)
+        self.device_nbytes = (
+            returned_bytes(t)
+            if span is None
+            else alloc_bytes(span.elements * t.element_size(), t.device)
+        )
         self.device = t.device
+        self.storage_ref: StorageWeakRef | None = None  # its storage, while alive (rule 7)
+        self.span_key: tuple[int, torch.device] | None = None  # where the index files it
+        self.joined_at = 0  # saves counted when a view last joined it (OPEN)
+        # What the last unpack brought back (rule 8): its storage, weakly (what autograd
+        # made of the views unpack returned keeps it alive), the tensor over it, and the
+        # event its copy completed on.
+        self.returned: _Returned | None = None
+        # Held strongly while a live handle of the record has not unpacked it yet (its
+        # siblings will: rule 8), and the handles (tokens) that did since it came back.
+        self.strong: torch.Tensor | None = None
+        self.unpacked: set[int] = set()
         self.state = state
         self.host_rule = False  # sent here by a ``host`` rule (counted as host, not offloaded)
         self.key: str | None = None
@@ -285,12 +346,55 @@ def dedup_key(t: torch.Tensor) -> DedupKey:
     )
 
 
+def _takes(rec: Record, pattern: Pattern) -> bool:
+    span = rec.span
+    return span is not None and (span.fits(pattern) or span.holds_all_of(pattern))
+
+
+@dataclass(frozen=True, slots=True)
+class _Returned:
+    """What an unpack brought back for a record (rule 8)."""
+
+    storage: StorageWeakRef
+    dtype: torch.dtype
+    view: View
+    """The record's tensor over ``storage``."""
+    event: CopyEvent | None
+
+
+def _returned(rec: Record) -> torch.Tensor | None:
+    """What the last unpack of ``rec`` brought back, if its storage still lives (rule 8).
+
+    Autograd makes a tensor of its own of what unpack returns (sharing the storage, not
+    the tensor object), so the storage is what tells whether it lives. Backward reads
+    saved tensors, never writes them: a storage alive holds what was read.
+    """
+    returned = rec.returned
+    if returned is None or returned.storage.expired():
+        return None
+    storage = torch.UntypedStorage._new_with_weak_ptr(returned.storage.cdata)
+    if storage is None:
+        return None
+    shape, stride, offset = returned.view
+    with torch.no_grad():
+        out = torch.empty(0, dtype=returned.dtype, device=storage.device)
+        return out.set_(storage, offset, shape, stride)
+
+
+def _view_of(t: torch.Tensor) -> View:
+    return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+
+
 # ------------------------------------------------------------- what callers get
 @dataclass(frozen=True, slots=True)
 class Ready:
     """Unpack: the saved tensor is in memory; return it (moved to ``device``)."""
 
     tensor: torch.Tensor
+    reused: bool = False
+    """What an earlier unpack brought back (rule 8): already on its device, ready once
+    the consuming stream waits on ``event``."""
+    event: CopyEvent | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,12 +471,22 @@ class Freed:
 
 # ------------------------------------------------------------------ handles
 class Handle:
-    """What autograd keeps for an offloaded tensor: a pointer to its record."""
+    """What autograd keeps for an offloaded tensor: a pointer to its record, and the
+    view of the record's tensor it stands for (``None``: the tensor itself; rule 7)."""
 
-    __slots__ = ("__weakref__", "rec")
+    __slots__ = ("__weakref__", "rec", "token", "view")
 
-    def __init__(self, rec: Record) -> None:
+    def __init__(self, rec: Record, view: View | None = None) -> None:
         self.rec = rec
+        self.view = view
+        self.token = object()  # tells its unpacks apart from its siblings' (rule 8)
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """This handle's saved tensor over ``t``, the record's tensor as unpack got it."""
+        span = self.rec.span
+        if self.view is None or span is None:
+            return t
+        return span.rebuild(t, self.view)
 
 
 class _Finalizer(weakref.ref[Handle]):
@@ -384,15 +498,17 @@ class _Finalizer(weakref.ref[Handle]):
     its registry), which holds ``release`` strongly and the table not at all.
     """
 
-    __slots__ = ("pid", "rec", "release")
+    __slots__ = ("pid", "rec", "release", "token")
     pid: int
     rec: Record
     release: Callable[[Record], None]
+    token: object
 
     def __new__(cls, handle: Handle, rec: Record, release: Callable[[Record], None]) -> _Finalizer:
         self = super().__new__(cls, handle, _handle_died)
         self.rec = rec
         self.release = release
+        self.token = handle.token
         self.pid = os.getpid()  # NOTE [ Fork safety ]: a forked child's copy frees nothing
         return self
 
@@ -409,6 +525,7 @@ _finalizers: set[_Finalizer] = set()
 def _handle_died(ref: _Finalizer) -> None:
     _finalizers.discard(ref)
     if not foreign(ref.pid):
+        ref.rec.unpacked.discard(id(ref.token))  # a dead handle unpacks no more (rule 8)
         ref.release(ref.rec)
 
 
@@ -530,6 +647,7 @@ class ReadAhead:
                     and rec.state in _READABLE
                     and rec.fetch is None
                     and rec.source is None
+                    and _returned(rec) is None  # rule 8: it is back already
                 ):
                     size = rec.device_nbytes
                     if self._window and self._window + size > window_bytes:
@@ -595,6 +713,10 @@ class RecordTable:
         self._order: list[Record | None] = []
         self._live = 0
         self._dedup: dict[DedupKey, tuple[weakref.ref[torch.Tensor], Record]] = {}
+        # Live records with a span, by storage (rule 7), and the open ones, oldest first.
+        self._spans: dict[tuple[int, torch.device], list[Record]] = {}
+        self._open: list[Record] = []
+        self._saves = 0  # tensors stored, shared or joined: the clock of OPEN_PACKS
         self._inflight = 0  # bytes queued or being written (rule 3)
         self._closing = False
         self.copies = HostCopies(self._lock)
@@ -640,7 +762,142 @@ class RecordTable:
                 return None
             rec.refs += 1
             self._stats.dedup_hits += 1
-            return self._handle(rec)
+            self._saves += 1
+            return self._handle(rec, rec.view)
+
+    @shielded  # as share
+    def cover(self, t: torch.Tensor, pattern: Pattern, view_span: int) -> Handle | None:
+        """A new handle to the live record whose span holds every element of ``t`` (of
+        ``pattern``, spanning ``view_span`` elements), or ``None`` (rule 7; NOTE [ Span
+        unions ], rule 3)."""
+        with self._lock:
+            rec = self._find(t, lambda r: r.span is not None and r.span.covers(pattern, view_span))
+            if rec is None:
+                return None
+            rec.refs += 1
+            self._stats.dedup_hits += 1
+            self._saves += 1
+            if rec.state == State.OPEN:
+                rec.joined_at = self._saves
+            return self._handle(rec, _view_of(t))
+
+    @shielded  # as share
+    def join(self, t: torch.Tensor, pattern: Pattern, nbytes: int, room: int) -> Handle | None:
+        """``t`` joins an open span of its storage (NOTE [ Span unions ], rule 3): a new
+        handle, the span grown by ``t``'s rows (if the bytes in flight stay within
+        ``room``), or taken over by region ``t``; ``None``: no open span takes it.
+        The caller writes the record if :meth:`complete` says so."""
+        with self._lock:
+            rec = self._find(t, lambda r: r.state == State.OPEN and _takes(r, pattern))
+            if rec is None or rec.span is None:
+                return None
+            span = rec.span
+            if span.fits(pattern):
+                grown = Span(span.start, span.n, span.period, list(span.intervals))
+                grown.join(pattern)
+            elif span.holds_all_of(pattern):
+                grown = Span.of(pattern)
+            else:
+                return None
+            delta = (grown.elements - span.elements) * t.element_size()
+            if self._inflight + delta > room:
+                return None  # the caller writes the span as it is, then stores ``t``
+            rec.span = grown
+            rec.source = grown.source(t).detach()
+            rec.nbytes += delta
+            rec.device_nbytes = alloc_bytes(grown.elements * t.element_size(), t.device)
+            rec.payload += nbytes
+            rec.members += 1
+            rec.refs += 1
+            rec.joined_at = self._saves = self._saves + 1
+            self._inflight += delta
+            self._stats.hold(delta)
+            self._stats.tensors_offloaded += 1
+            self._stats.bytes_offloaded += nbytes
+            return self._handle(rec, _view_of(t))
+
+    def _find(self, t: torch.Tensor, want: Callable[[Record], bool]) -> Record | None:
+        """A live span record of ``t``'s storage, dtype and version that ``want`` (lock held)."""
+        records = self._spans.get((t.untyped_storage().data_ptr(), t.device))
+        if not records:
+            return None
+        version = t._version
+        for rec in records:
+            ref = rec.storage_ref
+            if (
+                ref is not None
+                and not ref.expired()
+                and rec.dtype == t.dtype
+                and rec.version == version
+                and rec.state not in (State.FREED, State.DIRTY)
+                and want(rec)
+            ):
+                return rec
+        return None
+
+    @staticmethod
+    def complete(rec: Record) -> bool:
+        """Whether an OPEN record's span covers its whole period: nothing can join it any
+        more, so it is written now (NOTE [ Span unions ], rule 4)."""
+        return rec.state == State.OPEN and rec.span is not None and rec.span.region
+
+    def take_open(
+        self,
+        *,
+        stale: bool = False,
+        only: Record | None = None,
+        holds: Callable[[Record], bool] | None = None,
+    ) -> list[tuple[Record, bool]]:
+        """OPEN records to write now, with whether each goes to the host tier (``holds``
+        says): OPEN -> QUEUED (the caller starts its write) or OPEN -> HELD (the caller
+        copies it into the tier; it leaves the bytes in flight). ``only`` that one, the
+        stale ones (no view joined in ``OPEN_PACKS`` saves), or all (NOTE [ Span
+        unions ], rule 4). An open record already freed or unpacked leaves the bytes
+        in flight now (rule 3)."""
+        with self._lock:
+            if only is not None:
+                due = [only] if only in self._open else []
+            elif stale:
+                due = [r for r in self._open if self._saves - r.joined_at >= OPEN_PACKS]
+            else:
+                due = list(self._open)
+            if not due:
+                return []
+            self._open = [r for r in self._open if r not in due]
+            out = []
+            for rec in due:
+                if rec.state != State.OPEN:
+                    self._never_written(rec)
+                elif holds is not None and holds(rec):
+                    rec.move(State.HELD)
+                    self._inflight -= rec.nbytes
+                    self._stats.hold(-rec.nbytes)
+                    self._cond.notify_all()
+                    out.append((rec, True))
+                else:
+                    rec.move(State.QUEUED)
+                    out.append((rec, False))
+            return out
+
+    def gathered(self, rec: Record, source: torch.Tensor) -> None:
+        """``source`` (``rec``'s span with the gaps left out, made on its device) is what
+        ``rec`` moves now (NOTE [ Span unions ], rule 5); its storage's counter stays the
+        guard."""
+        with self._lock:
+            if rec.source is not None and rec.state in (State.QUEUED, State.HELD):
+                rec.source = source.detach()
+
+    @property
+    def has_open(self) -> bool:
+        """Whether any span is open (cheap: no lock)."""
+        return bool(self._open)
+
+    def _never_written(self, rec: Record) -> None:
+        """``rec`` was OPEN and never reaches a write: its bytes leave the flight (lock held)."""
+        self._inflight -= rec.nbytes
+        self._stats.hold(-rec.nbytes)
+        self._cond.notify_all()
+        rec.writing_done.set()
 
     def wait_for_room(self, nbytes: int, max_inflight: int) -> float:
         """Block while ``nbytes`` more would put more than ``max_inflight`` in flight.
@@ -665,33 +922,71 @@ class RecordTable:
         key: DedupKey | None,
         held: bool,
         host_rule: bool,
+        span: Span | None = None,
+        open_span: bool = False,
     ) -> Handle:
         """A new record for ``t``, last in pack order, and its first handle.
 
-        QUEUED (counted in flight: the caller starts its write), or HELD (the caller
-        copies it into the host tier). ``host_rule``: a ``host`` rule sent it (counted
-        as host, not as offloaded).
+        QUEUED (counted in flight: the caller starts its write), HELD (the caller
+        copies it into the host tier), or OPEN (``open_span``: counted in flight, other
+        views of its storage may join its span; the caller writes nothing yet).
+        ``host_rule``: a ``host`` rule sent it (counted as host, not as offloaded).
+        ``span``: what the record moves (rule 7; ``None``: ``t``'s own bytes, and no
+        other view shares them but ``t`` saved again).
         """
+        state = State.OPEN if open_span else State.HELD if held else State.QUEUED
+        nbytes_moved = nbytes if span is None else span.elements * t.element_size()
         with self._lock:
-            rec = Record(t, nbytes, len(self._order), guard, State.HELD if held else State.QUEUED)
+            rec = Record(t, nbytes_moved, len(self._order), guard, state, span)
+            rec.payload = nbytes
             rec.host_rule = host_rule
             self._order.append(rec)
             self._live += 1
             if key is not None:
                 rec.dedup_key = key
                 self._dedup[key] = (weakref.ref(t), rec)
+            if span is not None:
+                self._index(rec, t)
             if not host_rule:
                 self._stats.tensors_offloaded += 1
                 self._stats.bytes_offloaded += nbytes
             if not held:
                 self._count_inflight(rec)
-            return self._handle(rec)
+            if open_span:
+                self._saves += 1
+                rec.joined_at = self._saves
+                self._open.append(rec)
+            else:
+                self._saves += 1
+            return self._handle(rec, rec.view)
 
-    def _handle(self, rec: Record) -> Handle:
+    def _index(self, rec: Record, t: torch.Tensor) -> None:
+        """File span record ``rec`` under ``t``'s storage (lock held): ``cover`` and
+        ``join`` find it there while the storage lives."""
+        storage = t.untyped_storage()
+        rec.storage_ref = StorageWeakRef(storage)
+        if rec.span is not None and not rec.span.region:
+            rec.view = _view_of(t)  # the record's tensor is the span, not ``t`` itself
+        key = rec.span_key = (storage.data_ptr(), t.device)
+        records = self._spans.setdefault(key, [])
+        records.append(rec)
+
+    def _unindex(self, rec: Record) -> None:
+        """Take freed ``rec`` out of the span index (lock held)."""
+        key, rec.span_key, rec.storage_ref = rec.span_key, None, None
+        if key is None:
+            return
+        records = self._spans.get(key)
+        if records is not None and rec in records:
+            records.remove(rec)
+            if not records:
+                del self._spans[key]
+
+    def _handle(self, rec: Record, view: View | None = None) -> Handle:
         release = self._on_last_handle()
         if release is None:
             raise IllegalTransition("tensorstore-hooks internal error: the pipeline is gone")
-        handle = Handle(rec)
+        handle = Handle(rec, view)
         _finalizers.add(_Finalizer(handle, rec, release))
         return handle
 
@@ -794,10 +1089,10 @@ class RecordTable:
         stats = self._stats
         stats.fallbacks += error is not None
         if not rec.host_rule:
-            stats.tensors_offloaded -= 1
-            stats.bytes_offloaded -= rec.nbytes
-            stats.tensors_kept += 1
-            stats.bytes_kept += rec.nbytes
+            stats.tensors_offloaded -= rec.members
+            stats.bytes_offloaded -= rec.payload
+            stats.tensors_kept += rec.members
+            stats.bytes_kept += rec.payload
         return give_back
 
     def write_finished(self, rec: Record) -> None:
@@ -816,7 +1111,7 @@ class RecordTable:
                 self._cond.wait(0.1)
 
     # --------------------------------------------------------------- unpack
-    def claim_for_unpack(self, rec: Record) -> Claim:
+    def claim_for_unpack(self, rec: Record, token: object = None) -> Claim:
         """What unpack does for ``rec``: :class:`Ready`, :class:`Fetch`, :class:`Wait`
         or :class:`Refused`. Never deletes anything (rule 2).
 
@@ -832,6 +1127,9 @@ class RecordTable:
                 if state != State.MEMORY:
                     rec.move(State.MEMORY)  # its write is not wanted any more
                     self._stats.tail_hits += 1
+                    if state == State.OPEN:
+                        self._open.remove(rec)
+                        self._never_written(rec)
                 if rec.modified():
                     return _modified(f"a tensor of shape {tuple(src.shape)}")
                 return Ready(src)
@@ -852,8 +1150,29 @@ class RecordTable:
                 # No need to wait for a write: stored, held, or with its host copy.
                 if rec.modified():  # NOTE [ In-place checks ]
                     return _modified(f"a tensor of {rec.nbytes} bytes")
+                again = _returned(rec)
+                if again is not None and rec.returned is not None:  # rule 8
+                    self._stats.reuse_hits += 1
+                    self.reads._forget(rec)  # a read ahead (if any) is not needed
+                    rec.unpacked.add(id(token))
+                    if len(rec.unpacked) >= rec.refs:
+                        rec.strong = None  # every handle has it: the views keep it
+                    return Ready(again, reused=True, event=rec.returned.event)
                 return Fetch(self.reads._claim(rec))
             return Wait(rec.writing_done)  # written from the device
+
+    def loaded(
+        self, rec: Record, t: torch.Tensor, event: CopyEvent | None, token: object = None
+    ) -> None:
+        """Unpack (of the handle ``token`` stands for) brought ``t`` back for ``rec``
+        (ready after ``event``): a later unpack of the record gets it again while it
+        lives, and it lives until every live handle of the record has had it (rule 8)."""
+        back = _Returned(StorageWeakRef(t.untyped_storage()), t.dtype, _view_of(t), event)
+        with self._lock:
+            if rec.state != State.FREED:
+                rec.returned = back
+                rec.unpacked = {id(token)}
+                rec.strong = t if rec.refs > 1 else None
 
     # ----------------------------------------------------------------- free
     def free(self, rec: Record) -> Freed | None:
@@ -864,9 +1183,26 @@ class RecordTable:
         with self._lock:
             rec.refs -= 1
             if rec.refs > 0 or rec.state == State.FREED:
+                if rec.strong is not None and len(rec.unpacked) >= rec.refs:
+                    strong, rec.strong = rec.strong, None  # dropped outside the lock
+                else:
+                    return None
+            else:
+                strong = None
+        if strong is not None:
+            del strong
+            return None
+        with self._lock:
+            if rec.refs > 0 or rec.state == State.FREED:
                 return None
             prev = rec.state
             rec.move(State.FREED)
+            if prev == State.OPEN:  # never written: it leaves the flight now (rule 3)
+                self._open.remove(rec)
+                self._never_written(rec)
+            self._unindex(rec)
+            rec.returned = None
+            strong, rec.strong = rec.strong, None
             if rec.dedup_key is not None:
                 hit = self._dedup.get(rec.dedup_key)
                 if hit is not None and hit[1] is rec:
@@ -894,7 +1230,7 @@ class RecordTable:
                 # unwanted: waiting for it keeps "graph freed => every key gone".
                 running = rec.writing_done
             last = idle and self._closing
-        del source
+        del source, strong
         return Freed(key, running, give_back, last)
 
     def close(self) -> bool:

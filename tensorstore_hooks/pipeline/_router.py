@@ -21,13 +21,14 @@ from typing import Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 
-from tensorstore_hooks._codec import unsupported_reason
+from tensorstore_hooks._codec import span_of, unsupported_reason
 from tensorstore_hooks._warn import warn_user
 from tensorstore_hooks.config import Policy
 from tensorstore_hooks.pipeline._budgets import BUDGET_LABEL, BudgetControl
 from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._ledger import DecisionLedger
 from tensorstore_hooks.pipeline._prefetch import Prefetcher
+from tensorstore_hooks.pipeline._recompute import CAST_LABEL, Recomputed, recomputable
 from tensorstore_hooks.pipeline._records import (
     DedupKey,
     Fetch,
@@ -40,11 +41,12 @@ from tensorstore_hooks.pipeline._records import (
     dedup_key,
     inplace_error,
 )
+from tensorstore_hooks.pipeline._spans import Pattern, Span, pattern_of
 from tensorstore_hooks.pipeline._staging import CopyEvent, device_bytes
 from tensorstore_hooks.pipeline._stats import OffloadStats, RouteStats
 from tensorstore_hooks.pipeline._timeline import PACK_RANGE, UNPACK_RANGE, Timeline, span
 from tensorstore_hooks.pipeline._writebehind import WriteBehind
-from tensorstore_hooks.runtime import foreign, never_compiled, shielded
+from tensorstore_hooks.runtime import PipelineEffects, foreign, never_compiled, shielded
 
 __all__ = [
     "CAPTURE_LABEL",
@@ -111,7 +113,9 @@ class Host(Generic[_T, _D]):
         self.ready = ready
 
 
-Packed: TypeAlias = "Handle | Kept[torch.Tensor] | Host[torch.Tensor, torch.device]"
+Packed: TypeAlias = (
+    "Handle | Kept[torch.Tensor] | Host[torch.Tensor, torch.device] | Recomputed"
+)
 """What the torch pack hook returns: the tensor's stand-in in the autograd graph."""
 
 
@@ -172,6 +176,9 @@ class Router:
         self.ledger = DecisionLedger()
         """Every counted decision per module path, for ``hooks.report()``
         (NOTE [ Report ledger ])."""
+        self.effects: PipelineEffects | None = None
+        """Told when bytes start and stop moving (NOTE [ Process-wide effects ], effect 2)."""
+        self._stored = False  # the running forward stored something
 
     @property
     def closing(self) -> bool:
@@ -206,7 +213,13 @@ class Router:
             # of NOTE [ Stream ordering ].
             self.account(Route("keep", CAPTURE_LABEL, nbytes))
             return Kept(t)
-        action = self.route(t, nbytes)
+        decided = self.decide(t, nbytes)
+        if decided.action in _MOVES and self.policy.recompute_casts:
+            cast = recomputable(t)  # NOTE [ Parameter casts ]
+            if cast is not None:
+                self._recompute(nbytes)
+                return cast
+        action = self.plan(t, decided)
         if action == "store":
             if _parameter(t):  # NOTE [ Parameters are copied at pack ]
                 return self.store(t.detach().clone(), nbytes, guard=t)
@@ -227,6 +240,9 @@ class Router:
         if isinstance(packed, Handle):
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
                 return self.load(packed)  # load() notes the backward step itself
+        if isinstance(packed, Recomputed):
+            self.backward_step()
+            return packed.unpack()  # NOTE [ Parameter casts ], rules 3 and 4
         device = packed.tensor.device if isinstance(packed, Kept) else packed.device
         if self._stager.capturing(device):
             return self._unpack_capturing(packed)
@@ -280,7 +296,11 @@ class Router:
 
     def route(self, t: torch.Tensor, nbytes: int, *, parameter: bool | None = None) -> str:
         """:meth:`decide`, the budget's plan, then :meth:`account`: the action for ``t``."""
-        route = self.decide(t, nbytes, parameter=parameter)
+        return self.plan(t, self.decide(t, nbytes, parameter=parameter))
+
+    def plan(self, t: torch.Tensor, route: Route) -> str:
+        """The budget's plan over the policy's ``route`` for ``t``, then :meth:`account`."""
+        nbytes = route.nbytes
         budget = self.budget
         accelerator = t.device.type != "cpu"
         held = device_bytes(t)
@@ -295,8 +315,20 @@ class Router:
         budget and starts the read-ahead at the newest stored tensor (the newest kept
         ones are consumed meanwhile)."""
         self.ledger.backward_started()
+        if self._table.has_open:
+            self.close_spans()  # the forward is over: nothing more joins (NOTE [ Span unions ])
         if self.budget is not None and self.budget.backward_started():
+            if not self._stored and self._table.live == 0 and self.effects is not None:
+                self.effects.idle()  # a forward that moved nothing, nothing left stored
+            self._stored = False
             self._prefetcher.restart()
+
+    def _recompute(self, nbytes: int) -> None:
+        """Count a parameter cast recomputed at unpack (NOTE [ Parameter casts ], rule 5)."""
+        self._count("recompute", CAST_LABEL, nbytes)
+        self.stats.recomputed += 1
+        self.stats.bytes_recomputed += nbytes
+        log.debug("pack: recompute %d B (%s)", nbytes, CAST_LABEL)
 
     def keep_unsupported(self, reason: str) -> None:
         """Count a tensor kept because the codec cannot store it (sparse, subclass, ...)."""
@@ -330,19 +362,72 @@ class Router:
         tensor goes to the host tier when there is one (NOTE [ Host tier wiring ]);
         ``host``: a ``host`` rule sent it (counted as host, not as offloaded).
         """
+        if not self._stored:
+            self._stored = True
+            if self.effects is not None:
+                self.effects.moving()
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
         handle = self._table.share(t, key)
         if handle is not None:
             log.debug("pack: store %d B: the tensor of record %d (dedup)", nbytes, handle.rec.pos)
             return handle
-        held = self._stager.holds(t)
+        pattern = None
+        if guard is None and not host:  # NOTE [ Span unions ]
+            pattern = pattern_of(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+            if pattern is not None:
+                handle = self._share_span(t, pattern, nbytes)
+                if handle is not None:
+                    return handle
+        if self._table.has_open:
+            self.close_spans(stale=True)  # rule 4 of NOTE [ Span unions ]
+        span = None if pattern is None else Span.of(pattern)
+        open_span = span is not None and not span.region
+        held = not open_span and self._stager.holds(t)
         if not held:
-            self._writer.admit(nbytes)  # backpressure (may wait: not shielded)
-        handle = self._admit(t, nbytes, guard, key, held=held, host=host)
+            moved = nbytes if span is None else span.elements * t.element_size()
+            if self._table.has_open and not self._writer.has_room(moved):
+                self.close_spans()  # written before pack waits for their room (rule 4)
+            self._writer.admit(moved)  # backpressure (may wait: not shielded)
+        handle = self._admit(
+            t, nbytes, guard, key, held=held, host=host, span=span, open_span=open_span
+        )
         if held:
             self._writer.hold(handle.rec, t)  # may wait for spills: not shielded
         return handle
+
+    def _share_span(self, t: torch.Tensor, pattern: Pattern, nbytes: int) -> Handle | None:
+        """``t`` as a view of a record's span: one it holds, or an open one it joins
+        (NOTE [ Span unions ], rule 3); ``None``: neither."""
+        table = self._table
+        handle = table.cover(t, pattern, span_of(tuple(t.shape), tuple(t.stride())))
+        if handle is None:
+            handle = table.join(t, pattern, nbytes, self._writer.max_inflight)
+            if handle is not None and table.complete(handle.rec):
+                self.close_spans(only=handle.rec)  # nothing more can join: write it now
+        if handle is not None:
+            log.debug("pack: store %d B: a view in record %d's span", nbytes, handle.rec.pos)
+        return handle
+
+    def close_spans(self, *, stale: bool = False, only: Record | None = None) -> None:
+        """Write open spans (NOTE [ Span unions ], rule 4): ``only`` that record, the
+        stale ones, or all. On an accelerator the gaps are left out on the device first
+        (rule 5), so the copy to host moves only the elements saved."""
+        stager = self._stager
+        for rec, held in self._table.take_open(
+            stale=stale, only=only, holds=lambda r: stager.holds_bytes(r.nbytes, r.device)
+        ):
+            src, union = rec.source, rec.span
+            if src is None or union is None:
+                continue
+            if stager.accelerated(rec.device) and not union.region:
+                with torch.no_grad():
+                    src = union.gather(src)
+                self._table.gathered(rec, src)
+            if held:
+                self._writer.hold(rec, src)
+            else:
+                self._writer.start(rec, src)
 
     @shielded  # a record counted in flight must get its handle and its write
     def _admit(
@@ -354,15 +439,20 @@ class Router:
         *,
         held: bool,
         host: bool,
+        span: Span | None = None,
+        open_span: bool = False,
     ) -> Handle:
-        handle = self._table.add(t, nbytes, guard=guard, key=key, held=held, host_rule=host)
+        handle = self._table.add(
+            t, nbytes, guard=guard, key=key, held=held, host_rule=host, span=span,
+            open_span=open_span,
+        )  # fmt: skip
         if log.isEnabledFor(logging.DEBUG):  # the hot path: no tuple(shape) unless asked
             shape = tuple(t.shape)
             where = "host tier" if held else "store"
             log.debug(
                 "pack: %s %d B %s %s as record %d", where, nbytes, t.dtype, shape, handle.rec.pos
             )
-        if not held:
+        if not held and not open_span:
             self._writer.start(handle.rec, t)
         return handle
 
@@ -370,27 +460,35 @@ class Router:
         """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
         rec = handle.rec
         if self._stager.capturing(rec.device):
-            return self._load_capturing(rec)
+            return self._load_capturing(handle)
         self.emit_warning()
         self.backward_step()
         t0 = time.perf_counter()
         while True:
-            claim = self._table.claim_for_unpack(rec)
+            claim = self._table.claim_for_unpack(rec, handle.token)
             if isinstance(claim, Ready):
-                return _on_device(claim.tensor, rec.device)
+                if not claim.reused:
+                    return handle.tensor(_on_device(claim.tensor, rec.device))
+                t = claim.tensor  # rule 8 of NOTE [ Record lifecycle ]
+                if claim.event is not None:
+                    t = self._stager.finish((t, claim.event))
+                return handle.tensor(t)
             if isinstance(claim, Refused):
                 raise claim.error()
             if isinstance(claim, Fetch):
-                return self._prefetcher.take(rec, claim.read, t0)
+                t, event = self._prefetcher.take(rec, claim.read, t0)
+                self._table.loaded(rec, t, event, handle.token)
+                return handle.tensor(t)
             claim.done.wait()  # written from the device: wait for the write
 
-    def _load_capturing(self, rec: Record) -> torch.Tensor:
+    def _load_capturing(self, handle: Handle) -> torch.Tensor:
         """Unpack while a graph is being captured: only a tensor still on its device."""
+        rec = handle.rec
         claim = self._table.claim_for_unpack(rec)
         if isinstance(claim, Refused):
             raise claim.error()
-        if isinstance(claim, Ready) and claim.tensor.device == rec.device:
-            return claim.tensor
+        if isinstance(claim, Ready) and claim.tensor.device == rec.device and claim.event is None:
+            return handle.tensor(claim.tensor)
         raise _capture_error()
 
     # ------------------------------------------------------------------ kept

@@ -311,7 +311,7 @@ class PinnedPool:
     exists; ``give`` returns it. Idle buffers are kept up to ``cap_bytes`` in total, so
     a training loop pays for ``cudaHostAlloc`` in its first step only. Thread-safe.
     Used when no ``host_budget`` is set; with one,
-    :class:`~tensorstore_hooks.pipeline._host_tier.HostTier` hands out every pinned buffer.
+    :class:`~tensorstore_hooks.pipeline._host_tier.SlabTier` hands out every pinned buffer.
     """
 
     def __init__(
@@ -431,7 +431,7 @@ def copy_to_host(t: torch.Tensor, buf: torch.Tensor, streams: StreamSet, rt: Run
 
     ``buf`` holds at least :func:`span_bytes` of ``t``. Returns ``(host_view,
     done_event)``: ``host_view`` has ``t``'s dtype, shape, strides and conj/neg bits
-    over ``buf`` (storage offset 0) and is valid once ``done_event`` has completed. The
+    over ``buf`` (from ``buf``'s first byte) and is valid once ``done_event`` has completed. The
     caller keeps ``t`` alive until then. See NOTE [ Stream ordering ].
     """
     producer = rt.current_stream(t.device)  # rule 1: before entering the copy stream
@@ -446,7 +446,9 @@ def copy_to_host(t: torch.Tensor, buf: torch.Tensor, streams: StreamSet, rt: Run
         rt.copy(dst, flat, non_blocking=True)
         done = rt.new_event()
         rt.record(done, copy_stream)
-    return with_bits(dst.as_strided(t.shape, t.stride(), 0), conj, neg), done
+    # ``buf`` may be a range of a larger slab (NOTE [ Pinned slabs ]): from its offset.
+    host = dst.as_strided(t.shape, t.stride(), dst.storage_offset())
+    return with_bits(host, conj, neg), done
 
 
 def copy_to_device(

@@ -7,17 +7,19 @@ Per-step figures: ``before = hooks.stats.snapshot()`` ... ``hooks.stats - before
 NOTE [ Counts that add up ]
 Every tensor autograd saves under the hooks is counted exactly once at pack:
 
-    saves = tensors_offloaded + tensors_kept + tensors_host + dedup_hits
+    saves = tensors_offloaded + tensors_kept + tensors_host + dedup_hits + recomputed
 
 (a write that fails later moves its tensor from offloaded to kept and counts a
 fallback; a dedup hit is a save of a tensor already offloaded by these hooks,
-which costs no new write). Every unpack of an offloaded tensor counts one of
+which costs no new write; a recomputed tensor is a parameter's cast, made again at
+unpack: NOTE [ Parameter casts ]). Every unpack of an offloaded tensor counts one of
 
-    prefetch_hits + prefetch_misses + tail_hits
+    prefetch_hits + prefetch_misses + tail_hits + reuse_hits
 
 (a tail hit: served from memory because its write had not finished, which cancels
 the write; later unpacks of that tensor, and unpacks of a fallback's, are served
-from memory without a count).
+from memory without a count; a reuse hit: served by what an earlier unpack of the
+same record brought back, still alive).
 """
 
 from __future__ import annotations
@@ -87,15 +89,28 @@ class OffloadStats:
     bytes_host: int = 0
     dedup_hits: int = 0
     """Saves of a tensor already saved under these hooks (written once)."""
+    recomputed: int = 0
+    """Saved parameter casts (autocast's weight casts, ``.to(dtype)`` of a parameter)
+    made again at unpack instead of moved (NOTE [ Parameter casts ])."""
+    bytes_recomputed: int = 0
     tail_hits: int = 0
     """Unpacks served from memory because the write had not finished (write cancelled)."""
+    reuse_hits: int = 0
+    """Unpacks served by the tensor an earlier unpack of the same record brought back,
+    still alive: one copy back per record (rule 8 of NOTE [ Record lifecycle ])."""
     bytes_written: int = 0
     """Bytes that reached the store (writes cancelled by a tail hit or a freed graph
-    before they started are not written at all)."""
+    before they started are not written at all): what the records moved, each view
+    of one storage once (NOTE [ Span unions ]). ``bytes_offloaded`` is the payload (the
+    saved tensors' elements) beside it."""
     write_s: float = 0.0
     """Time writer threads spent writing to the store (summed over threads)."""
     read_s: float = 0.0
     """Time spent reading from the store (summed over reader threads)."""
+    bytes_to_host: int = 0
+    """Bytes copied from an accelerator to host memory (pinned or pageable)."""
+    bytes_to_device: int = 0
+    """Bytes copied from host memory back to an accelerator."""
     direct_io: str = ""
     """How the Zarr store moves chunk files: ``"on"`` (``O_DIRECT``: offloaded bytes
     skip the page cache), ``"off (why)"`` (e.g. tmpfs, ``direct_io="off"``, not a
@@ -198,14 +213,20 @@ class OffloadStats:
     # ------------------------------------------------------------- report
     @property
     def tensors_saved(self) -> int:
-        """Every save the hooks saw: offloaded + kept + host + dedup hits."""
-        return self.tensors_offloaded + self.tensors_kept + self.tensors_host + self.dedup_hits
+        """Every save the hooks saw: offloaded + kept + host + dedup hits + recomputed."""
+        return (
+            self.tensors_offloaded
+            + self.tensors_kept
+            + self.tensors_host
+            + self.dedup_hits
+            + self.recomputed
+        )
 
     def summary(self) -> str:
         """Every counter on one line, for logs (NOTE [ Counts that add up ])."""
         from tensorstore_hooks._units import format_bytes as b
 
-        unpacks = self.prefetch_hits + self.prefetch_misses + self.tail_hits
+        unpacks = self.prefetch_hits + self.prefetch_misses + self.tail_hits + self.reuse_hits
 
         def rate(nbytes: int, secs: float) -> str:
             return f", {b(int(nbytes / secs))}/s" if secs > 0 and nbytes else ""
@@ -214,9 +235,10 @@ class OffloadStats:
             f"saved {self.tensors_saved} = offloaded {self.tensors_offloaded} "
             f"({b(self.bytes_offloaded)}) + kept {self.tensors_kept} ({b(self.bytes_kept)}, "
             f"{self.fallbacks} fallbacks) + host {self.tensors_host} ({b(self.bytes_host)}) + "
-            f"dedup {self.dedup_hits}; "
+            f"dedup {self.dedup_hits} + recomputed {self.recomputed} "
+            f"({b(self.bytes_recomputed)}); "
             f"unpacked {unpacks} = prefetch hits {self.prefetch_hits} + misses "
-            f"{self.prefetch_misses} + tail {self.tail_hits}; "
+            f"{self.prefetch_misses} + tail {self.tail_hits} + reuse {self.reuse_hits}; "
             f"written {b(self.bytes_written)} in {self.write_s:.3f}s"
             f"{rate(self.bytes_written, self.write_s)}, "
             f"read {b(self.bytes_read)} in {self.read_s:.3f}s{rate(self.bytes_read, self.read_s)}; "

@@ -93,6 +93,11 @@ class WriteBehind:
         """Block while ``nbytes`` more would exceed ``max_inflight`` (backpressure)."""
         self._stats.pack_stall_s += self._table.wait_for_room(nbytes, self.max_inflight)
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether :meth:`admit` ``(nbytes)`` would not wait now."""
+        inflight = self._table.inflight
+        return not inflight or inflight + nbytes <= self.max_inflight
+
     def start(self, rec: Record, t: torch.Tensor) -> None:
         """Submit QUEUED ``rec``'s write: a device tensor is staged to host first, or
         (with a host tier it does not go to) copied out by the writer after an event
@@ -166,6 +171,9 @@ class WriteBehind:
         src = job.source
         if src is None or not table.unchanged(rec):
             return None, True, False
+        union = rec.span
+        if union is not None and not union.region:
+            src = union.gather(src)  # the gaps stay behind (NOTE [ Span unions ], rule 5)
         before = None  # written from the saved tensor's own host memory: check it
         if (
             job.from_device

@@ -11,11 +11,14 @@ once per process at DEBUG when it first happens, and has a switch (docs/config.m
    ``with hooks:`` on the main thread, and put back (if still ours) when the last
    pipeline ends. Off: ``TSH_SIGNAL_SHIELD=0`` in the environment (a Ctrl-C
    that lands inside a finalizer of ours is then lost, as Python loses it anywhere).
-2. glibc's mmap threshold (NOTE [ Mmap threshold ]) is set when a pipeline with
-   ``pipeline.mmap_threshold`` starts, and set back to glibc's initial 128 KiB when
-   the last pipeline ends (glibc has no call that turns its dynamic threshold on
-   again, so from then on the threshold stays at 128 KiB). Off:
-   ``pipeline.mmap_threshold: null``.
+2. glibc's mmap threshold (NOTE [ Mmap threshold ]) is set while a pipeline with
+   ``pipeline.mmap_threshold`` moves bytes: from its first stored tensor
+   (:meth:`PipelineEffects.moving`) until a forward that stores nothing ends with
+   nothing of it left in the store (:meth:`PipelineEffects.idle`), or it ends. A
+   pipeline that never stores (an ``auto`` budget with room, an idle ``hooks``) never
+   sets it. When the last pipeline that moved bytes stops, glibc gets the ceiling its
+   dynamic threshold climbs to (32 MiB; it has no call that turns the dynamic rule on
+   again). Off: ``pipeline.mmap_threshold: null``.
 3. ``malloc_trim`` (NOTE [ Heap release ]) is called by the I/O threads while a
    pipeline moves bytes; it changes no setting. Off: ``pipeline.release_heap_every: 0``.
 4. Global module forward hooks (NOTE [ Wrap hooks ]) are registered while a model is
@@ -32,7 +35,11 @@ import logging
 import os
 import threading
 
-from tensorstore_hooks.runtime._heap import GLIBC_MMAP_THRESHOLD, set_mmap_threshold
+from tensorstore_hooks.runtime._heap import (
+    GLIBC_MMAP_THRESHOLD_MAX,
+    release_mmap_threshold,
+    set_mmap_threshold,
+)
 from tensorstore_hooks.runtime._signals import install as install_signal_shield
 from tensorstore_hooks.runtime._signals import restore as restore_signals
 
@@ -40,6 +47,7 @@ __all__ = [
     "SIGNAL_SHIELD_ENV",
     "PipelineEffects",
     "live_pipelines",
+    "mmap_threshold_set",
     "say_once",
     "shield_signals",
     "signal_shield_enabled",
@@ -52,6 +60,7 @@ SIGNAL_SHIELD_ENV = "TSH_SIGNAL_SHIELD"
 
 _lock = threading.Lock()
 _live = 0
+_movers = 0  # pipelines moving bytes with an mmap threshold (effect 2)
 _mmap_set = False
 _said: set[str] = set()
 
@@ -89,19 +98,27 @@ def shield_signals() -> None:
         )
 
 
+def mmap_threshold_set() -> bool:
+    """Whether a pipeline's mmap threshold is in force now (effect 2)."""
+    return _mmap_set
+
+
 class PipelineEffects:
     """One pipeline's share of the process-wide effects; :meth:`end` gives it back.
 
     ``mmap_threshold``: the pipeline's ``pipeline.mmap_threshold`` (``None``: leave
-    glibc alone); ``trim_every_bytes``: how often its I/O threads call
-    ``malloc_trim`` (0: never), only said here.
+    glibc alone), in force only between :meth:`moving` and :meth:`idle` (effect 2);
+    ``trim_every_bytes``: how often its I/O threads call ``malloc_trim`` (0: never),
+    only said here. Called on the thread that packs and unpacks.
     """
 
-    __slots__ = ("_ended",)
+    __slots__ = ("_ended", "_moving", "_threshold")
 
     def __init__(self, mmap_threshold: int | None, trim_every_bytes: int) -> None:
-        global _live, _mmap_set
+        global _live
         self._ended = False
+        self._moving = False
+        self._threshold = mmap_threshold
         with _lock:
             _live += 1
         if trim_every_bytes:
@@ -111,35 +128,57 @@ class PipelineEffects:
                 "(NOTE [ Process-wide effects ]; pipeline.release_heap_every: 0 turns it off)",
                 trim_every_bytes,
             )
-        if mmap_threshold is not None and set_mmap_threshold(mmap_threshold):
+
+    def moving(self) -> None:
+        """The pipeline stores a tensor: its mmap threshold is in force (effect 2)."""
+        global _movers, _mmap_set
+        if self._moving or self._threshold is None:
+            return
+        with _lock:
+            if self._moving or self._ended:
+                return
+            self._moving = True
+            _movers += 1
+        if set_mmap_threshold(self._threshold):
             with _lock:
                 _mmap_set = True
             say_once(
                 "mmap",
-                "tensorstore-hooks: glibc mmap threshold set to %d B while pipelines live "
-                "(NOTE [ Process-wide effects ]; pipeline.mmap_threshold: null leaves it)",
-                mmap_threshold,
+                "tensorstore-hooks: glibc mmap threshold set to %d B while pipelines move "
+                "bytes (NOTE [ Process-wide effects ]; pipeline.mmap_threshold: null leaves it)",
+                self._threshold,
+            )
+
+    def idle(self) -> None:
+        """The pipeline moves no bytes any more: the last such gives glibc its dynamic
+        ceiling back (effect 2). Idempotent; :meth:`moving` claims it again."""
+        global _movers, _mmap_set
+        with _lock:
+            if not self._moving:
+                return
+            self._moving = False
+            _movers -= 1
+            reset = _movers == 0 and _mmap_set
+            if reset:
+                _mmap_set = False
+        if reset:
+            release_mmap_threshold()
+            say_once(
+                "mmap back",
+                "tensorstore-hooks: no pipeline moves bytes: glibc mmap threshold back at its "
+                "dynamic ceiling, %d B",
+                GLIBC_MMAP_THRESHOLD_MAX,
             )
 
     def end(self) -> None:
         """The pipeline ended: undo the effects if it was the last (idempotent)."""
-        global _live, _mmap_set
+        global _live
+        self.idle()
         with _lock:
             if self._ended:
                 return
             self._ended = True
             _live -= 1
             last = _live == 0
-            reset_mmap = last and _mmap_set
-            if reset_mmap:
-                _mmap_set = False
-        if not last:
-            return
-        if reset_mmap:
-            set_mmap_threshold(GLIBC_MMAP_THRESHOLD)
-            say_once(
-                "mmap back",
-                "tensorstore-hooks: the last pipeline ended: glibc mmap threshold back at %d B",
-                GLIBC_MMAP_THRESHOLD,
-            )
-        restore_signals()
+        if last:
+            restore_signals()

@@ -24,7 +24,13 @@ import ctypes.util
 import logging
 from collections.abc import Callable
 
-__all__ = ["GLIBC_MMAP_THRESHOLD", "HeapReleaser", "malloc_trim", "set_mmap_threshold"]
+__all__ = [
+    "GLIBC_MMAP_THRESHOLD",
+    "HeapReleaser",
+    "malloc_trim",
+    "release_mmap_threshold",
+    "set_mmap_threshold",
+]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -58,22 +64,24 @@ malloc_trim = _find_malloc_trim()
 # tsh-disk 46% of no offloading without it, 29% with 1 MiB. The price is page faults
 # on every such allocation (the kernel zeroes fresh pages), in torch's own kernels
 # too. It is process-wide (glibc has no per-thread or per-call setting), so it lasts
-# only while pipelines live and is set back to glibc's initial value after the last
-# (NOTE [ Process-wide effects ] in runtime/_effects.py); ``pipeline.mmap_threshold: null``
-# leaves glibc alone.
+# only while some pipeline moves bytes (NOTE [ Process-wide effects ] in
+# runtime/_effects.py): a pipeline that stores nothing (an ``auto`` budget with room)
+# never sets it. Once set, glibc cannot turn its dynamic threshold on again; what comes
+# closest is the ceiling the dynamic rule climbs to (32 MiB, and a trim threshold of
+# twice that), which :func:`release_mmap_threshold` sets when the last pipeline that
+# moved bytes stops: big buffers come from the heap again, as after a process's first
+# large frees without the library. ``pipeline.mmap_threshold: null`` leaves glibc alone.
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 GLIBC_MMAP_THRESHOLD = 128 << 10
 """glibc's initial ``M_MMAP_THRESHOLD`` (``DEFAULT_MMAP_THRESHOLD_MIN``)."""
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc: HEAP_MAX_SIZE / 2 on 64-bit
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+"""The ceiling of glibc's dynamic ``M_MMAP_THRESHOLD`` (HEAP_MAX_SIZE / 2 on 64-bit)."""
 
 
-def set_mmap_threshold(nbytes: int) -> bool:
-    """``mallopt(M_MMAP_THRESHOLD, nbytes)`` for this process (glibc; else a no-op).
-
-    See NOTE [ Mmap threshold ]. Returns whether glibc took it.
-    """
+def _mallopt(param: int, value: int) -> bool:
     name = ctypes.util.find_library("c")
-    if name is None or not 0 < nbytes <= _MMAP_THRESHOLD_MAX:
+    if name is None:
         return False
     try:
         mallopt = ctypes.CDLL(name).mallopt
@@ -81,7 +89,25 @@ def set_mmap_threshold(nbytes: int) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
+    return bool(mallopt(param, value))
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """``mallopt(M_MMAP_THRESHOLD, nbytes)`` for this process (glibc; else a no-op).
+
+    See NOTE [ Mmap threshold ]. Returns whether glibc took it.
+    """
+    if not 0 < nbytes <= GLIBC_MMAP_THRESHOLD_MAX:
+        return False
+    return _mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+
+def release_mmap_threshold() -> bool:
+    """Give glibc the thresholds its dynamic rule climbs to (``M_MMAP_THRESHOLD`` 32 MiB,
+    ``M_TRIM_THRESHOLD`` 64 MiB): the closest to "never set" glibc allows once
+    :func:`set_mmap_threshold` ran (NOTE [ Mmap threshold ]). Returns whether it took."""
+    mmap = set_mmap_threshold(GLIBC_MMAP_THRESHOLD_MAX)
+    return _mallopt(_M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_THRESHOLD_MAX) and mmap
 
 
 class HeapReleaser:

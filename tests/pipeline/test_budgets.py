@@ -377,7 +377,10 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 threshold = None if sys.argv[1] == "null" else sys.argv[1]
-hooks = tsh.offload("memory://", mmap_threshold=threshold)
+hooks = tsh.offload("memory://", mmap_threshold=threshold, min_bytes=0)
+w = torch.randn(16, requires_grad=True)
+with hooks:
+    loss = w.sin().sum()  # bytes move: the threshold is in force from here on
 x = torch.ones(4 << 20)  # 16 MiB: glibc mmaps it; its free raises the dynamic threshold
 del x
 a = torch.ones(2 << 20)  # 8 MiB: now from the heap unless the threshold was fixed

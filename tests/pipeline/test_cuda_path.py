@@ -172,8 +172,8 @@ def test_3_an_unpack_that_claims_a_read_being_submitted_gets_it(
     table = hooks._pipeline.table
     real_claim = table.claim_for_unpack
 
-    def claim(rec: Any) -> Any:
-        out = real_claim(rec)
+    def claim(rec: Any, token: object = None) -> Any:
+        out = real_claim(rec, token)
         claimed.set()
         return out
 
@@ -290,8 +290,9 @@ def test_5_device_budget_counts_the_storage_each_kept_view_holds() -> None:
 def test_5_read_ahead_counts_the_device_bytes_of_what_comes_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A gapped view comes back with its span (about twice its elements): the prefetch
-    window counts that."""
+    """A view with gaps in two directions (no span union can leave them out: NOTE
+    [ Span unions ], rule 1) comes back with its span (about four times its elements):
+    the prefetch window counts that."""
     planned: list[int] = []  # records being read ahead, after each plan
     real_plan = ReadAhead.plan
 
@@ -304,11 +305,11 @@ def test_5_read_ahead_counts_the_device_bytes_of_what_comes_back(
     hooks = tsh.offload("memory://", min_bytes=0, prefetch="40KiB")
     leaf = torch.randn(64, 128, requires_grad=True)
     with hooks:
-        loss = sum((leaf * (i + 1))[:, ::2].sin().sum() for i in range(4))  # 16 KiB each
+        loss = sum((leaf * (i + 1))[::2, ::2].sin().sum() for i in range(4))  # 8 KiB each
     hooks.flush()
     loss.backward()
-    span = span_of((64, 64), (128, 2)) * 4  # what one view takes when it comes back
-    assert span > 2 * 16 * KiB - 1024
+    span = span_of((32, 64), (256, 2)) * 4  # what one view takes when it comes back
+    assert span > 3 * 8 * KiB
     assert planned and max(planned) * span <= 40 * KiB  # one view at a time, never two
 
 

@@ -105,7 +105,8 @@ def test_the_cap_holds_through_a_step_and_reads_borrow_within_it() -> None:
     tier = tier_of(hooks)
     # Every host buffer of the pipeline came from the tier, never more than the cap.
     assert tier.peak_bytes <= CAP and hooks.stats.peak_host_tier_bytes <= CAP
-    assert ops.allocated_bytes == tier.allocations * round_up(T)
+    # ... its slabs (NOTE [ Pinned slabs ]): all the pinned memory allocated.
+    assert ops.allocated_bytes == tier.used_bytes <= CAP
     assert hooks.stats.pinned_allocations == ops.allocations
 
 
@@ -483,7 +484,7 @@ def test_cuda_host_tier_spills_oldest_and_gradients_are_equal() -> None:
     tier = tier_of(hooks)
     assert hooks.stats.tensors_spilled > 0 and store.puts >= hooks.stats.tensors_spilled
     assert tier.peak_bytes <= 2 << 20
-    assert tier._idle_order and all(buf.is_pinned() for _, buf in tier._idle_order.values())
+    assert tier._slabs and all(slab.buf.is_pinned() for slab in tier._slabs)
     shutdown_pool(store)
 
 
@@ -596,3 +597,22 @@ def test_mixed_sizes_many_steps_stay_within_the_cap_and_exact(lazy: bool) -> Non
     # The 64 KiB tensors never fit: written from the "device", beside the spills.
     assert hooks.stats.bytes_written >= hooks.stats.bytes_spilled + 4 * 2 * 64 * KiB
     shutdown_pool(store)
+
+
+# --------------------------------------------------- pinned slabs (NOTE [ Pinned slabs ])
+def test_a_host_budget_holds_its_bytes_as_tensor_bytes() -> None:
+    """8 MiB of budget, 192 KiB tensors: 42 held (98%); power-of-two buffers (256 KiB
+    each) held 32 (75%)."""
+    budget = 8 << 20
+    n = 48 << 10  # float32: 192 KiB per saved tensor
+    ops = CpuAsAccelerator()
+    hooks = offload(ops=ops, host_budget=budget)
+    x = torch.randn(n, requires_grad=True)
+    with hooks:
+        loss = sin_chain(x, 60)
+    hooks.flush()
+    held = [r for r in hooks._pipeline.table.records() if r.state.name == "HELD"]
+    assert sum(r.nbytes for r in held) >= 0.97 * budget
+    assert ops.allocated_bytes <= budget  # every pinned byte within the budget
+    loss.backward()
+    assert torch.equal(x.grad, reference_grad(x, 60))

@@ -56,6 +56,7 @@ def test_lifecycle_table_is_the_documented_one() -> None:
         s.DIRTY: {s.FREED},
         s.FREED: set(),
         s.HELD: {s.QUEUED, s.DIRTY, s.FREED},
+        s.OPEN: {s.QUEUED, s.HELD, s.MEMORY, s.FREED},
     }
 
 

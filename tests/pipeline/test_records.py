@@ -32,6 +32,7 @@ from tensorstore_hooks.pipeline._records import (
     Wait,
     dedup_key,
 )
+from tensorstore_hooks.pipeline._spans import Span, pattern_of
 from tensorstore_hooks.pipeline._stats import OffloadStats
 
 N = 64  # bytes of every saved tensor below: 16 float32
@@ -63,6 +64,17 @@ def add(owner: Owner, t: torch.Tensor | None = None, *, held: bool = False) -> H
     return owner.table.add(t, N, guard=None, key=None, held=held, host_rule=False)
 
 
+def add_open(owner: Owner) -> Handle:
+    """An OPEN record: the first of a storage's views with gaps (NOTE [ Span unions ])."""
+    t = torch.arange(32, dtype=torch.float32).view(8, 4)[:, :2]  # 8 rows of 2, 4 apart
+    pattern = pattern_of(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    assert pattern is not None and not pattern.region
+    span = Span.of(pattern)
+    return owner.table.add(
+        t, N, guard=None, key=None, held=False, host_rule=False, span=span, open_span=True
+    )
+
+
 def host_copy(t: torch.Tensor) -> HostCopy:
     buf = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
     host = buf.view(t.dtype)
@@ -74,7 +86,7 @@ def host_copy(t: torch.Tensor) -> HostCopy:
 def in_state(owner: Owner, state: State) -> tuple[Handle, Record]:
     """A live record in ``state``, made through intents only (FREED: its handle dead)."""
     table = owner.table
-    handle = add(owner, held=state == State.HELD)
+    handle = add_open(owner) if state == State.OPEN else add(owner, held=state == State.HELD)
     rec = handle.rec
     if state in (State.WRITING, State.STORED, State.DIRTY):
         assert table.begin_write(rec) is not None
@@ -115,6 +127,13 @@ def test_every_allowed_move_is_made_by_an_intent(moves: set[tuple[State, State]]
         del handle
         gc.collect()
         assert rec.state == State.FREED
+    # OPEN -> QUEUED, OPEN -> HELD (written, or held in the host tier), OPEN -> MEMORY
+    _o1, o1 = in_state(owner, State.OPEN)
+    assert table.take_open(only=o1) == [(o1, False)] and o1.state == State.QUEUED
+    _o2, o2 = in_state(owner, State.OPEN)
+    assert table.take_open(holds=lambda r: True) == [(o2, True)] and o2.state == State.HELD
+    _o3, o3 = in_state(owner, State.OPEN)
+    assert isinstance(table.claim_for_unpack(o3), Ready) and o3.state == State.MEMORY
     # HELD -> QUEUED, twice over
     _h1, r1 = in_state(owner, State.HELD)
     assert table.spill(r1)

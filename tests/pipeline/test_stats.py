@@ -47,8 +47,10 @@ def test_counts_add_up_and_summary_shows_every_counter() -> None:
     stats = hooks.stats
     assert stats.dedup_hits >= 2 and stats.tensors_kept > 0 and stats.tensors_offloaded > 0
     assert stats.tensors_saved == 2 * _saves(model, X)
-    unpacks = stats.prefetch_hits + stats.prefetch_misses + stats.tail_hits
+    unpacks = stats.prefetch_hits + stats.prefetch_misses + stats.tail_hits + stats.reuse_hits
     assert unpacks == stats.tensors_offloaded + stats.dedup_hits
+    # h saved twice: one read, the second unpack gets what the first brought back.
+    assert stats.reuse_hits >= 2 and stats.bytes_read == stats.bytes_written
     line = stats.summary()
     assert "\n" not in line
     for part in (
@@ -57,7 +59,8 @@ def test_counts_add_up_and_summary_shows_every_counter() -> None:
         f"host {stats.tensors_host}",
         f"dedup {stats.dedup_hits}",
         f"unpacked {unpacks} = prefetch hits {stats.prefetch_hits}",
-        f"tail {stats.tail_hits}",
+        f"tail {stats.tail_hits} + reuse {stats.reuse_hits}",
+        f"recomputed {stats.recomputed}",
         "written ",
         "read ",
         "stalls pack",

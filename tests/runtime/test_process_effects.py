@@ -14,6 +14,8 @@ import sys
 import textwrap
 from typing import Any
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
     """
     import gc, json, logging, signal, sys
@@ -37,6 +39,11 @@ _SCRIPT = textwrap.dedent(
         mallopt.append(n)
         return real(n)
     _effects.set_mmap_threshold = record
+    real_release = _effects.release_mmap_threshold
+    def record_release():
+        mallopt.append("release")
+        return real_release()
+    _effects.release_mmap_threshold = record_release
 
     out = {"at_import": {
         "exit_handler": _iopool.at_exit_registered(),
@@ -112,9 +119,9 @@ def test_effects_live_only_while_a_pipeline_does_and_each_is_said_once() -> None
         after = r[f"after_{i}"]
         assert after["sigint_restored"] and not after["exit_handler"]
         assert after["live_pipelines"] == 0 and after["heap_releases"] > 0
-    # Set per pipeline; glibc's initial value back after the last of each (the two
-    # offload pipelines, then the wrap's).
-    assert r["mallopt"] == [1 << 20, 128 << 10] * 3
+    # Set while each offload pipeline moves bytes, glibc's dynamic ceiling back when it
+    # stops (its close); the wrap's pipeline never moved a byte: never set.
+    assert r["mallopt"] == [1 << 20, "release"] * 2
     assert r["wrapped_module_hooks"] and not r["unwrapped_module_hooks"]
     for text in (
         "SIGINT/SIGTERM handlers wrapped",
@@ -134,3 +141,116 @@ def test_each_effect_has_a_switch() -> None:
     assert r["mallopt"] == []
     for text in ("SIGINT/SIGTERM", "mmap threshold", "malloc_trim"):
         assert _said(r, text) == 0, (text, r["debug"])
+
+
+# ------------------------------------------ nothing moved, nothing paid (issue 39)
+_IDLE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, threading
+    import torch
+    import tensorstore_hooks as tsh
+    from tensorstore_hooks.runtime import _effects
+
+    torch.manual_seed(0)
+    mallopt = []
+    _effects.set_mmap_threshold = lambda n: mallopt.append(n) or True
+    _effects.release_mmap_threshold = lambda: mallopt.append("release") or True
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(64, 256)
+    hooks = tsh.offload(min_bytes=0, **json.loads(sys.argv[1]))
+    steps = []
+    for _ in range(3):
+        before = hooks.stats.snapshot()
+        with hooks:
+            loss = model(x).tanh().sum()
+        loss.backward()
+        d = hooks.stats - before
+        steps.append({
+            "offloaded": d.tensors_offloaded,
+            "kept": d.tensors_kept,
+            "mallopt": list(mallopt),
+            "io_threads": sum(t.name.startswith("tsh-io") for t in threading.enumerate()),
+        })
+    hooks.close()
+    print(json.dumps({"steps": steps, "mallopt": mallopt}))
+    """
+)
+
+
+def _idle_run(options: dict[str, Any]) -> dict[str, Any]:
+    run = subprocess.run(
+        [sys.executable, "-c", _IDLE_SCRIPT, json.dumps(options)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_auto_with_room_leaves_the_process_as_without_offloading() -> None:
+    """``device_budget: auto`` where everything fits: from the first forward on every
+    tensor is kept, no byte moves, no I/O thread starts, glibc is never touched."""
+    r = _idle_run({"device_budget": "auto"})
+    for step in r["steps"]:
+        assert step["offloaded"] == 0 and step["kept"] > 0, step
+        assert step["io_threads"] == 0 and step["mallopt"] == [], step
+    assert r["mallopt"] == []
+
+
+def test_a_budget_that_keeps_everything_gives_the_threshold_back() -> None:
+    """A budget in bytes: the first forward stores (rule 3 of NOTE [ Device budget
+    plan ]), the next keep everything; the threshold lasts only while bytes move."""
+    r = _idle_run({"device_budget": "1GiB", "mmap_threshold": "1MiB"})
+    first, second, third = r["steps"]
+    assert first["offloaded"] > 0 and first["mallopt"] == [1 << 20]
+    assert second["offloaded"] == third["offloaded"] == 0
+    # Given back at the end of the first forward that moved nothing (the third step's
+    # first unpack), not at close.
+    assert third["mallopt"] == [1 << 20, "release"] == r["mallopt"]
+
+
+_AFTER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    import tensorstore_hooks as tsh
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if sys.argv[1] == "offloaded":
+        hooks = tsh.offload("memory://", min_bytes=0)
+        w = torch.randn(1 << 16, requires_grad=True)
+        with hooks:
+            loss = w.sin().sum()  # bytes move: the threshold is set
+        loss.backward()
+        hooks.close()  # and given back: nothing moves any more
+    x = torch.ones(4 << 20)  # 16 MiB: glibc mmaps it; its free raises the dynamic threshold
+    del x
+    a = torch.ones(2 << 20)  # 8 MiB: from the heap, as glibc's dynamic threshold does
+    pin = torch.ones(1024)  # a live block above it
+    before = rss()
+    del a
+    print((before - rss()) >> 20)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_after_the_last_move_glibc_serves_big_buffers_as_it_did_without_us() -> None:
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+
+    def freed_mib(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _AFTER_SCRIPT, mode],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return int(out.stdout.strip().splitlines()[-1])
+
+    # Without the library the freed 8 MiB stays in glibc's heap (its dynamic threshold
+    # rose past it); after a pipeline moved bytes and stopped, the same.
+    assert freed_mib("plain") <= 1
+    assert freed_mib("offloaded") <= 1
