@@ -15,7 +15,9 @@ real tokens:
    its real tokens only, in (sample, position) order, each of shape ``t.shape[2:]``,
    so one array per module and kind holds every batch whatever its padded length.
    Other leaves (a pooled ``(batch, d)`` output, attention maps) are captured as
-   without a mask.
+   without a mask. A ``(batch, k)`` leaf whose ``k`` happens to equal a batch's ``seq``
+   is masked in that batch: its rows then go to an array of their own (rule 6 of NOTE
+   [ Capture names ]), never mixed with its unmasked rows.
 3. A masked array ``NAME`` has a companion ``NAME~tokens``: one int64 row
    ``[step, sample, position]`` per row of ``NAME``, in the same order (row ``i`` of
    both is one token), so rows join back to the text they came from. Its blocks are

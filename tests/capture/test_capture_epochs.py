@@ -138,8 +138,9 @@ def test_a_document_claiming_more_rows_than_the_files_hold_is_named(tmp_path: Pa
         tsh.CaptureDataset(str(tmp_path), "0/output", batch_size=8)
     doc["shape"] = [10**16, 10**16]
     _set_doc(tmp_path, doc)
-    with pytest.warns(UserWarning, match="skipping"), pytest.raises(
-        tsh.IntegrityError, match="sizes out of bounds"
+    with (
+        pytest.warns(UserWarning, match="skipping"),
+        pytest.raises(tsh.IntegrityError, match="sizes out of bounds"),
     ):
         tsh.CaptureDataset(str(tmp_path), "0/output", batch_size=8)
 
@@ -162,8 +163,9 @@ def test_a_chunk_larger_than_its_document_says_is_named_before_it_is_read(
 def test_a_deeply_nested_document_is_named(tmp_path: Path) -> None:
     _write(tmp_path, [10])
     (tmp_path / "capture/0/output/zarr.json").write_text("[" * 50_000 + "]" * 50_000)
-    with pytest.warns(UserWarning, match="skipping"), pytest.raises(
-        tsh.IntegrityError, match=r"0/output .*nested too deeply"
+    with (
+        pytest.warns(UserWarning, match="skipping"),
+        pytest.raises(tsh.IntegrityError, match=r"0/output .*nested too deeply"),
     ):
         tsh.CaptureDataset(str(tmp_path), "0/output", batch_size=8)
 

@@ -160,8 +160,9 @@ def test_inspect_and_the_dataset_name_a_damaged_array(torn: tuple[Path, torch.Te
         timeout=120,
     )
     assert proc.returncode == 1 and "0/output" in proc.stderr and "repair_array" in proc.stderr
-    with pytest.warns(UserWarning, match="skipping"), pytest.raises(
-        tsh.IntegrityError, match="cannot be parsed"
+    with (
+        pytest.warns(UserWarning, match="skipping"),
+        pytest.raises(tsh.IntegrityError, match="cannot be parsed"),
     ):
         tsh.CaptureDataset(str(root), "0/output", batch_size=4)
 
@@ -333,9 +334,10 @@ def test_chunks_go_to_the_disk_with_o_direct_and_leave_no_page_cache(
 ) -> None:
     model = nn.Sequential(nn.Identity())
     data = [torch.randn(n, width) for n in (100, 37, 250, 3)]
-    with tsh.capture(
-        model, str(direct_root), modules="0", what="output", chunk_bytes="4KiB"
-    ) as cap, torch.no_grad():
+    with (
+        tsh.capture(model, str(direct_root), modules="0", what="output", chunk_bytes="4KiB") as cap,
+        torch.no_grad(),
+    ):
         for x in data:
             model(x)
             cap.flush()  # an open tail written in place, then rewritten atomically
@@ -351,9 +353,12 @@ def test_chunks_go_to_the_disk_with_o_direct_and_leave_no_page_cache(
 def test_direct_io_off_goes_through_the_page_cache(direct_root: Path) -> None:
     model = nn.Sequential(nn.Identity())
     x = torch.randn(256, WIDTH)
-    with tsh.capture(
-        model, str(direct_root), modules="0", what="output", chunk_bytes="4KiB", direct_io="off"
-    ) as cap, torch.no_grad():
+    with (
+        tsh.capture(
+            model, str(direct_root), modules="0", what="output", chunk_bytes="4KiB", direct_io="off"
+        ) as cap,
+        torch.no_grad(),
+    ):
         model(x)
     assert cap.stats.chunks_direct == 0 and cap.stats.chunks_written == 4
     assert torch.equal(torch.from_numpy(cap.arrays["0/output"][:]), x)
