@@ -57,14 +57,17 @@ def test_set_epoch_reaches_persistent_workers(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ finding 5
 def _per_rank(root: Path, world: int, workers: int, **kw: object) -> list[list[list[int]]]:
-    """The batches (as row ids) each rank yields in one epoch."""
-    out = []
+    """The batches (as row ids) each rank yields in one epoch; ``len(ds)`` and
+    ``len(loader)`` must say how many (checked once the counts agree)."""
+    out, lengths = [], []
     for rank in range(world):
         ds = tsh.CaptureDataset(str(root), "0/output", rank=rank, world_size=world, **kw)  # type: ignore[arg-type]
         loader = DataLoader(ds, batch_size=None, num_workers=workers)
-        batches = [_ids(b) for b in loader]
-        assert len(batches) == len(ds) == len(loader)
-        out.append(batches)
+        out.append([_ids(b) for b in loader])
+        lengths.append(lambda ds=ds, loader=loader: (len(ds), len(loader)))
+    counts = [len(batches) for batches in out]
+    assert len(set(counts)) == 1, f"ranks yield {counts} batches: a DDP loop would hang"
+    assert all(length() == (counts[0], counts[0]) for length in lengths)
     return out
 
 

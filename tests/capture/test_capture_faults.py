@@ -20,7 +20,6 @@ import zarr
 from torch import nn
 
 import tensorstore_hooks as tsh
-from tensorstore_hooks.capture import repair_array
 from tensorstore_hooks.cli.inspect import inspect_root
 from tensorstore_hooks.storage.io import LocalIO, probe_direct_io
 
@@ -48,6 +47,12 @@ def _varying_blocks(model: nn.Module, blocks: int) -> torch.Tensor:
             model(x)
             rows.append(x)
     return torch.cat(rows)
+
+
+def repair_array(*args: Any, **kwargs: Any) -> Any:
+    from tensorstore_hooks.capture import repair_array as repair
+
+    return repair(*args, **kwargs)
 
 
 def _files(folder: Path) -> dict[str, str]:
