@@ -576,14 +576,7 @@ def capture(
     rank = distributed_rank()
     group = f"{CAPTURE_DIR}/rank{rank}" if rank is not None else CAPTURE_DIR
     labels = sorted(name or ROOT_NAME for name in selected)
-    locks = ArrayLocks(io)
-    try:
-        _refuse_damaged(io, group, labels, kinds)
-        locks.take(lock_path(group, label, kind) for label in labels for kind in sorted(kinds))
-    except BaseException:
-        if owns_io and not io.is_private_memory:
-            io.close()
-        raise
+    locks = _claim(io, owns_io, group, labels, kinds)
     max_inflight = cfg.pipeline.max_inflight
     writer = CaptureWriter(
         io,
@@ -604,14 +597,8 @@ def capture(
         mask=mask,
     )
     _hook(cap, model, {name: names[name] for name in selected}, kinds)
-    log.info(
-        "capture: %d module(s), %s, into %s/%s%s",
-        len(selected),
-        ", ".join(sorted(kinds)),
-        url,
-        group,
-        " (chunks with O_DIRECT)" if io.uses_direct_io else "",
-    )
+    direct = " (chunks with O_DIRECT)" if io.uses_direct_io else ""
+    log.info("capture: %s of %s into %s/%s%s", "+".join(sorted(kinds)), labels, url, group, direct)
     return cap
 
 
@@ -633,6 +620,22 @@ def _hook(
             handles.append(sub.register_forward_hook(_Hook(cap, label, "output")))
         if "grad_input" in kinds:
             handles.append(sub.register_full_backward_hook(_Hook(cap, label, "grad_input")))
+
+
+def _claim(
+    io: ChunkIO, owns_io: bool, group: str, labels: list[str], kinds: frozenset[str]
+) -> ArrayLocks:
+    """The locks of every array this capture may write (NOTE [ One writer per array ]),
+    once none of them has a damaged document; on failure ``io`` is closed if owned."""
+    locks = ArrayLocks(io)
+    try:
+        _refuse_damaged(io, group, labels, kinds)
+        locks.take(lock_path(group, label, kind) for label in labels for kind in sorted(kinds))
+    except BaseException:
+        if owns_io and not io.is_private_memory:
+            io.close()
+        raise
+    return locks
 
 
 def _refuse_damaged(io: ChunkIO, group: str, labels: list[str], kinds: frozenset[str]) -> None:
