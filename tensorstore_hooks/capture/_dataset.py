@@ -36,13 +36,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tensorstore_hooks._units import parse_bytes
 from tensorstore_hooks._warn import warn_user
-from tensorstore_hooks.capture._chunks import ChunkReader, gather
+from tensorstore_hooks.capture._chunks import ChunkReader, MapCache, gather
 from tensorstore_hooks.capture._layout import CAPTURE_DIR, ArrayInfo, scan_arrays
 from tensorstore_hooks.capture._plan import EVEN_MODES, Piece, Plan
 from tensorstore_hooks.capture._source import CaptureRoot, CaptureSource, StorageOptions
 from tensorstore_hooks.errors import ConfigError, IntegrityError
 from tensorstore_hooks.pipeline import READ, IOPool
-from tensorstore_hooks.storage.io import BufferPool, ChunkIO
+from tensorstore_hooks.storage.io import BufferPool, ChunkIO, LocalIO
 
 __all__ = ["MAX_CHUNK_BYTES", "CaptureDataset"]
 
@@ -54,12 +54,14 @@ MAX_CHUNK_BYTES = 4 << 30
 
 _Index = npt.NDArray[np.int64]
 """Row numbers within a window."""
+_Bytes = npt.NDArray[np.uint8]
+"""Rows of bytes: a chunk's rows, a batch's (shape ``(rows, row_bytes)``)."""
 
 
 class _Window:
     """The pieces of one window, read: rows of bytes numbered across them in order."""
 
-    def __init__(self, chunks: list[torch.Tensor]) -> None:
+    def __init__(self, chunks: list[_Bytes]) -> None:
         self.chunks = chunks
         self.starts: _Index = np.cumsum([0, *(len(c) for c in chunks)], dtype=np.int64)
         self.rows = int(self.starts[-1])
@@ -68,13 +70,13 @@ class _Window:
 class _Batch:
     """A batch being filled from one or more windows (NOTE [ Capture reads ] rule 3)."""
 
-    def __init__(self, data: torch.Tensor) -> None:
+    def __init__(self, data: _Bytes) -> None:
         self.data = data
         """``(batch_size, row_bytes)`` uint8 over a pooled buffer."""
         self.fill = 0
         self.parts: list[Future[None]] = []
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> _Bytes:
         for part in self.parts:
             part.result()
         return self.data[: self.fill]
@@ -96,7 +98,9 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
     yields the same number of batches (``"pad"``, default: one batch of repeated rows
     on the shorter ranks; ``"drop"``; ``False``: a :class:`ConfigError` if they would
     differ). ``shuffle_bytes``: how much is shuffled at once; ``read_ahead``: windows
-    read ahead; ``threads``: reader threads per process. ``rank``/``world_size``
+    read ahead; ``threads``: reader threads per process; ``map_bytes``: a local root's
+    chunk files stay mapped from epoch to epoch when the arrays hold at most this much
+    (NOTE [ Capture reads ] rule 3; ``0``: read into pooled buffers). ``rank``/``world_size``
     default to ``torch.distributed``'s (else 0 and 1).
 
     Raises :class:`ConfigError` when ``name`` selects no array (naming those that
@@ -119,6 +123,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         shuffle_bytes: int | str = "64MiB",
         read_ahead: int = 1,
         threads: int = 2,
+        map_bytes: int | str = "16GiB",
         storage_options: StorageOptions | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -127,6 +132,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         _check_args(batch_size, read_ahead, threads, even_batches)
         try:
             self.shuffle_bytes = parse_bytes(shuffle_bytes, what="CaptureDataset shuffle_bytes")
+            self.map_bytes = parse_bytes(map_bytes, what="CaptureDataset map_bytes")
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.batch_size = batch_size
@@ -166,6 +172,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         # reaches DataLoader workers that were made before it (persistent_workers=True).
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._pool: tuple[int, BufferPool] | None = None
+        self._maps: tuple[int, MapCache] | None = None
 
     @property
     def epoch(self) -> int:
@@ -185,7 +192,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
-        state["_pool"] = None  # each process pools its own buffers
+        state["_pool"] = state["_maps"] = None  # each process pools and maps its own
         return state
 
     # ------------------------------------------------------------------ plan
@@ -204,6 +211,16 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
             self._pool = (os.getpid(), BufferPool(idle))
         return self._pool[1]
 
+    def _mapped(self, io: ChunkIO) -> MapCache | None:
+        """This process's maps of chunk files (NOTE [ Capture reads ] rule 3): for a local
+        root whose selected arrays fit within ``map_bytes``, else ``None``."""
+        total = sum(a.chunks * (a.chunk_bytes + 4) for a in self.arrays)
+        if not isinstance(io, LocalIO) or total > self.map_bytes:
+            return None
+        if self._maps is None or self._maps[0] != os.getpid():
+            self._maps = (os.getpid(), MapCache(self.map_bytes))
+        return self._maps[1]
+
     # ------------------------------------------------------------------ reading
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
@@ -217,7 +234,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
             return
         io, owned = self.source.open()
         pool = IOPool(self.threads, name="tsh-capture-read")
-        reader = ChunkReader(io, self._buffers())
+        reader = ChunkReader(io, self._buffers(), self._mapped(io))
         try:
             shard = self.rank * workers + worker
             yield from self._serve(pool, reader, self._windows(pieces), (epoch, shard))
@@ -250,7 +267,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         """Yield the batches of ``windows``: read ``read_ahead`` windows ahead, each
         dealt out in its permutation (``shuffled``: ``(epoch, shard)``; ``None``: in
         order), gathered on the pool's threads ahead of the consumer."""
-        fetching: deque[list[Future[torch.Tensor]]] = deque()
+        fetching: deque[list[Future[_Bytes]]] = deque()
         ready: deque[_Batch] = deque()
         open_batch: list[_Batch] = []  # the batch being filled, across windows
         nxt = 0
@@ -292,18 +309,18 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
                 open_batch.clear()
                 yield batch
 
-    def _read(self, reader: ChunkReader, piece: Piece) -> torch.Tensor:
+    def _read(self, reader: ChunkReader, piece: Piece) -> _Bytes:
         """Reader thread: the rows of ``piece`` (a view of its chunk's pooled buffer)."""
         rows = reader.read(self.arrays[piece.array], piece.index, self._fold[piece.array])
         return rows[piece.lo : piece.hi]
 
-    def _new_batch(self) -> torch.Tensor:
+    def _new_batch(self) -> _Bytes:
         row_bytes = self.arrays[0].row_bytes // self._fold[0]
         data, _ = self._buffers().lend(self.batch_size * row_bytes)
-        return torch.from_numpy(data).view(self.batch_size, row_bytes)
+        return data.reshape(self.batch_size, row_bytes)
 
-    def _shaped(self, data: torch.Tensor) -> torch.Tensor:
-        return data.view(self.dtype).view(len(data), *self.row_shape)
+    def _shaped(self, data: _Bytes) -> torch.Tensor:
+        return torch.from_numpy(data).view(self.dtype).view(len(data), *self.row_shape)
 
     def _order(self, n: int, shuffled: tuple[int, int] | None, window: int) -> _Index:
         if not self.shuffle or shuffled is None:

@@ -187,3 +187,47 @@ def test_leaves_of_zero_length_rows_are_skipped(tmp_path: Path) -> None:
     assert sorted(got[:, 0].tolist()) == [1.0] * 12 + [2.0] * 10
     with pytest.raises(tsh.ConfigError, match="only rows of no elements"):
         tsh.CaptureDataset(str(tmp_path), "0/output@0x8_float32", batch_size=7)
+
+
+# ------------------------------------------------------------------ finding 8 (reads)
+def test_mapped_and_pooled_reads_serve_the_same_batches_and_check_every_epoch(
+    tmp_path: Path,
+) -> None:
+    rows = _write(tmp_path, [300, 411])
+    kw = dict(batch_size=64, seed=9, shuffle_bytes="8KiB")
+    mapped = tsh.CaptureDataset(str(tmp_path), "0/output", **kw)  # type: ignore[arg-type]
+    pooled = tsh.CaptureDataset(str(tmp_path), "0/output", map_bytes=0, **kw)  # type: ignore[arg-type]
+    for epoch in range(2):
+        mapped.set_epoch(epoch)
+        pooled.set_epoch(epoch)
+        a = [_ids(b) for b in mapped]
+        assert a == [_ids(b) for b in pooled]
+        assert sorted(i for b in a for i in b) == list(range(rows))
+    assert mapped._maps is not None and pooled._maps is None
+    chunk = tmp_path / "capture/0/output/c/2/0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    with open(chunk, "r+b") as f:  # in place: the same file, its map sees the new bytes
+        f.write(bytes(data))
+    for ds in (mapped, pooled):
+        with pytest.raises(tsh.IntegrityError, match=r"c/2/0 .*checksum mismatch"):
+            list(ds)
+
+
+def test_a_map_follows_a_chunk_rewritten_by_a_later_capture(tmp_path: Path) -> None:
+    _write(tmp_path, [100])  # one partial chunk of 128 rows
+    before = tsh.CaptureDataset(str(tmp_path), "0/output", batch_size=1000, shuffle=False)
+    assert _ids(next(iter(before))) == list(range(100))
+    model = nn.Sequential(nn.Identity())
+    with (
+        torch.no_grad(),
+        tsh.capture(model, str(tmp_path), modules="0", what="output", chunk_bytes="4KiB"),
+    ):
+        model(torch.arange(100, 150, dtype=torch.float32)[:, None].expand(50, WIDTH))
+    chunk = tmp_path / "capture/0/output/c/0/0"
+    assert _ids(next(iter(before))) == list(range(100))  # the rows it saw, from the new file
+    assert before._maps is not None
+    ((key, data),) = before._maps[1]._maps.values()
+    assert key[1] == chunk.stat().st_ino and len(data) == chunk.stat().st_size
+    after = tsh.CaptureDataset(str(tmp_path), "0/output", batch_size=1000, shuffle=False)
+    assert [_ids(b) for b in after] == [list(range(150))]
