@@ -372,6 +372,13 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
             companion = (
                 self._writer.existing(f"{group}/{name}{TOKENS_SUFFIX}") if masked else None
             )
+            have = (found.rows if found else 0, companion.rows if companion else 0)
+            if masked and have[0] != have[1]:  # NOTE [ Capture masks ] rule 3
+                raise ConfigError(
+                    f"{group}/{name} holds {have[0]} rows but {group}/{name}{TOKENS_SUFFIX} "
+                    f"{have[1]}: they no longer pair row for row, so no more are appended; "
+                    "capture into another root (or move both arrays away)"
+                )
         except Exception as e:  # a damaged document, a store error: never raise in a hook
             self._writer.failed(e, f"opening {group}/{module}/{leaf}", stopped=True)
             self._names[key] = None

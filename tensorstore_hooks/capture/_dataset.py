@@ -168,9 +168,7 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
             even=even_batches,
             name=name,
         )
-        # NOTE [ Capture epochs ]: the epoch lives in shared memory, so that set_epoch
-        # reaches DataLoader workers that were made before it (persistent_workers=True).
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._epoch = _shared_epoch(name)
         self._pool: tuple[int, BufferPool] | None = None
         self._maps: tuple[int, MapCache] | None = None
 
@@ -334,6 +332,21 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
             f"row_shape={self.row_shape}, dtype={self.dtype}, batch_size={self.batch_size}, "
             f"arrays={len(self.arrays)})"
         )
+
+
+def _shared_epoch(name: str) -> torch.Tensor:
+    """The epoch, in shared memory: ``set_epoch`` then reaches DataLoader workers made
+    before it (``persistent_workers=True``; NOTE [ Capture epochs ])."""
+    epoch = torch.zeros(1, dtype=torch.int64)
+    try:
+        return epoch.share_memory_()
+    except (RuntimeError, OSError) as e:  # no /dev/shm (some sandboxes)
+        warn_user(
+            f"CaptureDataset({name!r}): no shared memory here ({e}); set_epoch reaches "
+            "DataLoader workers only when they are made after it: use "
+            "persistent_workers=False for a new order each epoch"
+        )
+        return epoch
 
 
 def _check_args(batch_size: int, read_ahead: int, threads: int, even: object) -> None:

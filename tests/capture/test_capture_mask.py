@@ -205,3 +205,38 @@ def test_masked_rows_never_share_an_array_with_unmasked_ones(tmp_path: Path) -> 
     ]
     assert group["output"].shape == (4, D) and group[f"output@{D}_float32_masked"].shape == (3, D)
     assert cap.names == [f"0/output@{D}_float32_masked", f"0/output@{D}_float32_masked~tokens"]
+
+
+def test_an_array_and_its_tokens_that_no_longer_pair_take_no_more_rows(tmp_path: Path) -> None:
+    layer = nn.Sequential(nn.Linear(D, D))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    with torch.no_grad():
+        with tsh.capture(layer, str(tmp_path), modules="0", what="output", mask=mask):
+            layer(torch.ones(2, 3, D))
+        import shutil
+
+        shutil.rmtree(tmp_path / "capture/0/output~tokens")  # the join is gone
+        with (
+            pytest.warns(UserWarning, match=r"0/output holds 3 rows but capture/0/output~tokens 0"),
+            tsh.capture(layer, str(tmp_path), modules="0", what="output", mask=mask) as cap,
+        ):
+            layer(torch.ones(2, 3, D))
+    assert cap.stats.rows_dropped == 3
+    assert zarr.open_array(str(tmp_path / "capture/0/output"), mode="r").shape == (3, D)
+
+
+@pytest.mark.cuda
+def test_masks_on_cuda_capture_the_real_tokens(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    data = padded_batches(3)
+    ref, _ = reference(data)
+    model = Tiny().cuda()
+    with tsh.capture(
+        model, str(tmp_path), modules="layers.*", what="output", mask="attention_mask"
+    ) as cap:
+        for batch in data:
+            model(**{k: v.cuda() for k, v in batch.items()})
+    for i in range(2):
+        got = torch.from_numpy(cap.arrays[f"layers.{i}/output"][:])
+        assert torch.allclose(got, torch.cat(ref[f"layers.{i}/output"]), atol=1e-5)
