@@ -158,7 +158,9 @@ class ArrayInfo:
 class DamagedDocument(IntegrityError):
     """A capture document that exists but cannot be used (rule 6): never written over."""
 
-    def __init__(self, url: str, path: str, why: str, *, foreign: bool = False) -> None:
+    def __init__(
+        self, url: str, path: str, why: str, *, foreign: bool = False, group: bool = False
+    ) -> None:
         self.path = path
         """The array's path under the store root (``capture/layers.0/output``)."""
         self.why = why
@@ -167,12 +169,17 @@ class DamagedDocument(IntegrityError):
         """Whether it is a whole document of another kind (another tool's array): not
         damage to report, but still never written over."""
         name = path[len(CAPTURE_DIR) + 1 :] if path.startswith(CAPTURE_DIR + "/") else path
-        fix = (
-            "capture writes nothing there: move it, or capture into another root"
-            if foreign
-            else recovery_hint(url, name)
-        )
-        super().__init__(f"capture array {name} under {url}: {path}/zarr.json {why}; {fix}")
+        if group:
+            fix = (
+                "it is a group's document, the same for every capture group: remove it "
+                "and the next capture writes it again (the arrays below it are listed)"
+            )
+        elif foreign:
+            fix = "capture writes nothing there: move it, or capture into another root"
+        else:
+            fix = recovery_hint(url, name)
+        what = "capture group" if group else "capture array"
+        super().__init__(f"{what} {name} under {url}: {path}/zarr.json {why}; {fix}")
 
 
 @dataclass
@@ -354,9 +361,14 @@ def _walk(io: ChunkIO, path: str, depth: int, found: Scan) -> None:
     try:
         info = read_array(io, path)
     except DamagedDocument as e:
-        if not e.foreign:
+        if e.foreign:
+            return  # another tool's array: not capture's to list or report
+        if "c" in io.listdir(path):  # an array's folder
             found.damaged.append(e)
-        return
+            return
+        # A group's document: the arrays below it are still listed.
+        found.damaged.append(DamagedDocument(io.url, path, e.why, group=True))
+        info = None
     if info is not None:
         found.arrays.append(info)
         return

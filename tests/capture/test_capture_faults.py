@@ -411,3 +411,14 @@ def test_a_full_disk_under_direct_io_loses_no_visible_row(small_ext4: Path) -> N
     assert torch.equal(torch.from_numpy(arr[:]), torch.cat(data)[: arr.shape[0]])
     json.loads((small_ext4 / "capture/0/output/zarr.json").read_text())
     assert np.all(np.isfinite(arr[:]))
+
+
+def test_a_damaged_group_document_hides_no_array(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Identity())
+    with _capture(tmp_path, model), torch.no_grad():
+        model(_ids(3))
+    (tmp_path / "capture/0/zarr.json").write_bytes(b'{"zarr_format": 3, "node')
+    listing = inspect_root(str(tmp_path))
+    assert [a["name"] for a in listing["capture"]] == ["0/output"]
+    (problem,) = listing["problems"]
+    assert "capture group 0 " in problem and "remove it and the next capture writes it" in problem
