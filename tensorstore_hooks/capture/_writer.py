@@ -38,7 +38,11 @@ NOTE [ Capture writes ]
    are written, rounded down to a block boundary (NOTE [ Capture layout ] rule 3).
    Only a newer state is ever written, and at most one write of an array's document
    runs at a time: a commit that finds one running leaves it to write the newest
-   state once more when it ends.
+   state once more when it ends. A document costs two ``fsync`` calls, so while other
+   writes of the array are running a finished write commits only if the last commit
+   is :data:`COMMIT_EVERY_S` old (the last write to finish always commits): visible
+   rows lag the written ones by at most that while rows stream in, and not at all
+   once they stop.
 5. A failed chunk write stops its array: the rows before the failed chunk become (or
    stay) visible, the rest of that array's rows are dropped (``stats.rows_dropped``);
    the failure is counted (``stats.failed_writes``) and warned about once, and
@@ -84,7 +88,18 @@ from tensorstore_hooks.pipeline import CopyEvent, CudaOps, DeviceOps
 from tensorstore_hooks.storage.io import BLOCK_BYTES, ChunkIO, LocalIO, address_of, aligned_empty
 from tensorstore_hooks.storage.zarr import crc
 
-__all__ = ["ArraySpec", "CaptureStats", "CaptureWriter", "as_rows", "chunk_rows_for"]
+__all__ = [
+    "COMMIT_EVERY_S",
+    "ArraySpec",
+    "CaptureStats",
+    "CaptureWriter",
+    "as_rows",
+    "chunk_rows_for",
+]
+
+COMMIT_EVERY_S = 0.25
+"""While an array's writes stream in, its ``zarr.json`` is replaced at most this often
+(NOTE [ Capture writes ] rule 4)."""
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -218,6 +233,10 @@ class _Array:
     """Rows the newest ``zarr.json`` written shows."""
     exists: bool = False
     """Whether its ``zarr.json`` is in the store."""
+    writing: int = 0
+    """Chunk writes submitted and not finished (rule 4)."""
+    committed_at: float = 0.0
+    """``time.monotonic()`` of the newest ``zarr.json`` written (rule 4)."""
 
     def add_block(self, step: int, first: int, rows: int) -> None:
         last = self.runs[-1] if self.runs else None
@@ -446,6 +465,7 @@ class CaptureWriter:
             prev = arr.writes.get(tail.index)
             atomic = prev is not None or arr.durable.get(tail.index, 0) > 0
             arr.writes[tail.index] = write
+            arr.writing += 1
         self.inflight.submit(self._write_chunk, arr, tail, tail.rows, release, atomic, prev, write)
 
     def _write_chunk(
@@ -484,7 +504,11 @@ class CaptureWriter:
             self.count(
                 chunks_written=1, chunks_direct=int(direct), bytes_written=rows * spec.row_bytes
             )
-        self._commit(arr)
+        with arr.state_lock:
+            arr.writing -= 1
+            later = arr.writing and time.monotonic() - arr.committed_at < COMMIT_EVERY_S
+        if not later:  # rule 4: a write still running commits when it ends
+            self._commit(arr)
 
     def _put_chunk(
         self, spec: ArraySpec, tail: _Chunk, rows: int, atomic: bool, *, owned: bool
@@ -690,6 +714,7 @@ def _commit_once(io: ChunkIO, arr: _Array, groups: GroupDocs) -> Exception | Non
         return e
     arr.exists = True
     arr.visible = rows
+    arr.committed_at = time.monotonic()
     return None
 
 
