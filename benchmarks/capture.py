@@ -10,9 +10,9 @@ activation cache is made)::
     tofile     a plain loop writing the same bytes: each hook writes its output with
                numpy.tofile to one open file per block
 
-For each number of batches ``N`` (``--batches 8,32``) and each round, every mode runs
-once; figures are ratios to ``none`` of the same round and ``N``, then the median over
-rounds (the machine is shared and noisy; only side-by-side ratios survive that):
+For each number of batches ``N`` (``--batches 8,32,128``) and each round, every mode
+runs once; figures are ratios to ``none`` of the same round and ``N``, then the median
+over rounds (the machine is shared and noisy; only side-by-side ratios survive that):
 
 * step time: the median time of one batch (forward plus hooks; batch 0 is warm-up),
   and the end-to-end time (every batch plus what the mode does at the end: tsh's
@@ -23,19 +23,25 @@ rounds (the machine is shared and noisy; only side-by-side ratios survive that):
   RssSampler), and, where a memory cgroup can be made (cgroup v1 at
   /sys/fs/cgroup/memory, as root), the peak charge of a child group holding only the
   run (RSS plus the page cache its files occupy) minus the charge before batch 0.
+  tsh's charge at each N, and the largest over the smallest, is printed last: capture
+  writes chunks with O_DIRECT where the disk allows it, so it should be flat in N.
 
 Then the read side: ``CaptureDataset(DIR, "blocks.K/output", shuffle=True,
-flatten=True)`` reading every row of one captured array, against a raw sequential
-read of the same chunk files (``numpy.fromfile`` of each, in order, as
-store_io.py's raw baseline), alternating, warm page cache for both (the files were
-just written; nothing here drops the machine's caches).
+flatten=True)`` reading every row of one captured array (one dataset, a new epoch
+each read, as a training loop reads it), against a raw sequential read of the same
+chunk files (``numpy.fromfile`` of each, in order, as store_io.py's raw baseline),
+alternating, with a cold page cache (the chunk files evicted with
+``posix_fadvise(DONTNEED)`` before each read) and a warm one; wall time and the
+process's CPU time of each.
 
-Goals (DESIGN.md, issue 26): tsh within 1.15x of ``none``'s step time where the disk
-keeps up; tsh's memory flat in ``N`` (bounded by ``max_inflight``) while the
-tutorial's grows; CaptureDataset >= 0.8x of the raw read.
+Goals (DESIGN.md, issues 26 and 35): tsh within 1.15x of ``none``'s step time where
+the disk keeps up; tsh's container charge flat in ``N`` (RSS bounded by
+``max_inflight``, no page cache left by its writes) while the tutorial's grows;
+CaptureDataset >= 0.8x of the raw read, cold and warm.
 
-    python benchmarks/capture.py                                   # bench model, N=8,32
+    python benchmarks/capture.py                                   # bench model, N=8,32,128
     python benchmarks/capture.py --size tiny --batches 4,12 --rounds 1    # quick
+    python benchmarks/capture.py --modes none,tsh --batches 8,32,128      # the charge in N
     python benchmarks/capture.py --json bench-out/capture.json
 """
 
@@ -209,8 +215,20 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _evict(paths: list[Path]) -> None:
+    """Drop ``paths`` from the page cache (their pages are clean: written and synced)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run_read(args: argparse.Namespace) -> dict[str, Any]:
-    """CaptureDataset against a raw sequential read of the same chunk files."""
+    """CaptureDataset against a raw sequential read of the same chunk files, with a cold
+    page cache (the files evicted before each read) and a warm one, alternating."""
     import numpy as np
 
     import tensorstore_hooks as tsh
@@ -226,40 +244,63 @@ def run_read(args: argparse.Namespace) -> dict[str, Any]:
         Path(args.dir) / chunk_path(info.path, c, len(info.row_shape) + 1)
         for c in range(info.chunks)
     ]
-    def raw() -> float:
+
+    def raw() -> tuple[float, float]:
         """numpy.fromfile of each chunk file in order: the raw sequential read."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for p in paths:
             np.fromfile(p, dtype=np.uint8)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    def ours() -> float:
-        ds = tsh.CaptureDataset(
+    def dataset() -> Any:
+        return tsh.CaptureDataset(
             args.dir, name, batch_size=args.read_batch, shuffle=True, seed=0, flatten=True
         )
-        t0 = time.perf_counter()
+
+    def epoch_of(ds: Any, epoch: int) -> tuple[float, float]:
+        ds.set_epoch(epoch)
+        t0, c0 = time.perf_counter(), time.process_time()
         rows = 0
         for batch in ds:
             rows += len(batch)
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0, time.process_time() - c0
         assert rows == ds.num_rows
         return took
 
-    raw()  # warm the page cache for both
-    raws, mine = [], []
-    for _ in range(args.read_rounds):
-        raws.append(raw())
-        mine.append(ours())
-    nbytes = info.nbytes
-    return {
-        "array": name,
-        "bytes": nbytes,
-        "raw_s": statistics.median(raws),
-        "dataset_s": statistics.median(mine),
-        "raw_gbps": nbytes / statistics.median(raws) / 1e9,
-        "dataset_gbps": nbytes / statistics.median(mine) / 1e9,
-        "ratio": statistics.median(raws) / statistics.median(mine),
-    }
+    # Cold: a new dataset for each read (a first epoch; a kept map would hold its pages
+    # in the page cache, which DONTNEED leaves). Warm: one dataset over the rounds, a new
+    # epoch each, as a training loop reads it (its chunk maps and buffers are kept).
+    figures: dict[str, Any] = {"array": name, "bytes": info.nbytes}
+    for cache in ("cold", "warm"):
+        raws, mine = [], []
+        if cache == "warm":
+            warm = dataset()
+            epoch_of(warm, 0)
+            figures["threads"] = warm.threads
+        for r in range(args.read_rounds):
+            if cache == "cold":
+                _evict(paths)
+                raws.append(raw())
+                fresh = dataset()
+                _evict(paths)
+                mine.append(epoch_of(fresh, r))
+                del fresh
+            else:
+                raw()  # every file in the page cache
+                raws.append(raw())
+                mine.append(epoch_of(warm, r + 1))
+        raw_s = statistics.median(t for t, _ in raws)
+        our_s = statistics.median(t for t, _ in mine)
+        figures[cache] = {
+            "raw_s": raw_s,
+            "dataset_s": our_s,
+            "raw_gbps": info.nbytes / raw_s / 1e9,
+            "dataset_gbps": info.nbytes / our_s / 1e9,
+            "ratio": raw_s / our_s,
+            "raw_cpu_s": statistics.median(c for _, c in raws),
+            "dataset_cpu_s": statistics.median(c for _, c in mine),
+        }
+    return figures
 
 
 # --------------------------------------------------------------------------- parent
@@ -369,24 +410,49 @@ def format_table(result: dict[str, Any]) -> str:
         )
     read = result["read"]
     if read:
-        lines.append(
-            f"read {read['array']}: CaptureDataset {read['dataset_gbps']:.2f} GB/s, raw "
-            f"sequential {read['raw_gbps']:.2f} GB/s: {read['ratio']:.2f}x (shuffled, "
-            f"{read['bytes'] / 2**20:.0f} MiB, warm page cache)"
-        )
+        for cache in ("cold", "warm"):
+            r = read[cache]
+            lines.append(
+                f"read {read['array']} ({read['bytes'] / 2**20:.0f} MiB, shuffled, {cache} page "
+                f"cache): CaptureDataset {r['dataset_gbps']:.2f} GB/s, raw sequential "
+                f"{r['raw_gbps']:.2f} GB/s: {r['ratio']:.2f}x (CPU {r['dataset_cpu_s']:.2f} s "
+                f"against {r['raw_cpu_s']:.2f} s)"
+            )
+    flat = charge_in_n(result["summary"])
+    if flat:
+        lines.append(flat)
     return "\n".join(lines)
+
+
+def charge_in_n(summary: dict[str, Any]) -> str | None:
+    """tsh's container charge at each N, and the largest over the smallest: flat in N
+    means the capture's writes leave no page cache behind (NOTE [ Capture writes ])."""
+    charges = {
+        int(key.split("@")[1]): s["cgroup_peak_mib"]
+        for key, s in summary.items()
+        if key.startswith("tsh@") and s["cgroup_peak_mib"] is not None
+    }
+    if len(charges) < 2:
+        return None
+    shown = ", ".join(f"N={n}: {mib:.0f} MiB" for n, mib in sorted(charges.items()))
+    ratio = max(charges.values()) / max(1.0, min(charges.values()))
+    return f"tsh container charge by N: {shown} (largest / smallest: {ratio:.2f}x)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="bench", help="model size: tiny, small, bench")
-    p.add_argument("--batches", default="8,32", help="numbers of batches N, comma-separated")
+    p.add_argument(
+        "--batches", default="8,32,128", help="numbers of batches N, comma-separated"
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-inflight", default="256MiB", help="tsh's max_inflight")
     p.add_argument("--dir", help="scratch directory on the disk to measure (default: $TMPDIR)")
     p.add_argument("--read-array", default="blocks.3/output")
-    p.add_argument("--read-rounds", type=int, default=3, help="0: skip the read benchmark")
+    p.add_argument(
+        "--read-rounds", type=int, default=3, help="rounds per cache state; 0: skip the read"
+    )
     p.add_argument("--read-batch", type=int, default=4096, help="CaptureDataset batch_size")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
     p.add_argument("--json", help="write every figure here")

@@ -44,7 +44,14 @@ Each tensor a hook sees is one *leaf*, named after the kind:
    reads a leaf with all its shapes as one stream of rows.
 5. A capture into a root that already holds an array of the same name, row shape
    and dtype appends to it (its rows and blocks stay); one of another shape keeps
-   the name, and the new rows take the ``@`` name of rule 4.
+   the name, and the new rows take the ``@`` name of rule 4. A document there that
+   cannot be used is never written over (NOTE [ Capture documents ]): ``capture()``
+   refuses the module, naming it and how to recover.
+6. With ``mask=`` (NOTE [ Capture masks ] in ``capture/_mask.py``) a masked leaf's
+   rows are its real tokens, and its array ``NAME`` has a companion ``NAME~tokens``
+   of ``[step, sample, position]`` rows. Masked and unmasked rows never share an
+   array: if the name is taken by the other kind, rule 4's ``@`` name ends in
+   ``_masked`` for masked rows.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TypeAlias
 
 import torch
@@ -64,7 +72,16 @@ from torch.utils.hooks import RemovableHandle
 from tensorstore_hooks._caller import names_caller
 from tensorstore_hooks._codec import unsupported_reason
 from tensorstore_hooks._warn import warn_user
-from tensorstore_hooks.capture._layout import CAPTURE_DIR, row_bytes, stored_dtype_name
+from tensorstore_hooks.capture._layout import (
+    CAPTURE_DIR,
+    ArrayInfo,
+    kind_of,
+    row_bytes,
+    scan_arrays,
+    stored_dtype_name,
+)
+from tensorstore_hooks.capture._locks import LOCK_DIR, ArrayLocks, lock_path
+from tensorstore_hooks.capture._mask import TOKENS_SUFFIX, Mask, check_mask, mask_from_call
 from tensorstore_hooks.capture._source import CaptureSource, StorageOptions, open_zarr_array
 from tensorstore_hooks.capture._writer import (
     ArraySpec,
@@ -74,7 +91,7 @@ from tensorstore_hooks.capture._writer import (
     chunk_rows_for,
 )
 from tensorstore_hooks.config import EffectiveConfig, check_globs, select_modules
-from tensorstore_hooks.errors import ConfigError, TensorStoreError
+from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.storage import DAEMON_SCHEMES, TensorStore, scheme_of
 from tensorstore_hooks.storage.io import ChunkIO
 from tensorstore_hooks.storage.zarr import ZarrStore, distributed_rank, make_io
@@ -91,7 +108,16 @@ ROOT_NAME = "root"
 """The array folder of the model itself (``modules=None``)."""
 _ConfigSource: TypeAlias = str | os.PathLike[str] | EffectiveConfig | Mapping[str, object] | None
 """What ``capture(config=...)`` takes, as ``offload(config=...)`` does."""
-_OPTIONS = ("max_inflight", "writer_threads", "chunk_bytes", "storage_options", "read_deadline_s")
+_OPTIONS = (
+    "max_inflight",
+    "writer_threads",
+    "chunk_bytes",
+    "storage_options",
+    "read_deadline_s",
+    "direct_io",
+)
+_Key: TypeAlias = tuple[str, str, tuple[int, ...], torch.dtype, bool]
+"""What decides a leaf's array: module, leaf, row shape, stored dtype, masked."""
 _DAEMON_HELP = (
     "the storage daemon keeps tensors by opaque key for the session that wrote them and "
     "frees them when it ends (BYE or lease expiry), so it cannot hold arrays that outlive "
@@ -132,18 +158,19 @@ class _GradHook:
     """A tensor hook on one output leaf: captures the gradient of that output, with
     the step of the forward that made it."""
 
-    __slots__ = ("_cap", "leaf", "module", "step")
+    __slots__ = ("_cap", "leaf", "mask", "module", "step")
 
-    def __init__(self, cap: Capture, module: str, leaf: str, step: int) -> None:
+    def __init__(self, cap: Capture, module: str, leaf: str, step: int, mask: Mask | None) -> None:
         self._cap = weakref.ref(cap)
         self.module = module
         self.leaf = leaf
         self.step = step
+        self.mask = mask
 
     def __call__(self, grad: torch.Tensor) -> None:
         cap = self._cap()
         if cap is not None and os.getpid() == cap._pid:
-            cap._put(self.module, self.leaf, grad, self.step)
+            cap._put(self.module, self.leaf, grad, self.step, self.mask)
             cap._emit_warning()
 
 
@@ -167,6 +194,8 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         url: str,
         storage_options: StorageOptions | None,
         owns_io: bool,
+        locks: ArrayLocks,
+        mask: str | torch.Tensor | None,
     ) -> None:
         self._writer = writer
         self._kinds = kinds
@@ -177,8 +206,11 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         """The store root the arrays are under."""
         self._storage_options = storage_options
         self._handles: list[RemovableHandle] = []
-        self._names: dict[tuple[str, str, tuple[int, ...], torch.dtype], str | None] = {}
-        self._owners: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._names: dict[_Key, str | None] = {}
+        self._owners: dict[str, tuple[tuple[int, ...], str, bool]] = {}
+        self._mask_key = mask if isinstance(mask, str) else None
+        self._mask: Mask | None = Mask(mask) if isinstance(mask, torch.Tensor) else None
+        """The mask of the latest forward (NOTE [ Capture masks ])."""
         self._lock = threading.Lock()
         self._step = 0
         self._forwards = 0
@@ -186,7 +218,9 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         self._pid = os.getpid()
         # Collected or at exit without remove(): still write what was captured, once,
         # and only in this process (a forked child never writes its parent's arrays).
-        self._finalizer = weakref.finalize(self, _finish, self._pid, writer, self._handles, owns_io)
+        self._finalizer = weakref.finalize(
+            self, _finish, self._pid, writer, self._handles, owns_io, locks
+        )
 
     # ------------------------------------------------------------------ public
     @property
@@ -215,6 +249,20 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
             raise ConfigError(f"capture: step must be an int >= 0, got {value!r}")
         self._step = value
         self._step_set = True
+
+    @property
+    def mask(self) -> torch.Tensor | str | None:
+        """The mask (NOTE [ Capture masks ]): the key read at each forward, or the tensor
+        used until it is set again. Set a ``(batch, seq)`` tensor before a forward to
+        mask it (and the ones after)."""
+        if self._mask_key is not None:
+            return self._mask_key
+        return None if self._mask is None else self._mask._mask
+
+    @mask.setter
+    def mask(self, value: torch.Tensor | None) -> None:
+        self._mask_key = None
+        self._mask = None if value is None else Mask(check_mask(value, "cap.mask"))
 
     @property
     def names(self) -> list[str]:
@@ -263,39 +311,44 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
         step = self._step
         if role == "step":
             if not in_backward:
-                self._on_forward()
+                self._on_forward(args[1], args[2])
         elif role == "input":
             if not in_backward:
                 _, pos, kwargs = args
                 for leaf, t in _input_leaves(pos, kwargs):
-                    self._put(module, leaf, t, step)
+                    self._put(module, leaf, t, step, self._mask)
         elif role == "output":
             leaves = list(_leaves("output", args[2]))
             if "output" in self._kinds and not in_backward:
                 for leaf, t in leaves:
-                    self._put(module, leaf, t, step)
+                    self._put(module, leaf, t, step, self._mask)
             if "grad_output" in self._kinds:
                 for leaf, t in leaves:
                     if t.requires_grad:
-                        t.register_hook(_GradHook(self, module, "grad_" + leaf, step))
+                        t.register_hook(_GradHook(self, module, "grad_" + leaf, step, self._mask))
         else:  # "grad_input": (module, grad_input, grad_output)
             for leaf, t in _unwrapped("grad_input", args[1]):
-                self._put(module, leaf, t, step)
+                self._put(module, leaf, t, step, self._mask)
         self._emit_warning()
 
-    def _on_forward(self) -> None:
+    def _on_forward(self, args: object, kwargs: object) -> None:
+        if self._mask_key is not None:  # NOTE [ Capture masks ] rule 1
+            call = args if isinstance(args, tuple) else ()
+            named = kwargs if isinstance(kwargs, Mapping) else {}
+            self._mask = Mask(mask_from_call(self._mask_key, call, named))
         if self._forwards and not self._step_set:
             self._step += 1
         self._step_set = False
         self._forwards += 1
 
-    def _put(self, module: str, leaf: str, t: torch.Tensor, step: int) -> None:
+    def _put(self, module: str, leaf: str, t: torch.Tensor, step: int, mask: Mask | None) -> None:
         if unsupported_reason(t) is not None or stored_dtype_name(t.dtype) is None:
             self._writer.count(skipped=1)
             return
         stored = self._dtype if self._dtype is not None and t.is_floating_point() else t.dtype
-        rows = as_rows(t.detach())
-        key = (module, leaf, tuple(rows.shape[1:]), stored)
+        masked = mask is not None and mask.matches(t)
+        rows = mask.select(t) if masked and mask is not None else as_rows(t.detach())
+        key = (module, leaf, tuple(rows.shape[1:]), stored, masked)
         name = self._names.get(key, "")
         if name == "":
             with self._lock:
@@ -304,54 +357,108 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
             self._writer.count(rows_dropped=rows.shape[0])
             return
         self._writer.append(name, rows, step)
+        if masked and mask is not None:
+            self._writer.append(name + TOKENS_SUFFIX, mask.where(step), step)
 
-    def _open(
-        self, key: tuple[str, str, tuple[int, ...], torch.dtype], source: torch.dtype
-    ) -> str | None:
-        """The array name of a new (module, leaf, row shape, dtype): NOTE [ Capture names ]."""
+    def _open(self, key: _Key, source: torch.dtype) -> str | None:
+        """The array name of a new (module, leaf, row shape, dtype, masked): NOTE
+        [ Capture names ]; a masked one opens its ``~tokens`` companion too."""
         if key in self._names:
             return self._names[key]
-        module, leaf, row_shape, stored = key
-        dtype_name = str(stored).removeprefix("torch.")
-        base = f"{module}/{leaf}"
+        module, leaf, row_shape, stored, masked = key
         group = f"{CAPTURE_DIR}/rank{self._rank}" if self._rank is not None else CAPTURE_DIR
-        writer = self._writer
-        name: str | None = None
         try:
-            owner = self._owners.get(base)
-            if owner is None:
-                found = writer.existing(f"{group}/{base}")
-                owner = (found.row_shape, found.dtype) if found else (row_shape, dtype_name)
-                self._owners[base] = owner
-            name = (
-                base if owner == (row_shape, dtype_name) else _variant(base, row_shape, dtype_name)
+            name, found = self._place(group, module, leaf, row_shape, stored, masked)
+            companion = (
+                self._writer.existing(f"{group}/{name}{TOKENS_SUFFIX}") if masked else None
             )
-            path = f"{group}/{name}"
-            found = writer.existing(path)
-            if found is not None and (found.row_shape, found.dtype) != (row_shape, dtype_name):
-                raise ConfigError(f"{path} holds rows of {found.row_shape} {found.dtype}")
-        except TensorStoreError as e:
-            writer.failed(e, f"opening {group}/{base}", stopped=True)
+            have = (found.rows if found else 0, companion.rows if companion else 0)
+            if masked and have[0] != have[1]:  # NOTE [ Capture masks ] rule 3
+                raise ConfigError(
+                    f"{group}/{name} holds {have[0]} rows but {group}/{name}{TOKENS_SUFFIX} "
+                    f"{have[1]}: they no longer pair row for row, so no more are appended; "
+                    "capture into another root (or move both arrays away)"
+                )
+        except Exception as e:  # a damaged document, a store error: never raise in a hook
+            self._writer.failed(e, f"opening {group}/{module}/{leaf}", stopped=True)
             self._names[key] = None
             return None
-        spec = ArraySpec(
+        spec = self._spec(group, name, module, leaf, row_shape, stored, source, found)
+        if masked:
+            spec = replace(spec, tokens=name + TOKENS_SUFFIX)
+        self._writer.open_array(spec, found)
+        if masked:
+            where = self._spec(
+                group,
+                name + TOKENS_SUFFIX,
+                module,
+                leaf + TOKENS_SUFFIX,
+                (3,),
+                torch.int64,
+                torch.int64,
+                companion,
+            )
+            self._writer.open_array(where, companion)
+        self._names[key] = name
+        return name
+
+    def _place(
+        self,
+        group: str,
+        module: str,
+        leaf: str,
+        row_shape: tuple[int, ...],
+        stored: torch.dtype,
+        masked: bool,
+    ) -> tuple[str, ArrayInfo | None]:
+        """Rules 4-6 of NOTE [ Capture names ]: the array's name, and what is stored
+        there already. Raises for a document that cannot be used or a clash."""
+        dtype_name = str(stored).removeprefix("torch.")
+        base = f"{module}/{leaf}"
+        owner = self._owners.get(base)
+        if owner is None:
+            found = self._writer.existing(f"{group}/{base}")
+            owner = (
+                (found.row_shape, found.dtype, found.masked)
+                if found
+                else (row_shape, dtype_name, masked)
+            )
+            self._owners[base] = owner
+        mine = (row_shape, dtype_name, masked)
+        name = base if owner == mine else _variant(base, row_shape, dtype_name, masked)
+        path = f"{group}/{name}"
+        found = self._writer.existing(path)
+        if found is not None and (found.row_shape, found.dtype, found.masked) != mine:
+            raise ConfigError(f"{path} holds rows of {found.row_shape} {found.dtype}")
+        return name, found
+
+    def _spec(
+        self,
+        group: str,
+        name: str,
+        module: str,
+        kind: str,
+        row_shape: tuple[int, ...],
+        stored: torch.dtype,
+        source: torch.dtype,
+        found: ArrayInfo | None,
+    ) -> ArraySpec:
+        chunk_rows = (
+            found.chunk_rows
+            if found is not None
+            else chunk_rows_for(row_bytes(row_shape, stored), self._chunk_bytes)
+        )
+        return ArraySpec(
             name=name,
-            path=path,
+            path=f"{group}/{name}",
             module=module,
-            kind=leaf,
+            kind=kind,
             row_shape=row_shape,
             dtype=stored,
             source_dtype=source,
             rank=self._rank,
-            chunk_rows=(
-                found.chunk_rows
-                if found is not None
-                else chunk_rows_for(row_bytes(row_shape, stored), self._chunk_bytes)
-            ),
+            chunk_rows=chunk_rows,
         )
-        writer.open_array(spec, found)
-        self._names[key] = name
-        return name
 
     def _emit_warning(self) -> None:
         msg = self._writer.take_warning()
@@ -360,10 +467,14 @@ class Capture(contextlib.AbstractContextManager["Capture"]):
 
 
 def _finish(
-    pid: int, writer: CaptureWriter, handles: list[RemovableHandle], owns_io: bool
+    pid: int,
+    writer: CaptureWriter,
+    handles: list[RemovableHandle],
+    owns_io: bool,
+    locks: ArrayLocks,
 ) -> None:
-    """Take the hooks off and write what was captured (``Capture.remove``, or its
-    finalizer); nothing in a process other than the one that captured."""
+    """Take the hooks off, write what was captured and let the arrays go (``Capture.remove``,
+    or its finalizer); nothing in a process other than the one that captured."""
     for handle in handles:
         handle.remove()
     handles.clear()
@@ -372,6 +483,7 @@ def _finish(
     try:
         writer.close()
     finally:
+        locks.release()  # after the last write: NOTE [ One writer per array ]
         if owns_io and not writer.io.is_private_memory:
             writer.io.close()
 
@@ -409,9 +521,9 @@ def _part(key: object) -> str:
     return str(key).replace("/", "_")
 
 
-def _variant(base: str, row_shape: tuple[int, ...], dtype: str) -> str:
+def _variant(base: str, row_shape: tuple[int, ...], dtype: str, masked: bool) -> str:
     dims = "x".join(str(d) for d in row_shape) or "scalar"
-    return f"{base}@{dims}_{dtype}"
+    return f"{base}@{dims}_{dtype}" + ("_masked" if masked else "")
 
 
 # ---------------------------------------------------------------------- capture()
@@ -423,6 +535,7 @@ def capture(
     modules: str | Sequence[str] | None,
     what: str | Sequence[str],
     dtype: torch.dtype | str | None = None,
+    mask: str | torch.Tensor | None = None,
     config: _ConfigSource = None,
     **pipeline: object,
 ) -> Capture:
@@ -437,27 +550,40 @@ def capture(
     ``"output"``, ``"grad_input"``, ``"grad_output"`` or several. ``dtype``: store
     floating-point tensors in this dtype (``"bfloat16"``), exactly as ``.to(dtype)``
     rounds; ``None`` keeps each tensor's own; other tensors always keep theirs.
+    ``mask``: padded batches keep only their real tokens: a ``(batch, seq)`` attention
+    mask, or the name of the model's keyword argument that carries it
+    (``"attention_mask"``); NOTE [ Capture masks ].
     ``pipeline`` keywords: ``max_inflight`` (host-buffer bytes in use before a hook
     waits; default 256 MiB), ``writer_threads``, ``chunk_bytes`` (chunk object size,
     default 8 MiB), ``storage_options`` (fsspec), ``read_deadline_s`` (how long
-    object-store requests retry); ``config`` as for :func:`~tensorstore_hooks.offload`.
+    object-store requests retry), ``direct_io`` (``auto``: chunks go to a local disk
+    with ``O_DIRECT`` where it allows it); ``config`` as for
+    :func:`~tensorstore_hooks.offload`.
 
     Use it as a context manager, or call ``remove()``. Hooks: NOTE [ Capture hooks ];
     array names, containers and dynamic shapes: NOTE [ Capture names ]; the layout:
     NOTE [ Capture layout ]; writes and failures: NOTE [ Capture writes ]. Raises
     :class:`ConfigError` for a glob that matches nothing, an unknown kind or keyword,
-    a daemon URL (``tsh://``: it cannot hold arrays) or a store that is not a Zarr
-    root; nothing is hooked then.
+    a bad mask, a daemon URL (``tsh://``: it cannot hold arrays) or a store that is
+    not a Zarr root; :class:`~tensorstore_hooks.StoreUnavailableError` when another
+    capture writes the same arrays (NOTE [ One writer per array ]); and
+    :class:`~tensorstore_hooks.IntegrityError` when one of them has a document that
+    cannot be used (NOTE [ Capture documents ]). Nothing is hooked then.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"capture: expected a torch.nn.Module, got {type(model).__name__}")
     kinds = _check_what(what)
     stored = _check_dtype(dtype)
+    if mask is not None and not isinstance(mask, str):
+        check_mask(mask, "mask=")
     names = dict(model.named_modules())
     selected = _select(names, modules)
     cfg = _settings(config, pipeline)
     io, url, owns_io, options = _open_io(store, cfg)
     rank = distributed_rank()
+    group = f"{CAPTURE_DIR}/rank{rank}" if rank is not None else CAPTURE_DIR
+    labels = sorted(name or ROOT_NAME for name in selected)
+    locks = _claim(io, owns_io, group, labels, kinds)
     max_inflight = cfg.pipeline.max_inflight
     writer = CaptureWriter(
         io,
@@ -474,11 +600,24 @@ def capture(
         url=url,
         storage_options=options,
         owns_io=owns_io,
+        locks=locks,
+        mask=mask,
     )
+    _hook(cap, model, {name: names[name] for name in selected}, kinds)
+    direct = " (chunks with O_DIRECT)" if io.uses_direct_io else ""
+    log.info("capture: %s of %s into %s/%s%s", "+".join(sorted(kinds)), labels, url, group, direct)
+    return cap
+
+
+def _hook(
+    cap: Capture, model: torch.nn.Module, chosen: dict[str, torch.nn.Module], kinds: frozenset[str]
+) -> None:
+    """Register the hooks of NOTE [ Capture hooks ] (their handles go to ``cap``)."""
     handles = cap._handles
-    handles.append(model.register_forward_pre_hook(_Hook(cap, "", "step"), prepend=True))
-    for name in sorted(selected):
-        sub = names[name]
+    handles.append(
+        model.register_forward_pre_hook(_Hook(cap, "", "step"), prepend=True, with_kwargs=True)
+    )
+    for name, sub in sorted(chosen.items()):
         label = name or ROOT_NAME
         if "input" in kinds:
             handles.append(
@@ -488,14 +627,32 @@ def capture(
             handles.append(sub.register_forward_hook(_Hook(cap, label, "output")))
         if "grad_input" in kinds:
             handles.append(sub.register_full_backward_hook(_Hook(cap, label, "grad_input")))
-    log.info(
-        "capture: %d module(s), %s, into %s/%s",
-        len(selected),
-        ", ".join(sorted(kinds)),
-        url,
-        CAPTURE_DIR,
-    )
-    return cap
+
+
+def _claim(
+    io: ChunkIO, owns_io: bool, group: str, labels: list[str], kinds: frozenset[str]
+) -> ArrayLocks:
+    """The locks of every array this capture may write (NOTE [ One writer per array ]),
+    once none of them has a damaged document; on failure ``io`` is closed if owned."""
+    locks = ArrayLocks(io)
+    try:
+        _refuse_damaged(io, group, labels, kinds)
+        locks.take(lock_path(group, label, kind) for label in labels for kind in sorted(kinds))
+    except BaseException:
+        if owns_io and not io.is_private_memory:
+            io.close()
+        raise
+    return locks
+
+
+def _refuse_damaged(io: ChunkIO, group: str, labels: list[str], kinds: frozenset[str]) -> None:
+    """Raise the :class:`DamagedDocument` of an array this capture would write into
+    (rule 5 of NOTE [ Capture names ]): it is never written over."""
+    for label in labels:
+        for damaged in scan_arrays(io, f"{group}/{label}").damaged:
+            leaf = damaged.path.rsplit("/", 1)[-1]
+            if kind_of(leaf) in kinds:
+                raise damaged
 
 
 def _check_what(what: str | Sequence[str]) -> frozenset[str]:
@@ -579,4 +736,10 @@ def _open_io(
         raise ConfigError(f"capture: {url}: {_DAEMON_HELP}")
     options = dict(cfg.store.storage_options) or None
     io = make_io(url, options, retry_deadline_s=cfg.pipeline.read_deadline_s)
+    try:
+        # NOTE [ Capture writes ] rule 2; probed once per root (a ZarrStore's io already was).
+        io.configure_direct_io(cfg.store.direct_io, f"{LOCK_DIR}/direct-probe")
+    except ConfigError as e:
+        io.close()
+        raise ConfigError(f"capture: {e}") from None
     return io, io.url, True, options

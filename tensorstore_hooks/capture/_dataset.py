@@ -1,40 +1,33 @@
 """``tsh.CaptureDataset``: captured arrays read back as shuffled batches for training.
 
-NOTE [ Capture reads ]
-1. The *units* of an epoch are the chunk objects of every array the name selects, in
-   path and chunk order. With ``shuffle`` they are put in a permutation seeded by
-   ``(seed, epoch)``, the same in every process, and split round-robin over
-   ``world_size * num_workers`` shards (rank-major): shard ``k`` takes units ``k``,
-   ``k + shards``, ... Shards share no unit and together hold every unit, so each row
-   comes once per epoch, whatever the numbers of ranks and workers.
-2. A shard reads its units in that order, a *window* at a time: consecutive units
-   adding up to at least ``shuffle_bytes``, read by background threads
-   (``read_ahead`` windows ahead of the one being served), each chunk checked against
-   its crc32c. A local chunk is mapped, not copied (the page cache is the buffer);
-   other roots keep the bytes they fetched. The window's rows are dealt out in a
-   permutation seeded by ``(seed, epoch, shard, window)``: each batch takes the next
-   ``batch_size`` of it. Rows left over at the end of a window open the next one's
-   first batch; the last batch of a shard may be short (``drop_last`` drops it).
-3. A batch is one new tensor: its rows are copied once, by the reader threads, ahead
-   of the consumer, and lie in the batch in window order. Which rows share a batch is
-   the permutation's choice; their order inside the batch is not shuffled again (a
-   loss over the batch does not see it, and copying rows in address order is 2-3x
-   faster than in random order).
-4. ``flatten=True`` folds every axis of a row but the last into rows (tokens as rows),
-   and then reads every shape a leaf was captured with (NOTE [ Capture names ] rule 4).
+Who reads which rows: NOTE [ Capture epochs ] in ``capture/_plan.py``. How chunks are
+read, checked and gathered: NOTE [ Capture reads ] in ``capture/_chunks.py``. What is
+checked before anything is read:
+
+NOTE [ Capture metadata bounds ]
+A ``zarr.json`` is data like any other: it may be torn, hostile or just wrong, and a
+reader must neither spin, nor allocate what it claims, nor recurse without end.
+
+1. Every document is read within the bounds of NOTE [ Capture layout ] rule 6; one
+   that cannot be used is skipped with a warning that names it and how to recover
+   (and is an :class:`IntegrityError` when it is all the name selects).
+2. The chunks an array claims are counted against the chunk objects that exist
+   (one listing of its ``c/`` folder) before any list of them is made, and a chunk's
+   payload is at most :data:`MAX_CHUNK_BYTES`; each object's size is checked again
+   before a buffer is taken for it (NOTE [ Capture reads ] rule 2). Either is an
+   :class:`IntegrityError` naming the array.
+3. Arrays whose rows hold no element (a leaf captured once with a zero-length axis)
+   are skipped: they hold nothing to serve.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import re
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -42,32 +35,51 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tensorstore_hooks._units import parse_bytes
-from tensorstore_hooks.capture._layout import CAPTURE_DIR, ArrayInfo, chunk_path, list_arrays
+from tensorstore_hooks._warn import warn_user
+from tensorstore_hooks.capture._chunks import ChunkReader, MapCache, gather
+from tensorstore_hooks.capture._layout import CAPTURE_DIR, ArrayInfo, scan_arrays
+from tensorstore_hooks.capture._plan import EVEN_MODES, Piece, Plan
 from tensorstore_hooks.capture._source import CaptureRoot, CaptureSource, StorageOptions
 from tensorstore_hooks.errors import ConfigError, IntegrityError
 from tensorstore_hooks.pipeline import READ, IOPool
-from tensorstore_hooks.storage.io import ChunkIO, LocalIO
-from tensorstore_hooks.storage.zarr import crc
+from tensorstore_hooks.storage.io import BufferPool, ChunkIO, LocalIO
 
-__all__ = ["CaptureDataset"]
+__all__ = ["MAX_CHUNK_BYTES", "CaptureDataset"]
 
 _RANK_GROUP = re.compile(r"^rank\d+/")
 _GATHER = READ  # batches of the window being served go first,
 _FETCH = READ + 1  # then the windows read ahead
+MAX_CHUNK_BYTES = 4 << 30
+"""The largest chunk payload a document may claim (NOTE [ Capture metadata bounds ])."""
 
-_Bytes: TypeAlias = npt.NDArray[np.uint8]
-"""Rows of bytes: a chunk's rows, a gathered batch (shape ``(rows, row_bytes)``)."""
-_Index: TypeAlias = npt.NDArray[np.int64]
+_Index = npt.NDArray[np.int64]
 """Row numbers within a window."""
+_Bytes = npt.NDArray[np.uint8]
+"""Rows of bytes: a chunk's rows, a batch's (shape ``(rows, row_bytes)``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Unit:
-    """One chunk object to read: array ``array``'s chunk ``index`` with ``rows`` rows."""
+class _Window:
+    """The pieces of one window, read: rows of bytes numbered across them in order."""
 
-    array: int
-    index: int
-    rows: int
+    def __init__(self, chunks: list[_Bytes]) -> None:
+        self.chunks = chunks
+        self.starts: _Index = np.cumsum([0, *(len(c) for c in chunks)], dtype=np.int64)
+        self.rows = int(self.starts[-1])
+
+
+class _Batch:
+    """A batch being filled from one or more windows (NOTE [ Capture reads ] rule 3)."""
+
+    def __init__(self, data: _Bytes) -> None:
+        self.data = data
+        """``(batch_size, row_bytes)`` uint8 over a pooled buffer."""
+        self.fill = 0
+        self.parts: list[Future[None]] = []
+
+    def wait(self) -> _Bytes:
+        for part in self.parts:
+            part.result()
+        return self.data[: self.fill]
 
 
 class CaptureDataset(IterableDataset[torch.Tensor]):
@@ -79,14 +91,21 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
     ``cap.arrays`` (``layers.3/output``): the array of every rank group; a name with
     its group (``rank1/layers.3/output``) or shape (``...@17x512_float32``) takes just
     that one. Each item is a tensor of ``batch_size`` rows (use ``DataLoader(ds,
-    batch_size=None, num_workers=...)``). ``shuffle``/``seed``: NOTE [ Capture reads ];
-    call :meth:`set_epoch` each epoch for a new order. ``flatten``: rows are the last
-    axis (tokens as rows). ``shuffle_bytes``: how much is shuffled at once;
-    ``read_ahead``: windows read ahead; ``threads``: reader threads per process.
-    ``rank``/``world_size`` default to ``torch.distributed``'s (else 0 and 1).
+    batch_size=None, num_workers=...)``; ``len(ds)`` is this rank's batches per epoch).
+    ``shuffle``/``seed``: NOTE [ Capture epochs ]; call :meth:`set_epoch` each epoch
+    for a new order (it reaches DataLoader workers, persistent ones too).
+    ``flatten``: rows are the last axis (tokens as rows). ``even_batches``: every rank
+    yields the same number of batches (``"pad"``, default: one batch of repeated rows
+    on the shorter ranks; ``"drop"``; ``False``: a :class:`ConfigError` if they would
+    differ). ``shuffle_bytes``: how much is shuffled at once; ``read_ahead``: windows
+    read ahead; ``threads``: reader threads per process; ``map_bytes``: a local root's
+    chunk files stay mapped from epoch to epoch when the arrays hold at most this much
+    (NOTE [ Capture reads ] rule 3; ``0``: read into pooled buffers). ``rank``/``world_size``
+    default to ``torch.distributed``'s (else 0 and 1).
 
     Raises :class:`ConfigError` when ``name`` selects no array (naming those that
-    exist) or arrays whose rows differ. Reading raises
+    exist) or arrays whose rows differ, and :class:`IntegrityError` for metadata that
+    does not match the files (NOTE [ Capture metadata bounds ]). Reading raises
     :class:`~tensorstore_hooks.IntegrityError` for a damaged chunk, naming it.
     """
 
@@ -100,21 +119,20 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         seed: int = 0,
         flatten: bool = False,
         drop_last: bool = False,
+        even_batches: str | bool = "pad",
         shuffle_bytes: int | str = "64MiB",
         read_ahead: int = 1,
         threads: int = 2,
+        map_bytes: int | str = "16GiB",
         storage_options: StorageOptions | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
         super().__init__()
-        for what, value, low in (("batch_size", batch_size, 1), ("read_ahead", read_ahead, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"CaptureDataset: {what} must be an int >= {low}, got {value!r}")
-        if not isinstance(threads, int) or not 1 <= threads <= 64:
-            raise ConfigError(f"CaptureDataset: threads must be 1..64, got {threads!r}")
+        _check_args(batch_size, read_ahead, threads, even_batches)
         try:
             self.shuffle_bytes = parse_bytes(shuffle_bytes, what="CaptureDataset shuffle_bytes")
+            self.map_bytes = parse_bytes(map_bytes, what="CaptureDataset map_bytes")
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.batch_size = batch_size
@@ -122,14 +140,15 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         self.seed = int(seed)
         self.flatten = bool(flatten)
         self.drop_last = bool(drop_last)
+        self.even_batches = even_batches
         self.read_ahead = read_ahead
         self.threads = threads
-        self.epoch = 0
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.source = CaptureSource.of(url, storage_options)
         io, owned = self.source.open()
         try:
             self.arrays: tuple[ArrayInfo, ...] = tuple(_select(io, name, self.flatten))
+            _check_files(io, self.arrays)
         finally:
             if owned:
                 io.close()
@@ -140,114 +159,172 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         self.dtype: torch.dtype = first.torch_dtype
         self._fold = [math.prod(a.row_shape[:-1]) if self.flatten else 1 for a in self.arrays]
         self.num_rows = sum(a.rows * f for a, f in zip(self.arrays, self._fold, strict=True))
-        """Rows served per epoch, over all ranks and workers."""
+        """Rows served per epoch, over all ranks and workers (pad rows not counted)."""
+        self.plan = Plan(
+            [_chunk_rows(a, f) for a, f in zip(self.arrays, self._fold, strict=True)],
+            world_size=self.world_size,
+            batch_size=batch_size,
+            drop_last=self.drop_last,
+            even=even_batches,
+            name=name,
+        )
+        self._epoch = _shared_epoch(name)
+        self._pool: tuple[int, BufferPool] | None = None
+        self._maps: tuple[int, MapCache] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order is served (:meth:`set_epoch`)."""
+        return int(self._epoch[0])
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` (as ``DistributedSampler.set_epoch``)."""
-        self.epoch = int(epoch)
+        """Use the order of ``epoch`` from the next iteration on, in this process and in
+        every DataLoader worker (as ``DistributedSampler.set_epoch``; call it before
+        ``iter(loader)``)."""
+        self._epoch[0] = int(epoch)
 
-    # ------------------------------------------------------------------ units
-    def _units(self) -> list[_Unit]:
-        units = []
-        for i, info in enumerate(self.arrays):
-            for c in range(info.chunks):
-                units.append(_Unit(i, c, min(info.chunk_rows, info.rows - c * info.chunk_rows)))
-        return units
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (the same on every rank unless
+        ``even_batches=False``)."""
+        return self.plan.shares[self.rank].batches
 
-    def shard(self, worker: int = 0, workers: int = 1) -> list[_Unit]:
-        """The units of this rank's worker ``worker`` of ``workers`` this epoch (rule 1)."""
-        units = self._units()
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(units))
-            units = [units[i] for i in order]
-        shards = self.world_size * workers
-        return units[self.rank * workers + worker :: shards]
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state["_pool"] = state["_maps"] = None  # each process pools and maps its own
+        return state
+
+    # ------------------------------------------------------------------ plan
+    def shard(self, worker: int = 0, workers: int = 1) -> list[Piece]:
+        """The chunk pieces this rank's worker ``worker`` of ``workers`` reads this
+        epoch, pad batch not included (NOTE [ Capture epochs ] rule 2)."""
+        order, starts = self.plan.stream(self.seed, self.epoch, self.shuffle)
+        lo, hi, _ = self.plan.worker_rows(self.rank, worker, workers)
+        return self.plan.pieces(order, starts, lo, hi)
+
+    def _buffers(self) -> BufferPool:
+        """This process's pool of chunk and batch buffers (NOTE [ Capture reads ])."""
+        if self._pool is None or self._pool[0] != os.getpid():
+            batch = self.batch_size * self.arrays[0].row_bytes // self._fold[0]
+            idle = (self.read_ahead + 2) * self.shuffle_bytes + (self.threads + 3) * batch
+            self._pool = (os.getpid(), BufferPool(idle))
+        return self._pool[1]
+
+    def _mapped(self, io: ChunkIO) -> MapCache | None:
+        """This process's maps of chunk files (NOTE [ Capture reads ] rule 3): for a local
+        root whose selected arrays fit within ``map_bytes``, else ``None``."""
+        total = sum(a.chunks * (a.chunk_bytes + 4) for a in self.arrays)
+        if not isinstance(io, LocalIO) or total > self.map_bytes:
+            return None
+        if self._maps is None or self._maps[0] != os.getpid():
+            self._maps = (os.getpid(), MapCache(self.map_bytes))
+        return self._maps[1]
 
     # ------------------------------------------------------------------ reading
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        units = self.shard(worker, workers)
-        shard = self.rank * workers + worker
-        if not units:
+        epoch = self.epoch
+        order, starts = self.plan.stream(self.seed, epoch, self.shuffle)
+        lo, hi, pad = self.plan.worker_rows(self.rank, worker, workers)
+        pieces = self.plan.pieces(order, starts, lo, hi)
+        extra = self.plan.pad_pieces(order, starts, self.rank) if pad else []
+        if not pieces and not extra:
             return
-        windows = self._windows(units)
         io, owned = self.source.open()
         pool = IOPool(self.threads, name="tsh-capture-read")
+        reader = ChunkReader(io, self._buffers(), self._mapped(io))
         try:
-            pending: deque[list[Future[_Bytes]]] = deque()
-            next_window = 0
-            carry: torch.Tensor | None = None
-            for w in range(len(windows)):
-                while next_window < len(windows) and len(pending) <= self.read_ahead:
-                    pending.append(
-                        [
-                            pool.submit(
-                                _FETCH, _read_unit, io, self.arrays[u.array], u, self._fold[u.array]
-                            )
-                            for u in windows[next_window]
-                        ]
-                    )
-                    next_window += 1
-                chunks = [fut.result() for fut in pending.popleft()]
-                window = _Window(chunks)
-                order = self._order(window.rows, shard, w)
-                carry = yield from self._serve(pool, window, order, carry)
-            if carry is not None and len(carry) and not self.drop_last:
-                yield carry
+            shard = self.rank * workers + worker
+            yield from self._serve(pool, reader, self._windows(pieces), (epoch, shard))
+            if extra:
+                yield from self._serve(pool, reader, [extra], None)
         finally:
             pool.shutdown()
             if owned:
                 io.close()
 
-    def _windows(self, units: list[_Unit]) -> list[list[_Unit]]:
-        out: list[list[_Unit]] = [[]]
+    def _windows(self, pieces: list[Piece]) -> list[list[Piece]]:
+        """NOTE [ Capture epochs ] rule 4: runs of pieces of at least ``shuffle_bytes``."""
+        out: list[list[Piece]] = [[]]
         size = 0
-        for u in units:
+        for piece in pieces:
             if size >= self.shuffle_bytes:
                 out.append([])
                 size = 0
-            out[-1].append(u)
-            size += u.rows * self.arrays[u.array].row_bytes
-        return out
-
-    def _order(self, n: int, shard: int, window: int) -> _Index:
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, self.epoch, shard, window]).permutation(n)
+            out[-1].append(piece)
+            size += piece.rows * self.arrays[piece.array].row_bytes // self._fold[piece.array]
+        return [w for w in out if w]
 
     def _serve(
         self,
         pool: IOPool,
-        window: _Window,
-        order: _Index,
-        carry: torch.Tensor | None,
-    ) -> Generator[torch.Tensor, None, torch.Tensor | None]:
-        """Yield the window's batches, gathered on the pool's threads ahead of the
-        consumer; return the rows left over (a tensor of its own)."""
-        b = self.batch_size
-        n = window.rows
+        reader: ChunkReader,
+        windows: list[list[Piece]],
+        shuffled: tuple[int, int] | None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the batches of ``windows``: read ``read_ahead`` windows ahead, each
+        dealt out in its permutation (``shuffled``: ``(epoch, shard)``; ``None``: in
+        order), gathered on the pool's threads ahead of the consumer."""
+        fetching: deque[list[Future[_Bytes]]] = deque()
+        ready: deque[_Batch] = deque()
+        open_batch: list[_Batch] = []  # the batch being filled, across windows
+        nxt = 0
+        for w in range(len(windows)):
+            while nxt < len(windows) and len(fetching) <= self.read_ahead:
+                fetching.append([pool.submit(_FETCH, self._read, reader, p) for p in windows[nxt]])
+                nxt += 1
+            window = _Window([fut.result() for fut in fetching.popleft()])
+            order = self._order(window.rows, shuffled, w)
+            for full in self._deal(pool, window, order, open_batch):
+                ready.append(full)
+                while len(ready) > self.threads:
+                    yield self._shaped(ready.popleft().wait())
+            del window  # its buffers go back to the pool once the gathers are done
+        ready.extend(b for b in open_batch if b.fill)
+        while ready:
+            yield self._shaped(ready.popleft().wait())
+
+    def _deal(
+        self, pool: IOPool, window: _Window, order: _Index, open_batch: list[_Batch]
+    ) -> Iterator[_Batch]:
+        """Deal ``window``'s rows in ``order`` to batches: the open one first (a batch
+        spans windows), then new ones; each part is gathered on the pool. Yields each
+        batch once all its parts are submitted."""
         pos = 0
+        while pos < window.rows:
+            if not open_batch:
+                open_batch.append(_Batch(self._new_batch()))
+            batch = open_batch[0]
+            take = min(self.batch_size - batch.fill, window.rows - pos)
+            rows = np.sort(order[pos : pos + take])  # rule 4: rows in window order
+            out = batch.data[batch.fill : batch.fill + take]
+            batch.parts.append(
+                pool.submit(_GATHER, gather, out, window.chunks, window.starts, rows)
+            )
+            batch.fill += take
+            pos += take
+            if batch.fill == self.batch_size:
+                open_batch.clear()
+                yield batch
 
-        def take(lo: int, hi: int) -> torch.Tensor:
-            got = window.gather(np.sort(order[lo:hi]))  # rule 3: rows in window order
-            return torch.from_numpy(got).view(self.dtype).view(hi - lo, *self.row_shape)
+    def _read(self, reader: ChunkReader, piece: Piece) -> _Bytes:
+        """Reader thread: the rows of ``piece`` (a view of its chunk's pooled buffer)."""
+        rows = reader.read(self.arrays[piece.array], piece.index, self._fold[piece.array])
+        return rows[piece.lo : piece.hi]
 
-        if carry is not None and len(carry):
-            need = b - len(carry)
-            if n < need:
-                return torch.cat([carry, take(0, n)])
-            yield torch.cat([carry, take(0, need)])
-            pos = need
-        ahead: deque[Future[torch.Tensor]] = deque()
-        for lo in range(pos, n - b + 1, b):
-            ahead.append(pool.submit(_GATHER, take, lo, lo + b))
-            if len(ahead) > self.threads:
-                yield ahead.popleft().result()
-            pos = lo + b
-        while ahead:
-            yield ahead.popleft().result()
-        return take(pos, n) if pos < n else None
+    def _new_batch(self) -> _Bytes:
+        row_bytes = self.arrays[0].row_bytes // self._fold[0]
+        data, _ = self._buffers().lend(self.batch_size * row_bytes)
+        return data.reshape(self.batch_size, row_bytes)
+
+    def _shaped(self, data: _Bytes) -> torch.Tensor:
+        return torch.from_numpy(data).view(self.dtype).view(len(data), *self.row_shape)
+
+    def _order(self, n: int, shuffled: tuple[int, int] | None, window: int) -> _Index:
+        if not self.shuffle or shuffled is None:
+            return np.arange(n, dtype=np.int64)
+        epoch, shard = shuffled
+        return np.random.default_rng([self.seed, epoch, shard, window]).permutation(n)
 
     def __repr__(self) -> str:
         return (
@@ -257,54 +334,58 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         )
 
 
-class _Window:
-    """The chunks of one window: rows of bytes, numbered across the chunks in order."""
-
-    def __init__(self, chunks: list[_Bytes]) -> None:
-        self.chunks = chunks
-        self.starts = np.cumsum([0, *(len(c) for c in chunks)])
-        self.rows = int(self.starts[-1])
-        self.row_bytes = chunks[0].shape[1]
-
-    def gather(self, rows: _Index) -> _Bytes:
-        """A new array of the window's rows ``rows`` (ascending): one copy of each row,
-        the rows of each chunk by one ``np.take`` (no GIL held, no buffering)."""
-        out = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
-        bounds = np.searchsorted(rows, self.starts)
-        for j, chunk in enumerate(self.chunks):
-            lo, hi = int(bounds[j]), int(bounds[j + 1])
-            if lo < hi:
-                np.take(chunk, rows[lo:hi] - self.starts[j], axis=0, out=out[lo:hi], mode="clip")
-        return out
-
-
-def _read_unit(io: ChunkIO, info: ArrayInfo, unit: _Unit, fold: int) -> _Bytes:
-    """Reader thread: chunk ``unit`` as rows of bytes (``fold`` rows per stored row),
-    checked against its crc32c. A local chunk is mapped (the page cache, no copy);
-    other roots hand over the bytes they fetched."""
-    path = chunk_path(info.path, unit.index, len(info.row_shape) + 1)
-    where = f"CaptureDataset: chunk {path} of {io.url}"
-    size = info.chunk_bytes + 4
+def _shared_epoch(name: str) -> torch.Tensor:
+    """The epoch, in shared memory: ``set_epoch`` then reaches DataLoader workers made
+    before it (``persistent_workers=True``; NOTE [ Capture epochs ])."""
+    epoch = torch.zeros(1, dtype=torch.int64)
     try:
-        data = _map(os.path.join(io.root, path)) if isinstance(io, LocalIO) else io.read(path)
-    except FileNotFoundError:
-        raise IntegrityError(f"{where} is missing ({info.rows} rows visible)") from None
-    view = np.frombuffer(data, dtype=np.uint8)
-    if len(view) != size:
-        raise IntegrityError(f"{where} has {len(view)} bytes, expected {size}")
-    if crc(view[:-4]).to_bytes(4, "little") != view[-4:].tobytes():
-        raise IntegrityError(f"{where}: checksum mismatch, the stored bytes are corrupted (crc32c)")
-    return view[: unit.rows * info.row_bytes].reshape(unit.rows * fold, info.row_bytes // fold)
+        return epoch.share_memory_()
+    except (RuntimeError, OSError) as e:  # no /dev/shm (some sandboxes)
+        warn_user(
+            f"CaptureDataset({name!r}): no shared memory here ({e}); set_epoch reaches "
+            "DataLoader workers only when they are made after it: use "
+            "persistent_workers=False for a new order each epoch"
+        )
+        return epoch
 
 
-def _map(path: str) -> mmap.mmap | bytes:
-    """A read-only map of the file at ``path`` (closed when the last view of it dies)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return b""
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+def _check_args(batch_size: int, read_ahead: int, threads: int, even: object) -> None:
+    for what, value, low in (("batch_size", batch_size, 1), ("read_ahead", read_ahead, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"CaptureDataset: {what} must be an int >= {low}, got {value!r}")
+    if not isinstance(threads, int) or not 1 <= threads <= 64:
+        raise ConfigError(f"CaptureDataset: threads must be 1..64, got {threads!r}")
+    if not any(even is m or (isinstance(m, str) and even == m) for m in EVEN_MODES):
+        raise ConfigError(
+            f"CaptureDataset: even_batches must be 'pad', 'drop' or False, got {even!r} "
+            "(NOTE [ Capture epochs ] rule 3 in capture/_plan.py)"
+        )
+
+
+def _chunk_rows(info: ArrayInfo, fold: int) -> list[int]:
+    """Served rows of each chunk of ``info`` (its chunk count was checked against the
+    files: NOTE [ Capture metadata bounds ] rule 2)."""
+    full, rest = divmod(info.rows, info.chunk_rows)
+    return [info.chunk_rows * fold] * full + ([rest * fold] if rest else [])
+
+
+def _check_files(io: ChunkIO, arrays: tuple[ArrayInfo, ...]) -> None:
+    """NOTE [ Capture metadata bounds ] rule 2, before anything is sized by a claim."""
+    for info in arrays:
+        where = f"CaptureDataset: capture array {info.name} under {io.url}"
+        if info.chunk_bytes > MAX_CHUNK_BYTES:
+            raise IntegrityError(
+                f"{where}: its zarr.json claims chunks of {info.chunk_bytes} bytes "
+                f"({info.chunk_rows} rows of {info.row_shape}), more than any capture writes"
+            )
+        present = sum(1 for n in io.listdir(f"{info.path}/c") if n.isdigit())
+        if info.chunks > present:
+            raise IntegrityError(
+                f"{where}: its zarr.json claims {info.rows} rows in {info.chunks} chunk "
+                f"objects, but only {present} exist under {info.path}/c; the document does "
+                "not belong to these files (restore it, or rebuild it with "
+                "tensorstore_hooks.capture.repair_array)"
+            )
 
 
 def _select(io: ChunkIO, name: str, flatten: bool) -> list[ArrayInfo]:
@@ -313,28 +394,39 @@ def _select(io: ChunkIO, name: str, flatten: bool) -> list[ArrayInfo]:
         raise ConfigError(
             f"CaptureDataset: name must be an array name such as 'layers.0/output', got {name!r}"
         )
-    found = list(list_arrays(io))
+    scan = scan_arrays(io)
     grouped = bool(_RANK_GROUP.match(name))
 
-    def matches(info: ArrayInfo) -> bool:
-        have = info.name if grouped else _RANK_GROUP.sub("", info.name)
+    def matches(array_name: str) -> bool:
+        have = array_name if grouped else _RANK_GROUP.sub("", array_name)
         if have == name:
             return True
         return flatten and "@" not in name and have.split("@", 1)[0] == name
 
-    chosen = [a for a in found if matches(a)]
+    chosen = [a for a in scan.arrays if matches(a.name)]
+    damaged = [d for d in scan.damaged if matches(d.path[len(CAPTURE_DIR) + 1 :])]
+    for d in damaged:  # NOTE [ Capture metadata bounds ] rule 1
+        warn_user(f"CaptureDataset: skipping {d}")
+    if not chosen and damaged:
+        raise damaged[0]
     if not chosen:
-        names = sorted({a.name for a in found})
+        names = sorted({a.name for a in scan.arrays})
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         raise ConfigError(
             f"CaptureDataset: no captured array {name!r} under {io.url}/{CAPTURE_DIR}. "
             f"Arrays there: {shown or '(none)'}"
         )
-    chosen = [a for a in chosen if a.rows]
+    chosen = [a for a in chosen if a.rows and a.row_bytes]  # rule 3: zero-length rows
     if not chosen:
         raise ConfigError(
-            f"CaptureDataset: the arrays named {name!r} under {io.url} hold no rows yet"
+            f"CaptureDataset: the arrays named {name!r} under {io.url} hold no rows yet "
+            "(or only rows of no elements)"
         )
+    _check_alike(name, chosen, flatten)
+    return chosen
+
+
+def _check_alike(name: str, chosen: list[ArrayInfo], flatten: bool) -> None:
     rows = {(a.row_shape[-1:] if flatten else a.row_shape, a.dtype) for a in chosen}
     if len(rows) > 1:
         detail = ", ".join(f"{a.name} {a.row_shape} {a.dtype}" for a in chosen)
@@ -348,7 +440,6 @@ def _select(io: ChunkIO, name: str, flatten: bool) -> list[ArrayInfo]:
         )
     if flatten and not chosen[0].row_shape:
         raise ConfigError(f"CaptureDataset: {name!r} holds scalars; flatten=True needs a last axis")
-    return chosen
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

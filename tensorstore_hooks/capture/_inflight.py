@@ -3,7 +3,7 @@
 :class:`Inflight` owns the capture's :class:`~tensorstore_hooks.pipeline._iopool.IOPool`, counts
 the tasks submitted to it (``flush`` waits for none to be left), and hands out chunk
 buffers from two :class:`~tensorstore_hooks.pipeline._staging.PinnedPool`\\ s (pinned ones for
-accelerator tensors, pageable ones for CPU tensors) within ``max_inflight`` bytes
+accelerator tensors, page-aligned pageable ones for CPU tensors) within ``max_inflight`` bytes
 (rule 2 of NOTE [ Capture writes ] in ``capture/_writer.py``).
 """
 
@@ -23,6 +23,7 @@ else:  # pragma: no cover - Python 3.10
     from typing_extensions import TypeVarTuple, Unpack
 
 from tensorstore_hooks.pipeline import WRITE, IOPool, PinnedPool
+from tensorstore_hooks.storage.io import aligned_empty
 
 __all__ = ["Inflight"]
 
@@ -115,4 +116,6 @@ class Inflight:
 
 
 def _pageable(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
+    """A host buffer for CPU tensors' rows, page-aligned so that a chunk can be written
+    from it with ``O_DIRECT`` (rule 2 of NOTE [ Capture writes ])."""
+    return torch.from_numpy(aligned_empty(nbytes))

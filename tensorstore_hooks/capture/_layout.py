@@ -27,6 +27,13 @@ Rules:
    ``count`` blocks of ``rows`` rows from ``first_row`` on, of steps ``step``,
    ``step + 1``, ... (a training loop with a fixed batch size has one run).
 5. Under ``torch.distributed`` each rank writes its own group ``capture/rank{R}/``.
+6. Every document is replaced atomically, and one that cannot be used is never
+   written over (NOTE [ Capture documents ] in ``capture/_docs.py``). Reading one is
+   bounded: at most :data:`MAX_DOC_BYTES`, JSON nested as deep as Python reads it, at
+   most :data:`MAX_NDIM` axes, sizes below :data:`MAX_SIZE`; anything else is a
+   :class:`DamagedDocument` naming the array.
+7. A writer holds ``ROOT/.capture-locks/[rank{R}/]MODULE/KIND.lock`` for every module
+   and kind it captures (NOTE [ One writer per array ] in ``capture/_locks.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import json
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
@@ -44,6 +51,7 @@ import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec
 
 from tensorstore_hooks._codec import DTYPES
+from tensorstore_hooks.capture._docs import recovery_hint, write_document
 from tensorstore_hooks.errors import IntegrityError
 from tensorstore_hooks.storage.io import ChunkIO
 from tensorstore_hooks.storage.zarr import FORMAT_VERSION, root_doc, zarr_json_of
@@ -52,15 +60,21 @@ __all__ = [
     "CAPTURE_DIR",
     "CAPTURE_FORMAT",
     "JSON",
+    "MAX_DOC_BYTES",
+    "MAX_NDIM",
+    "MAX_SIZE",
     "ArrayInfo",
+    "DamagedDocument",
     "GroupDocs",
     "JSONDoc",
     "array_doc",
     "chunk_path",
     "group_doc",
+    "kind_of",
     "list_arrays",
     "read_array",
     "row_bytes",
+    "scan_arrays",
     "stored_dtype_name",
 ]
 
@@ -74,8 +88,13 @@ CAPTURE_DIR = "capture"
 CAPTURE_FORMAT = 1
 """``attributes.tensorstore_hooks_capture`` of every capture node."""
 _MARK = "tensorstore_hooks_capture"
-_MAX_NDIM = 32
-_MAX_DOC_BYTES = 64 << 20  # a zarr.json larger than this is not ours
+MAX_NDIM = 32
+"""The most axes a capture array may have (rule 6)."""
+MAX_DOC_BYTES = 64 << 20
+"""The largest ``zarr.json`` read (rule 6): ``blocks`` grows by a run per change of
+batch size, so a real document stays far below this."""
+MAX_SIZE = 1 << 50
+"""The largest length of an axis (and of a chunk's rows) a document may claim (rule 6)."""
 _MAX_DEPTH = 4  # capture/[rankR/]MODULE/KIND
 
 
@@ -102,6 +121,11 @@ class ArrayInfo:
     """The torch dtype of the values (``bfloat16`` even though Zarr sees ``uint16``)."""
     attributes: JSONDoc
     """Its attributes as stored (``module``, ``kind``, ``blocks``, ...)."""
+
+    @property
+    def masked(self) -> bool:
+        """Whether its rows are the real tokens of masked batches (NOTE [ Capture masks ])."""
+        return isinstance(self.attributes.get("masked"), str)
 
     @property
     def name(self) -> str:
@@ -131,9 +155,50 @@ class ArrayInfo:
         return self.rows * self.row_bytes
 
 
+class DamagedDocument(IntegrityError):
+    """A capture document that exists but cannot be used (rule 6): never written over."""
+
+    def __init__(
+        self, url: str, path: str, why: str, *, foreign: bool = False, group: bool = False
+    ) -> None:
+        self.path = path
+        """The array's path under the store root (``capture/layers.0/output``)."""
+        self.why = why
+        """What is wrong with its ``zarr.json``."""
+        self.foreign = foreign
+        """Whether it is a whole document of another kind (another tool's array): not
+        damage to report, but still never written over."""
+        name = path[len(CAPTURE_DIR) + 1 :] if path.startswith(CAPTURE_DIR + "/") else path
+        if group:
+            fix = (
+                "it is a group's document, the same for every capture group: remove it "
+                "and the next capture writes it again (the arrays below it are listed)"
+            )
+        elif foreign:
+            fix = "capture writes nothing there: move it, or capture into another root"
+        else:
+            fix = recovery_hint(url, name)
+        what = "capture group" if group else "capture array"
+        super().__init__(f"{what} {name} under {url}: {path}/zarr.json {why}; {fix}")
+
+
+@dataclass
+class Scan:
+    """What :func:`scan_arrays` found: capture arrays, and the documents it skipped."""
+
+    arrays: list[ArrayInfo] = field(default_factory=list)
+    damaged: list[DamagedDocument] = field(default_factory=list)
+
+
 def row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of one row of ``row_shape`` in ``dtype``."""
     return math.prod(row_shape) * dtype.itemsize
+
+
+def kind_of(leaf: str) -> str:
+    """The capture kind a leaf name belongs to (``grad_output.0@17x8_float32`` and
+    ``output~tokens`` -> ``grad_output``, ``output``): what its writer lock covers."""
+    return leaf.split("@", 1)[0].split("~", 1)[0].split(".", 1)[0]
 
 
 def chunk_path(array_path: str, index: int, ndim: int) -> str:
@@ -161,13 +226,13 @@ class GroupDocs:
         with self._lock:
             if "" not in self._made:
                 if not io.exists("zarr.json"):
-                    io.write("zarr.json", [root_doc(FORMAT_VERSION)])
+                    write_document(io, "zarr.json", root_doc(FORMAT_VERSION))
                 self._made.add("")
             for i in range(1, len(parts) + 1):
                 group = "/".join(parts[:i])
                 if group not in self._made:
                     if not io.exists(f"{group}/zarr.json"):
-                        io.write(f"{group}/zarr.json", [group_doc()])
+                        write_document(io, f"{group}/zarr.json", group_doc())
                     self._made.add(group)
 
 
@@ -200,30 +265,40 @@ def encode_doc(doc: JSONDoc) -> bytes:
 
 
 def read_array(io: ChunkIO, path: str) -> ArrayInfo | None:
-    """The capture array at ``path``, or ``None`` if there is none (missing, or not a
-    capture array). Raises :class:`IntegrityError` for a capture array whose
-    ``zarr.json`` is damaged or out of bounds."""
+    """The capture array at ``path``, or ``None`` where there is no document or a group's.
+
+    Raises :class:`DamagedDocument` for a document that cannot be used (rule 6): it
+    does not parse, is out of bounds, or is not a capture array (another tool's array
+    or a stray file). A caller never writes over such a document."""
     try:
         raw = bytes(io.read(f"{path}/zarr.json"))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    if len(raw) > _MAX_DOC_BYTES:
-        return None
+    if len(raw) > MAX_DOC_BYTES:
+        raise DamagedDocument(io.url, path, f"is {len(raw)} bytes, more than any capture writes")
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except RecursionError:
+        raise DamagedDocument(io.url, path, "is nested too deeply to be read") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise DamagedDocument(
+            io.url, path, f"cannot be parsed ({e}; {len(raw)} bytes: torn by a failed write?)"
+        ) from None
+    if isinstance(doc, dict) and doc.get("node_type") == "group":
         return None
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
     if not isinstance(doc, dict) or doc.get("node_type") != "array":
-        return None
-    attrs = doc.get("attributes")
+        raise DamagedDocument(io.url, path, "is not a Zarr array or group document")
     if not isinstance(attrs, dict) or attrs.get(_MARK) != CAPTURE_FORMAT:
-        return None
-    return _parse(path, doc, attrs)
+        raise DamagedDocument(
+            io.url, path, "is an array that tsh.capture did not write", foreign=True
+        )
+    return _parse(io.url, path, doc, attrs)
 
 
-def _parse(path: str, doc: JSONDoc, attrs: JSONDoc) -> ArrayInfo:
-    def bad(why: str) -> IntegrityError:
-        return IntegrityError(f"capture array {path}: zarr.json {why}")
+def _parse(url: str, path: str, doc: JSONDoc, attrs: JSONDoc) -> ArrayInfo:
+    def bad(why: str) -> DamagedDocument:
+        return DamagedDocument(url, path, why)
 
     grid = doc.get("chunk_grid")
     config = grid.get("configuration") if isinstance(grid, dict) else None
@@ -231,8 +306,10 @@ def _parse(path: str, doc: JSONDoc, attrs: JSONDoc) -> ArrayInfo:
         raise bad("has no regular chunk grid")
     shape_doc, chunks_doc = doc.get("shape"), config["chunk_shape"]
     shape, chunks = _sizes(shape_doc), _sizes(chunks_doc)
-    if shape is None or chunks is None or not 1 <= len(shape) == len(chunks) <= _MAX_NDIM:
-        raise bad(f"has a bad shape {shape_doc!r} or chunk shape {chunks_doc!r}")
+    if shape is None or chunks is None or not 1 <= len(shape) == len(chunks) <= MAX_NDIM:
+        raise bad(f"has a bad shape {shape_doc!r:.200} or chunk shape {chunks_doc!r:.200}")
+    if max(shape + chunks) > MAX_SIZE or math.prod(shape[1:]) > MAX_SIZE:
+        raise bad(f"claims sizes out of bounds: shape {shape}, chunk shape {chunks}")
     dtype = attrs.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"names an unknown dtype {dtype!r}")
@@ -268,18 +345,36 @@ def _sizes(value: JSON) -> list[int] | None:
 
 def list_arrays(io: ChunkIO, under: str = CAPTURE_DIR) -> Iterator[ArrayInfo]:
     """Every capture array under ``under`` (default: all of ``ROOT/capture``), sorted
-    by path."""
-    yield from _walk(io, under, 0)
+    by path; documents that cannot be used are skipped (:func:`scan_arrays` says which)."""
+    yield from scan_arrays(io, under).arrays
 
 
-def _walk(io: ChunkIO, path: str, depth: int) -> Iterator[ArrayInfo]:
-    info = read_array(io, path)
+def scan_arrays(io: ChunkIO, under: str = CAPTURE_DIR) -> Scan:
+    """Every capture array under ``under``, sorted by path, and every document there
+    that cannot be used (rule 6; arrays other tools wrote are not capture's to report)."""
+    found = Scan()
+    _walk(io, under, 0, found)
+    return found
+
+
+def _walk(io: ChunkIO, path: str, depth: int, found: Scan) -> None:
+    try:
+        info = read_array(io, path)
+    except DamagedDocument as e:
+        if e.foreign:
+            return  # another tool's array: not capture's to list or report
+        if "c" in io.listdir(path):  # an array's folder
+            found.damaged.append(e)
+            return
+        # A group's document: the arrays below it are still listed.
+        found.damaged.append(DamagedDocument(io.url, path, e.why, group=True))
+        info = None
     if info is not None:
-        yield info
+        found.arrays.append(info)
         return
     if depth >= _MAX_DEPTH:
         return
     for name in io.listdir(path):
         if name in ("zarr.json", "c") or name.startswith("."):
             continue
-        yield from _walk(io, f"{path}/{name}", depth + 1)
+        _walk(io, f"{path}/{name}", depth + 1, found)

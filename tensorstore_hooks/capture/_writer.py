@@ -18,18 +18,31 @@ NOTE [ Capture writes ]
    event completes (a settle task on an I/O thread waits for it): nothing stays on the
    device.
 2. A full chunk buffer is written by an I/O thread as one chunk object, then given
-   back to the pool. Host buffers in use never exceed ``max_inflight`` bytes (a single
-   chunk buffer larger than that still goes, alone): a hook waits for room
-   (``stats.stall_s``); when only open tails hold the room, the least recently used
-   tail is written as a partial chunk and its buffer given back (``stats.spills``); its
-   rows are read back from the store when that array grows again.
+   back to the pool. Where the root takes ``O_DIRECT`` (``direct_io``, NOTE [ Direct
+   I/O ] in ``storage/io/_local.py``) a chunk the writer owns (a full chunk, or a tail
+   taken off its array) goes from its page-aligned buffer straight to the disk: no
+   page cache holds it afterwards, so a container's memory charge stays flat however
+   much is captured (``stats.chunks_direct``). The few bytes of a payload past its
+   last whole block go with the checksum in one small aligned block. Host buffers in
+   use never exceed ``max_inflight`` bytes (a single chunk buffer larger than that
+   still goes, alone): a hook waits for room (``stats.stall_s``); when only open tails
+   hold the room, the least recently used tail is written as a partial chunk and its
+   buffer given back (``stats.spills``); its rows are read back from the store when
+   that array grows again.
 3. Writes of one chunk object run in the order they were submitted (each waits for
    the previous write of the same object). A chunk that already holds visible rows is
    rewritten atomically (a temporary object and a rename on local disks; object
    stores and memory replace whole objects anyway): visible rows are never damaged.
-4. ``zarr.json`` is rewritten after chunk writes; its shape covers the longest prefix
-   of rows whose chunks are written, rounded down to a block boundary (NOTE [ Capture
-   layout ] rule 3). Only a newer state is ever written.
+4. ``zarr.json`` is replaced after chunk writes, atomically (NOTE [ Capture documents ]
+   in ``capture/_docs.py``); its shape covers the longest prefix of rows whose chunks
+   are written, rounded down to a block boundary (NOTE [ Capture layout ] rule 3).
+   Only a newer state is ever written, and at most one write of an array's document
+   runs at a time: a commit that finds one running leaves it to write the newest
+   state once more when it ends. A document costs two ``fsync`` calls, so while other
+   writes of the array are running a finished write commits only if the last commit
+   is :data:`COMMIT_EVERY_S` old (the last write to finish always commits): visible
+   rows lag the written ones by at most that while rows stream in, and not at all
+   once they stop.
 5. A failed chunk write stops its array: the rows before the failed chunk become (or
    stay) visible, the rest of that array's rows are dropped (``stats.rows_dropped``);
    the failure is counted (``stats.failed_writes``) and warned about once, and
@@ -55,6 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tensorstore_hooks.capture._docs import write_document
 from tensorstore_hooks.capture._inflight import Inflight
 from tensorstore_hooks.capture._layout import (
     _MARK,
@@ -71,10 +85,21 @@ from tensorstore_hooks.capture._layout import (
 )
 from tensorstore_hooks.errors import IntegrityError
 from tensorstore_hooks.pipeline import CopyEvent, CudaOps, DeviceOps
-from tensorstore_hooks.storage.io import ChunkIO, LocalIO
+from tensorstore_hooks.storage.io import BLOCK_BYTES, ChunkIO, LocalIO, address_of, aligned_empty
 from tensorstore_hooks.storage.zarr import crc
 
-__all__ = ["ArraySpec", "CaptureStats", "CaptureWriter", "as_rows", "chunk_rows_for"]
+__all__ = [
+    "COMMIT_EVERY_S",
+    "ArraySpec",
+    "CaptureStats",
+    "CaptureWriter",
+    "as_rows",
+    "chunk_rows_for",
+]
+
+COMMIT_EVERY_S = 0.25
+"""While an array's writes stream in, its ``zarr.json`` is replaced at most this often
+(NOTE [ Capture writes ] rule 4)."""
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -93,6 +118,8 @@ class CaptureStats:
     """Payload bytes of chunk objects written (a tail written early counts again)."""
     chunks_written: int = 0
     """Chunk objects written."""
+    chunks_direct: int = 0
+    """Of those, written with ``O_DIRECT`` (no page cache; NOTE [ Capture writes ] rule 2)."""
     failed_writes: int = 0
     """Chunk or ``zarr.json`` writes that failed (NOTE [ Capture writes ] rule 5)."""
     rows_dropped: int = 0
@@ -124,6 +151,8 @@ class ArraySpec:
     """The dtype of the first tensor it captured (before a ``dtype=`` cast)."""
     rank: int | None
     chunk_rows: int
+    tokens: str | None = None
+    """A masked array's companion (NOTE [ Capture masks ] rule 3); ``None``: not masked."""
 
     @property
     def row_bytes(self) -> int:
@@ -183,6 +212,8 @@ class _Array:
     append_lock: threading.Lock = field(default_factory=threading.Lock)
     state_lock: threading.Lock = field(default_factory=threading.Lock)
     meta_lock: threading.Lock = field(default_factory=threading.Lock)
+    recommit: bool = False
+    """A commit came while the document was being written: write it again (rule 4)."""
     # Under append_lock:
     appended: int = 0
     """Rows placed in chunks (in a tail, being written, or written)."""
@@ -202,6 +233,10 @@ class _Array:
     """Rows the newest ``zarr.json`` written shows."""
     exists: bool = False
     """Whether its ``zarr.json`` is in the store."""
+    writing: int = 0
+    """Chunk writes submitted and not finished (rule 4)."""
+    committed_at: float = 0.0
+    """``time.monotonic()`` of the newest ``zarr.json`` written (rule 4)."""
 
     def add_block(self, step: int, first: int, rows: int) -> None:
         last = self.runs[-1] if self.runs else None
@@ -430,6 +465,7 @@ class CaptureWriter:
             prev = arr.writes.get(tail.index)
             atomic = prev is not None or arr.durable.get(tail.index, 0) > 0
             arr.writes[tail.index] = write
+            arr.writing += 1
         self.inflight.submit(self._write_chunk, arr, tail, tail.rows, release, atomic, prev, write)
 
     def _write_chunk(
@@ -452,7 +488,7 @@ class CaptureWriter:
             with arr.state_lock:
                 skip = arr.failed_at is not None and tail.index > arr.failed_at
             if not skip:
-                self._put_chunk(spec, tail, rows, atomic)
+                direct = self._put_chunk(spec, tail, rows, atomic, owned=release)
                 write.ok = True
         except BaseException as e:
             error = e
@@ -465,30 +501,53 @@ class CaptureWriter:
         elif write.ok:
             with arr.state_lock:
                 arr.durable[tail.index] = max(arr.durable.get(tail.index, 0), rows)
-            self.count(chunks_written=1, bytes_written=rows * spec.row_bytes)
-        self._commit(arr)
+            self.count(
+                chunks_written=1, chunks_direct=int(direct), bytes_written=rows * spec.row_bytes
+            )
+        with arr.state_lock:
+            arr.writing -= 1
+            later = arr.writing and time.monotonic() - arr.committed_at < COMMIT_EVERY_S
+        if not later:  # rule 4: a write still running commits when it ends
+            self._commit(arr)
 
-    def _put_chunk(self, spec: ArraySpec, tail: _Chunk, rows: int, atomic: bool) -> None:
+    def _put_chunk(
+        self, spec: ArraySpec, tail: _Chunk, rows: int, atomic: bool, *, owned: bool
+    ) -> bool:
         """Write ``rows`` rows of ``tail`` as its chunk object: exactly what zarr writes
-        with codecs ``bytes`` + ``crc32c`` (NOTE [ Capture layout ] rule 2)."""
+        with codecs ``bytes`` + ``crc32c`` (NOTE [ Capture layout ] rule 2). ``owned``:
+        no hook writes into ``tail`` any more (its buffer may be padded in place).
+        Returns whether it went with ``O_DIRECT`` (rule 2)."""
         path = chunk_path(spec.path, tail.index, len(spec.row_shape) + 1)
-        data = tail.buf.numpy().data[: rows * spec.row_bytes]
-        parts: list[memoryview | bytes] = [data, *self._padding(spec.chunk_bytes - len(data))]
-        value = 0
-        for part in parts:
-            value = crc(part, value)
-        parts.append(value.to_bytes(4, "little"))
+        aligned = address_of(tail.buf.numpy()) % BLOCK_BYTES == 0  # pinned memory may not be
+        direct = owned and self.io.uses_direct_io and aligned
+        if direct:
+            views = _direct_views(tail.buf, rows * spec.row_bytes, spec.chunk_bytes)
+        else:
+            data = tail.buf.numpy().data[: rows * spec.row_bytes]
+            parts: list[memoryview | bytes] = [data, *self._padding(spec.chunk_bytes - len(data))]
+            value = 0
+            for part in parts:
+                value = crc(part, value)
+            parts.append(value.to_bytes(4, "little"))
+
+        def put(target: str) -> None:
+            if direct:
+                self.io.write_aligned(target, views, spec.chunk_bytes + 4)
+            else:
+                self.io.write(target, parts)
+
         if not (atomic and isinstance(self.io, LocalIO)):
-            self.io.write(path, parts)
-            return
+            put(path)
+            return direct
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
         try:
-            self.io.write(tmp, parts)
+            put(tmp)
             self.io.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.io.delete([tmp])
             raise
+        return direct
 
     def _padding(self, n: int) -> list[memoryview]:
         """``n`` zero bytes (the rows of a partial chunk that hold no data yet)."""
@@ -584,38 +643,79 @@ class CaptureWriter:
             self.inflight.close()
 
 
+def _direct_views(buf: torch.Tensor, n: int, chunk_bytes: int) -> list[memoryview]:
+    """The block-aligned pieces of a chunk object written with ``O_DIRECT`` from
+    ``buf`` (page-aligned, ``n`` payload bytes): the payload's whole blocks from the
+    buffer itself, then its last part and the crc32c in one small aligned block
+    (rule 2). The rows past ``n`` are zeroed in ``buf`` (a partial chunk's padding)."""
+    data = buf.numpy()
+    if n < chunk_bytes:
+        data[n:chunk_bytes] = 0
+    value = crc(data[:chunk_bytes])
+    whole = chunk_bytes // BLOCK_BYTES * BLOCK_BYTES
+    rest = chunk_bytes - whole
+    last = aligned_empty(rest + 4, BLOCK_BYTES)
+    last[:rest] = data[whole:chunk_bytes]
+    last[rest : rest + 4] = np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
+    views = [data.data[:whole], last.data]
+    return [v for v in views if len(v)]
+
+
 def _commit(io: ChunkIO, arr: _Array, groups: GroupDocs) -> Exception | None:
     """Write ``arr``'s ``zarr.json`` if more rows are safely written than it shows
-    (rule 4; the groups above it first); returns the error of a failed write."""
-    spec = arr.spec
-    with arr.meta_lock:
-        with arr.state_lock:
-            rows = arr.block_end_at_most(arr.written_prefix())
-            if arr.exists and rows <= arr.visible:
+    (rule 4; the groups above it first); returns the error of a failed write. While
+    another thread writes it, this one leaves it a note to write once more, and returns."""
+    while True:
+        if not arr.meta_lock.acquire(blocking=False):
+            with arr.state_lock:
+                arr.recommit = True
+            # The holder reads the note after it lets go of the lock; if it let go
+            # before the note was left, the lock is free now and this thread writes.
+            if not arr.meta_lock.acquire(blocking=False):
                 return None
-            doc = arr.doc
-            doc["shape"] = [rows, *spec.row_shape]
-            stored = doc.get("attributes")
-            doc["attributes"] = {
-                **(stored if isinstance(stored, dict) else {}),
-                _MARK: CAPTURE_FORMAT,
-                "module": spec.module,
-                "kind": spec.kind,
-                "dtype": _dtype_name(spec.dtype),
-                "source_dtype": _dtype_name(spec.source_dtype),
-                "rank": spec.rank,
-                "blocks": _blocks_doc(arr.runs_upto(rows)),
-            }
-            raw = encode_doc(doc)
         try:
-            if not arr.exists:
-                groups.ensure(io, spec.path)
-            io.write(f"{spec.path}/zarr.json", [raw])
-        except Exception as e:
-            return e
-        arr.exists = True
-        arr.visible = rows
-        return None
+            with arr.state_lock:
+                arr.recommit = False
+            error = _commit_once(io, arr, groups)
+        finally:
+            arr.meta_lock.release()
+        with arr.state_lock:
+            if error is not None or not arr.recommit:
+                return error
+
+
+def _commit_once(io: ChunkIO, arr: _Array, groups: GroupDocs) -> Exception | None:
+    """One write of ``arr``'s ``zarr.json`` (under its ``meta_lock``)."""
+    spec = arr.spec
+    with arr.state_lock:
+        rows = arr.block_end_at_most(arr.written_prefix())
+        if arr.exists and rows <= arr.visible:
+            return None
+        doc = arr.doc
+        doc["shape"] = [rows, *spec.row_shape]
+        stored = doc.get("attributes")
+        doc["attributes"] = {
+            **(stored if isinstance(stored, dict) else {}),
+            _MARK: CAPTURE_FORMAT,
+            "module": spec.module,
+            "kind": spec.kind,
+            "dtype": _dtype_name(spec.dtype),
+            "source_dtype": _dtype_name(spec.source_dtype),
+            "rank": spec.rank,
+            **({"masked": spec.tokens} if spec.tokens else {}),
+            "blocks": _blocks_doc(arr.runs_upto(rows)),
+        }
+        raw = encode_doc(doc)
+    try:
+        if not arr.exists:
+            groups.ensure(io, spec.path)
+        write_document(io, f"{spec.path}/zarr.json", raw)
+    except Exception as e:
+        return e
+    arr.exists = True
+    arr.visible = rows
+    arr.committed_at = time.monotonic()
+    return None
 
 
 def _runs(blocks: JSON) -> list[list[int]]:

@@ -202,7 +202,7 @@ def inspect_root(
     try:
         fmt = _root_format(io, empty_ok=empty_ok)
         namespaces = [ns for name in io.listdir("") if (ns := _namespace(io, name)) is not None]
-        captured = _captured(io)
+        captured, capture_problems = _captured(io)
     finally:
         io.close()
     totals: RootTotals = {
@@ -216,6 +216,7 @@ def inspect_root(
     ]
     problems += [f"namespace {n['name']}: damaged: {d}" for n in namespaces for d in n["damage"]]
     problems += [f"namespace {n['name']}: damaged: {n['error']}" for n in namespaces if n["error"]]
+    problems += capture_problems
     return {
         "url": io.url,
         "format": fmt,
@@ -227,11 +228,14 @@ def inspect_root(
     }
 
 
-def _captured(io: ChunkIO) -> list[CapturedArray]:
-    """The arrays ``tsh.capture`` wrote under ``ROOT/capture`` (NOTE [ Capture layout ])."""
-    from tensorstore_hooks.capture import list_arrays
+def _captured(io: ChunkIO) -> tuple[list[CapturedArray], list[str]]:
+    """The arrays ``tsh.capture`` wrote under ``ROOT/capture`` (NOTE [ Capture layout ]),
+    and one problem line for each whose ``zarr.json`` cannot be used, naming it and how
+    to recover (NOTE [ Capture documents ])."""
+    from tensorstore_hooks.capture import scan_arrays
 
-    return [
+    scan = scan_arrays(io)
+    arrays: list[CapturedArray] = [
         {
             "name": a.name,
             "shape": [a.rows, *a.row_shape],
@@ -239,8 +243,9 @@ def _captured(io: ChunkIO) -> list[CapturedArray]:
             "chunk_rows": a.chunk_rows,
             "bytes": a.nbytes,
         }
-        for a in list_arrays(io)
+        for a in scan.arrays
     ]
+    return arrays, [f"captured array: {d}" for d in scan.damaged]
 
 
 def _direct_io_here(io: ChunkIO) -> str | None:

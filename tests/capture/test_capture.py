@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import pickle
 import threading
 import time
@@ -640,3 +641,54 @@ def test_a_forked_child_writes_nothing(tmp_path: Path) -> None:
         check=True,
     )
     assert proc.stdout.split() == ["False", "5"]  # 3 + 2 rows of the parent; none of the child
+
+
+class SlowChunksIO(LocalIO):
+    """A local root whose chunk writes take ``delay_s`` each (a slow disk), counting the
+    documents of ``array`` it replaces."""
+
+    def __init__(self, root: str, array: str, delay_s: float) -> None:
+        super().__init__(root)
+        self.array = array
+        self.delay_s = delay_s
+        self.documents = 0
+
+    def write(self, path: str, parts: Sequence[Any]) -> None:
+        if "/c/" in path:
+            time.sleep(self.delay_s)
+        super().write(path, parts)
+
+    def replace(self, src: str, dst: str) -> None:
+        super().replace(src, dst)
+        if dst == f"{self.array}/zarr.json":
+            self.documents += 1
+
+
+def test_streaming_writes_replace_the_document_at_most_every_commit_every_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document costs two fsyncs: while chunk writes stream in, ``zarr.json`` is
+    replaced once per ``COMMIT_EVERY_S``, not once per chunk, and the last write to
+    finish shows every row without a flush (NOTE [ Capture writes ] rule 4)."""
+    from tensorstore_hooks.capture import _writer
+
+    monkeypatch.setattr(_writer, "COMMIT_EVERY_S", 3600.0, raising=False)
+    model = nn.Sequential(nn.Identity())
+    io = SlowChunksIO(str(tmp_path), "capture/0/output", delay_s=0.02)
+    cap = tsh.capture(
+        model, str(tmp_path), modules="0", what="output", chunk_bytes="4KiB", writer_threads=4
+    )
+    cap._writer.io = io
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(64, 16, generator=g) for _ in range(48)]  # one 4 KiB chunk each
+    with torch.no_grad():
+        for x in rows:
+            model(x)
+    cap._writer.inflight.wait_idle()  # every chunk written; no flush
+    doc = json.loads((tmp_path / "capture/0/output/zarr.json").read_text())
+    assert doc["shape"] == [48 * 64, 16]  # the last write to finish committed
+    # The first commit (none before it) and the last; none per chunk in between.
+    assert io.documents <= 3, f"{io.documents} documents for 48 chunks"
+    cap.remove()
+    arr = zarr.open_array(str(tmp_path / "capture/0/output"), mode="r")
+    assert torch.equal(torch.from_numpy(arr[:]), torch.cat(rows))

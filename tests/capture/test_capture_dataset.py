@@ -89,14 +89,16 @@ def test_ranks_and_workers_cover_every_row_once(root: str, world: int, workers: 
 def test_shards_split_the_chunks_without_overlap(root: str, shuffle: bool) -> None:
     for world in range(1, 5):
         for workers in range(1, 6):
-            units = []
+            rows = []  # (array, chunk, row in chunk) of every piece of every shard
             for rank in range(world):
                 ds = tsh.CaptureDataset(
                     root, "0/output", batch_size=8, shuffle=shuffle, rank=rank, world_size=world
                 )
                 for w in range(workers):
-                    units += [(u.array, u.index) for u in ds.shard(w, workers)]
-            assert sorted(units) == [(0, c) for c in range(ds.arrays[0].chunks)]
+                    pieces = ds.shard(w, workers)
+                    rows += [(p.array, p.index, r) for p in pieces for r in range(p.lo, p.hi)]
+            per = ds.arrays[0].chunk_rows
+            assert sorted(rows) == [(0, i // per, i % per) for i in range(ROWS)]
 
 
 def test_drop_last_keeps_only_whole_batches(root: str) -> None:
