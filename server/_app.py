@@ -74,6 +74,8 @@ class Daemon:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._metrics_stop: Callable[[], None] | None = None
+        self._root_unlock: Callable[[], None] | None = None
+        """Releases the root's lock (NOTE [ One daemon per root ]): the last thing done."""
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> str:
@@ -84,7 +86,9 @@ class Daemon:
         cfg = self.config
         if cfg.disk_enabled:
             assert cfg.root is not None
-            store, self.journal = open_disk(cfg.root, self.limits.max_tensor_bytes)
+            store, self.journal, self._root_unlock = open_disk(
+                cfg.root, self.limits.max_tensor_bytes
+            )
             self.disk = DiskTier(store, self.pool, cfg.disk_quota_bytes)
         self.tiers = Tiers(memory_quota=cfg.memory_quota_bytes, disk=self.disk)
         self.sessions = SessionTable(
@@ -177,7 +181,14 @@ class Daemon:
             self.disk.store.close()
         if self._metrics_stop is not None:
             self._metrics_stop()
+        self.release_root()
         log.info("stopped")
+
+    def release_root(self) -> None:
+        """Release the root's lock (after the disk tier is closed, or a failed start)."""
+        if self._root_unlock is not None:
+            self._root_unlock()
+            self._root_unlock = None
 
     def _spawn(self, coro: Coroutine[object, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -247,6 +258,7 @@ async def _main(config: ServerConfig, on_ready: Callable[[str], None] | None) ->
         url = await daemon.start()
     except BaseException:
         daemon.pool.shutdown(wait=False)
+        daemon.release_root()
         raise
     if on_ready is not None:
         on_ready(url)
