@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.protocol import Msgpack
@@ -40,6 +41,9 @@ from ._sessions import SessionTable
 from ._stats import DaemonStats, Report
 from ._tiers import Tiers
 from ._wire import FrameConn
+
+if TYPE_CHECKING:  # prometheus-client is optional: _metrics is imported with --metrics
+    from ._metrics import MetricsServer
 
 __all__ = ["Daemon", "serve"]
 
@@ -73,7 +77,7 @@ class Daemon:
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
-        self._metrics_stop: Callable[[], None] | None = None
+        self._metrics: MetricsServer | None = None
         self._root_unlock: Callable[[], None] | None = None
         """Releases the root's lock (NOTE [ One daemon per root ]): the last thing done."""
 
@@ -126,7 +130,7 @@ class Daemon:
             from ._metrics import start_metrics_server
 
             try:
-                self._metrics_stop = start_metrics_server(cfg.metrics, lambda: self.stats.latest)
+                self._metrics = await start_metrics_server(cfg.metrics, lambda: self.stats.latest)
             except OSError as e:
                 raise ConfigError(
                     f"daemon config: metrics {cfg.metrics}: cannot listen: {e}"
@@ -172,6 +176,7 @@ class Daemon:
             if pending:
                 log.warning("%d connections did not finish within the drain timeout", len(pending))
                 await asyncio.wait(pending, timeout=1.0)
+        await self.sessions.drain()
         await self.tiers.drain()
         self.pool.shutdown(wait=True)
         if self.journal is not None:
@@ -179,8 +184,8 @@ class Daemon:
             self.journal.close()
         if self.disk is not None:
             self.disk.store.close()
-        if self._metrics_stop is not None:
-            self._metrics_stop()
+        if self._metrics is not None:
+            await self._metrics.close()
         self.release_root()
         log.info("stopped")
 
@@ -222,6 +227,7 @@ class Daemon:
                     )
                 if self.disk is not None:
                     self.disk.check()
+                    self.sessions.retry_unrecorded()
                 if self.journal is not None and self.journal.needs_compaction():
                     self.sessions.compact_journal()
                 self.refresh_stats()

@@ -12,8 +12,11 @@ NOTE [ Disk failures ]
    there) for a back-off of 0.5 s doubling to 30 s; the first write after it probes.
    A freed disk-tier tensor ends a back-off caused by a full filesystem (room may be
    back).
-3. One WARNING when writes start failing, naming the error; one INFO when they work
-   again; repeats in between are DEBUG. No traceback for an OS error.
+3. One WARNING per episode of failures, naming the error, and one INFO when writes
+   work again; everything in between is DEBUG. An episode lasts until writes have
+   worked for :data:`_EPISODE_QUIET_S` without a failure: a full filesystem where
+   each freed tensor lets one write through, and the next one fails, is one episode,
+   not one warning per freed tensor. No traceback for an OS error.
 4. A root deleted or replaced while the daemon serves (its device and inode changed)
    turns the disk tier off until a restart: one ERROR; its tensors answer NOT_FOUND
    ("lost with the root"), writes QUOTA_EXCEEDED.
@@ -53,6 +56,8 @@ T = TypeVar("T")
 
 log = logging.getLogger("tensorstore_hooks.server")
 
+_EPISODE_QUIET_S = 60.0
+"""Writes must work this long before a new failure counts as a new episode (rule 3)."""
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
 _COMPACT_DEAD_BYTES = 64 << 10
@@ -107,6 +112,9 @@ class _Health:
         self.failures = 0
         self.probing = False
         """A write is testing whether the failure is over: the others wait for it."""
+        self.last_failure = float("-inf")
+        self.told = False
+        """The episode's WARNING was logged and its INFO not yet (rule 3)."""
 
     def writable(self, now: float) -> bool:
         return self.error is None or (now >= self.retry_at and not self.probing)
@@ -115,14 +123,16 @@ class _Health:
         self.failures += 1
         self.probing = False
         message = f"{what}: {exc}"
-        first = self.error is None
         self.error = message
         self.full = isinstance(exc, QuotaExceededError) or (
             isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
         )
         now = time.monotonic()
         self.retry_at = now + self.backoff_s
-        if first:
+        new_episode = now - self.last_failure >= _EPISODE_QUIET_S
+        self.last_failure = now
+        if new_episode:
+            self.told = True
             log.warning(
                 "the disk tier at %s cannot take writes (%s); tensors stay in RAM or with "
                 "their clients, next try in %gs",
@@ -135,7 +145,8 @@ class _Health:
         self.backoff_s = min(self.backoff_s * 2, _MAX_BACKOFF_S)
 
     def succeeded(self) -> None:
-        if self.error is not None:
+        if self.error is not None and self.told:
+            self.told = False
             log.info("the disk tier at %s takes writes again", self.where)
         self.probing = False
         self.error = None
@@ -332,6 +343,11 @@ class DiskTier:
         self.release(res)
         self._queue_delete(_Doomed(dk, charge.files, charge.index_del, charge.records))
 
+    def journal_failed(self, exc: BaseException, what: str) -> None:
+        """A journal record could not be written (a delete, a session's end): the
+        disk tier backs off as for a failed write (NOTE [ Disk failures ], rule 2)."""
+        self._failed(exc, what)
+
     def _failed(self, exc: BaseException, what: str) -> None:
         self.write_failures += 1
         if isinstance(exc, TensorStoreError | OSError):
@@ -395,13 +411,15 @@ class DiskTier:
             self._free_now(e)
 
     # ------------------------------------------------------------------ frees
-    def free(self, e: Entry) -> None:
+    def free(self, e: Entry, *, journaled: bool = True) -> None:
         """Delete ``e``'s disk-tier tensor (after its last streamed answer). Its session
-        journal's delete record is written: that part of its standing is spent."""
+        journal's delete record is written (``journaled``; else its session's end
+        record covers it): that part of its standing is spent."""
         session_del = self.costs.charge(e.meta).session_del
         self.entries -= 1
         self.standing -= session_del
-        self._journals_since += session_del
+        if journaled:
+            self._journals_since += session_del
         if e.readers == 0 and e.disk_key is not None:
             self._free_now(e)
 

@@ -225,13 +225,18 @@ class Handlers:
     async def delete(self, c: Conn, req: Delete, head: Head) -> bool:
         s = c.session
         assert s is not None
-        missing = []
+        missing: list[str] = []
+        found = []
         for key in req.keys:
             entry = s.entries.get(key)
             if entry is None:
                 missing.append(key)
             else:
-                self.svc.sessions.free(entry)
+                found.append(entry)
+        try:
+            self.svc.sessions.free_keys(found)  # NOTE [ Durable deletes ]
+        except TierError as err:
+            return await self.error(c, err.code, err.message, req.id)
         await c.wire.send(
             {"id": req.id, "ok": True, "deleted": len(req.keys) - len(missing), "missing": missing}
         )

@@ -331,8 +331,10 @@ class Tiers:
         self.disk.restore(e.meta)
 
     # ------------------------------------------------------------------- free
-    def free(self, e: Entry) -> None:
-        """Release ``e``'s bytes (a spill in flight finishes the job). Idempotent."""
+    def free(self, e: Entry, *, journaled: bool = True) -> None:
+        """Release ``e``'s bytes (a spill in flight finishes the job). Idempotent.
+        ``journaled``: a disk-tier tensor's own delete record was written (else its
+        session's end record covers it)."""
         if e.freed:
             return
         e.freed = True
@@ -342,7 +344,7 @@ class Tiers:
                 self._drop_ram(e)
             return
         assert self.disk is not None
-        self.disk.free(e)
+        self.disk.free(e, journaled=journaled)
 
     def _drop_ram(self, e: Entry) -> None:
         e.buf = None

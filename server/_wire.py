@@ -118,17 +118,15 @@ class FrameConn:
         self._scratch: bytearray | None = None
         self.tls = False
 
-    async def start_tls(self, ctx: ssl.SSLContext, timeout_s: float) -> None:
-        """Run the server side of a TLS handshake within ``timeout_s``.
+    async def start_tls(self, ctx: ssl.SSLContext) -> None:
+        """Run the server side of a TLS handshake (the caller bounds it in time).
 
         A peer that starts with a plaintext frame is answered, in plaintext, with an
         ``UNAUTHORIZED`` error saying that this daemon needs ``tsh+tls://``.
         Raises :class:`ConnectionClosed` when the handshake fails (bad or missing
-        client certificate, not TLS at all), ``TimeoutError`` past the deadline.
+        client certificate, not TLS at all); :attr:`tls` is then already True, and
+        OpenSSL has queued its alert for the peer (close with :meth:`linger_close`).
         """
-        await with_timeout(self._start_tls(ctx), timeout_s)
-
-    async def _start_tls(self, ctx: ssl.SSLContext) -> None:
         while True:
             try:
                 first = self.sock.recv(4, socket.MSG_PEEK)
