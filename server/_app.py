@@ -40,7 +40,7 @@ from ._services import Services
 from ._sessions import SessionTable
 from ._stats import DaemonStats, Report
 from ._tiers import Tiers
-from ._wire import FrameConn
+from ._wire import DISCARD_BYTES, FrameConn, discard_bytes
 
 if TYPE_CHECKING:  # prometheus-client is optional: _metrics is imported with --metrics
     from ._metrics import MetricsServer
@@ -93,7 +93,9 @@ class Daemon:
             store, self.journal, self._root_unlock = open_disk(
                 cfg.root, self.limits.max_tensor_bytes
             )
-            self.disk = DiskTier(store, self.pool, cfg.disk_quota_bytes)
+            self.disk = DiskTier(
+                store, self.pool, cfg.disk_quota_bytes, self.limits.disk_bookkeeping_bytes
+            )
         self.tiers = Tiers(memory_quota=cfg.memory_quota_bytes, disk=self.disk)
         self.sessions = SessionTable(
             self.tiers, self.journal, cfg.lease_s, session_quota=cfg.session_quota_bytes
@@ -235,9 +237,31 @@ class Daemon:
                 log.exception("housekeeping failed")
 
     def _reports(self) -> tuple[Report, ...]:
+        buffers: dict[str, Msgpack] = {
+            "put": self.puts.snapshot(),
+            "get": self.answers.snapshot(),
+            "discard": {"used": discard_bytes(), "limit": DISCARD_BYTES},
+            "bookkeeping": (
+                self.disk.bookkeeping_snapshot()
+                if self.disk is not None
+                else {"used": 0, "limit": self.limits.disk_bookkeeping_bytes, "per_tensor": 0}
+            ),
+        }
+        if self.disk is not None:
+            pool = self.disk.store.buffers
+            buffers["store_pool"] = {
+                "used": pool.held_bytes,
+                "idle": pool.idle_bytes,
+                "in_use": pool.in_use_bytes,
+                "idle_limit": pool.idle_limit_bytes,
+            }
         budgets: Report = {
-            "buffers": {"put": self.puts.snapshot(), "get": self.answers.snapshot()},
-            "counters": {"get_buffer_waits": self.answers.waits},
+            "buffers": buffers,
+            "counters": {
+                "get_buffer_waits": self.answers.waits,
+                "get_preemptions": self.answers.snapshot()["preempted"],
+                "put_preemptions": self.puts.snapshot()["preempted"],
+            },
         }
         return (
             self.tiers.snapshot(),

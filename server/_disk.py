@@ -23,6 +23,15 @@ NOTE [ Disk failures ]
 5. A failed read (a chunk missing or corrupt) fails that GET with INTERNAL naming
    the key; every other request goes on.
 
+NOTE [ Disk-tier bookkeeping ]
+A disk-tier tensor's payload costs no RAM, but its bookkeeping does: its entry, key
+and metadata, its place in the disk index, measured at about 765 bytes. Charged to
+nothing, a disk quota of small tensors would cost the daemon tens of GiB of RAM. So
+every disk-tier tensor, and every write in flight that would add one, is charged
+:data:`~._costs.DISK_TENSOR_RAM_BYTES` against ``limits.disk_bookkeeping``; a write
+past it is refused like one past the disk quota (QUOTA_EXCEEDED, saying which), and
+``stats`` shows the budget (``buffers.bookkeeping``).
+
 Byte counts: NOTE [ Exact disk quota ] in ``_costs``. Event-loop thread only, except
 the store calls, which run on ``pool``.
 """
@@ -47,7 +56,7 @@ from tensorstore_hooks.errors import KeyNotFoundError, QuotaExceededError, Tenso
 from tensorstore_hooks.protocol import Msgpack
 from tensorstore_hooks.storage.zarr import ZarrStore
 
-from ._costs import DISK_NAMESPACE, DiskCharge, DiskCosts
+from ._costs import DISK_NAMESPACE, DISK_TENSOR_RAM_BYTES, DiskCharge, DiskCosts
 from ._model import Entry
 
 __all__ = ["DiskFailure", "DiskReservation", "DiskTier"]
@@ -161,9 +170,15 @@ class _Health:
 class DiskTier:
     """One ZarrStore namespace as the daemon's disk tier. Event-loop thread only."""
 
-    def __init__(self, store: ZarrStore, pool: Executor, quota: int) -> None:
+    def __init__(
+        self, store: ZarrStore, pool: Executor, quota: int, bookkeeping_limit: int
+    ) -> None:
         self.store = store
         self.quota = quota
+        self.bookkeeping_limit = bookkeeping_limit
+        """RAM for disk-tier tensors' bookkeeping (NOTE [ Disk-tier bookkeeping ])."""
+        self.writes = 0
+        """Writes in flight (reserved, not yet committed or released)."""
         self.costs = DiskCosts(store)
         self._pool = pool
         self._health = _Health(store.url)
@@ -246,15 +261,25 @@ class DiskTier:
             extra += self.costs.segment_doc_bound()
         return extra
 
+    def bookkeeping(self) -> int:
+        """RAM charged for disk-tier tensors and writes in flight (NOTE [ Disk-tier
+        bookkeeping ])."""
+        return (self.entries + self.writes) * DISK_TENSOR_RAM_BYTES
+
+    def bookkeeping_full(self) -> bool:
+        return self.bookkeeping() + DISK_TENSOR_RAM_BYTES > self.bookkeeping_limit
+
     def reserve(self, charge: DiskCharge, *, new_session: bool) -> DiskReservation | None:
-        """Room for one write, or None (no room, or the tier takes no writes now)."""
-        if not self.writable():
+        """Room for one write, or None (no room, the bookkeeping budget is full, or the
+        tier takes no writes now)."""
+        if not self.writable() or self.bookkeeping_full():
             return None
         records = charge.records + (self.costs.session_record if new_session else 0)
         res = DiskReservation(charge, self._extra(charge, new_session), records)
         if self.held() + res.nbytes > self.quota:
             return None
         self.reserved += res.nbytes
+        self.writes += 1
         if self._health.error is not None:
             res.probe = self._health.probing = True
         return res
@@ -264,6 +289,7 @@ class DiskTier:
         if res.active:
             res.active = False
             self.reserved -= res.nbytes
+            self.writes -= 1
             if res.probe:  # it never wrote: the next write probes instead
                 self._health.probing = False
 
@@ -275,6 +301,12 @@ class DiskTier:
         """Why writes are refused now (for a QUOTA_EXCEEDED message), or None."""
         if self.lost is not None:
             return self.lost
+        if self.bookkeeping_full():
+            return (
+                f"the daemon's RAM for disk-tier bookkeeping is full: {self.entries} tensors "
+                f"at {DISK_TENSOR_RAM_BYTES} bytes each of limits.disk_bookkeeping "
+                f"({format_bytes(self.bookkeeping_limit)})"
+            )
         if self._health.error is not None:
             left = max(0.0, self._health.retry_at - time.monotonic())
             return f"the disk tier failed ({self._health.error}); next try in {left:.1f}s"
@@ -320,6 +352,7 @@ class DiskTier:
         assert res.active
         res.active = False
         self.reserved -= res.nbytes
+        self.writes -= 1
         self._journals_since += res.records
         self.standing += res.charge.standing
         self.entries += 1
@@ -491,6 +524,13 @@ class DiskTier:
             # The library's own disk path (NOTE [ Direct I/O ] in storage/io/_local.py).
             "direct_io": self.store.direct_io.enabled,
             "direct_io_reason": self.store.direct_io.reason,
+        }
+
+    def bookkeeping_snapshot(self) -> dict[str, int]:
+        return {
+            "used": self.bookkeeping(),
+            "limit": self.bookkeeping_limit,
+            "per_tensor": DISK_TENSOR_RAM_BYTES,
         }
 
     def counters(self) -> dict[str, int]:

@@ -36,6 +36,7 @@ from tensorstore_hooks.protocol import (
 
 from ._answers import send_entry
 from ._conns import Conn
+from ._payload import PUT_STALL_S, Preempted
 from ._services import Services
 from ._tensor_rules import meta_problem
 from ._tiers import Reservation, TierError
@@ -177,14 +178,22 @@ class Handlers:
             await c.wire.read_body(head, None)
             return await self.error(c, err.code, err.message, req.id)
         puts = self.svc.puts
-        ticket = puts.open() if res.tier == "disk" else None
+        ticket = puts.open(s.id) if res.tier == "disk" else None
         try:
             # Receive straight into the buffer the tensor will live in; a disk-bound
             # payload counts against the PUT budget as it arrives (NOTE [ Payload bytes
             # as they arrive ]); np.empty's pages are only touched as bytes land.
             buf = np.empty(req.size, dtype=np.uint8)
             reserve = functools.partial(puts.take, ticket) if ticket is not None else None
-            await c.wire.read_body(head, buf.data, reserve)
+            try:
+                await c.wire.read_body(head, buf.data, reserve, ticket)
+            except Preempted:  # NOTE [ Preemption ]: its buffer goes, and the connection
+                raise ProtocolError(
+                    ErrorCode.BUSY,
+                    f"dropped: this PUT's payload stalled for {PUT_STALL_S:g}s or more while "
+                    "other clients needed the daemon's PUT buffer; send it again",
+                    fatal=True,
+                ) from None
             if s.ended:
                 return await self.error(c, ErrorCode.NOT_FOUND, "the session has ended", req.id)
             key = secrets.token_urlsafe(16)
@@ -217,7 +226,7 @@ class Handlers:
             await c.wire.send(reply)
             return True
         try:
-            await send_entry(c.wire, reply, found, self.svc.tiers.disk, self.svc.answers)
+            await send_entry(c.wire, reply, found, self.svc.tiers, self.svc.answers)
         except TierError as err:
             return await self.error(c, err.code, err.message, req.id)
         return True

@@ -57,6 +57,36 @@ def _number(snap: Mapping[str, Msgpack], *path: str) -> float:
     return float(value)
 
 
+def _budget_families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
+    """The named budgets (``buffers``), RAM held by answers, preemptions."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    buffers = GaugeMetricFamily(
+        "tsh_buffer_bytes",
+        "Memory held in the daemon's named budgets: PUTs bound for disk, GET answers read "
+        "from disk, disk-tier bookkeeping, the discard buffer, the disk tier's buffer pool.",
+        labels=["kind"],
+    )
+    for kind in ("put", "get", "bookkeeping", "discard", "store_pool"):
+        section = _at(snap, "buffers")
+        if isinstance(section, Mapping) and kind in section:
+            buffers.add_metric([kind], _number(snap, "buffers", kind, "used"))
+    yield buffers
+    yield GaugeMetricFamily(
+        "tsh_ram_answer_bytes",
+        "RAM held only by GET answers still sending tensors deleted or spilled meanwhile.",
+        value=_number(snap, "tiers", "ram", "answers"),
+    )
+    preempted = CounterMetricFamily(
+        "tsh_preemptions",
+        "Budget holders preempted for others (GET pieces read again, PUTs dropped).",
+        labels=["budget"],
+    )
+    for budget in ("put", "get"):
+        preempted.add_metric([budget], _number(snap, "counters", f"{budget}_preemptions"))
+    yield preempted
+
+
 def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -77,14 +107,7 @@ def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
         for tier in ("ram", "disk"):
             g.add_metric([tier], _number(snap, "tiers", tier, field))
         yield g
-    buffers = GaugeMetricFamily(
-        "tsh_buffer_bytes",
-        "Memory held for payloads in flight: PUTs bound for disk, GET answers read from disk.",
-        labels=["kind"],
-    )
-    for kind in ("put", "get"):
-        buffers.add_metric([kind], _number(snap, "buffers", kind, "used"))
-    yield buffers
+    yield from _budget_families(snap)
     disk = _at(snap, "tiers", "disk")
     yield GaugeMetricFamily(
         "tsh_disk_writable",
@@ -111,6 +134,7 @@ def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
         ("tsh_spilled_bytes", "spill_bytes", "Bytes spilled from RAM to disk."),
         ("tsh_quota_rejections", "quota_rejected", "PUTs refused with QUOTA_EXCEEDED."),
         ("tsh_disk_write_failures", "disk_write_failures", "Disk-tier writes that failed."),
+        ("tsh_delete_failures", "delete_failures", "DELETEs refused: not journaled."),
         ("tsh_disk_direct_bytes", "disk_direct_bytes", "Disk-tier bytes moved with O_DIRECT."),
         (
             "tsh_disk_buffered_bytes",
