@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,11 +27,11 @@ from tensorstore_hooks.protocol import (
 
 from ._disk import DiskTier
 from ._model import Entry
-from ._payload import ANSWER_PIECE_BYTES, AnswerBudget, Preempted
+from ._payload import ANSWER_PIECE_BYTES, PUT_STALL_S, AnswerBudget, Preempted
 from ._tiers import TierError, Tiers
 from ._wire import ConnectionClosed, FrameConn
 
-__all__ = ["send_entry"]
+__all__ = ["send_built", "send_entry"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
@@ -67,10 +68,45 @@ async def send_entry(
         disk.done_reading(e)
 
 
-def _frames(reply: Header | None, piece: np.ndarray) -> list[bytes | memoryview]:
+async def send_built(
+    wire: FrameConn,
+    reply: Header,
+    session: str,
+    build: Callable[[], bytes],
+    budget: AnswerBudget,
+    estimate: int | None = None,
+) -> None:
+    """Send ``reply`` with the payload ``build()`` makes (a LIST or STATS answer),
+    counted in ``budget`` for ``session`` while the socket takes it (NOTE [ Answers
+    read from disk ], rule 5). ``estimate``: its size at most, to hold it before it
+    is built (else it is built first). A client that stalls it while others need the
+    budget is dropped (ConnectionClosed)."""
+    body = build() if estimate is None else None
+    need = len(body) if body is not None else estimate or 0
+    hold = await budget.acquire(session, need, stall_s=PUT_STALL_S)
+    parts: list[bytes | memoryview] | None = None
+    try:
+        if body is None:
+            body = build()
+        reply["size"] = len(body)
+        parts = _frames(reply, memoryview(body))
+        frames = -(-len(body) // MAX_FRAME_PAYLOAD) or 1
+        try:
+            await wire.send_resumable(parts, 0, hold, wire.read_timeout_s * frames)
+        except Preempted:
+            raise ConnectionClosed(
+                "dropped: the client stopped reading its answer while others needed the "
+                "daemon's answer buffer"
+            ) from None
+    finally:
+        parts = body = None
+        budget.release(hold)
+
+
+def _frames(reply: Header | None, data: np.ndarray | memoryview) -> list[bytes | memoryview]:
     """The frames of one piece, prefixes and payload views in sending order;
     ``reply``: the message's header if the piece opens the message."""
-    view = memoryview(piece.data).cast("B")
+    view = memoryview(data.data if isinstance(data, np.ndarray) else data).cast("B")
     parts: list[bytes | memoryview] = []
     for lo in range(0, max(len(view), 1), MAX_FRAME_PAYLOAD):
         part = view[lo : lo + MAX_FRAME_PAYLOAD]

@@ -72,6 +72,8 @@ _MAX_BACKOFF_S = 30.0
 _COMPACT_DEAD_BYTES = 64 << 10
 """Journal records of deleted tensors worth a compaction when the disk is full."""
 _COMPACT_EVERY_S = 1.0
+_DELETE_BATCH = 256
+"""Disk-tier tensors deleted per store call (an ended session frees thousands)."""
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
@@ -471,7 +473,9 @@ class DiskTier:
 
     async def _flush_deletes(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending, []
+            # A bounded batch per store call: the store's index lock is held for the
+            # whole call, and other clients' disk writes need it too.
+            batch, self._pending = self._pending[:_DELETE_BATCH], self._pending[_DELETE_BATCH:]
             try:
                 await self._run(self.store.delete_many, [d.disk_key for d in batch])
             except Exception as exc:

@@ -34,7 +34,7 @@ from tensorstore_hooks.protocol import (
     parse_request,
 )
 
-from ._answers import send_entry
+from ._answers import send_built, send_entry
 from ._conns import Conn
 from ._payload import PUT_STALL_S, Preempted
 from ._services import Services
@@ -151,8 +151,11 @@ class Handlers:
         return True
 
     async def stats(self, c: Conn, req: Stats, head: Head) -> bool:
-        body = msgpack.packb(self.svc.snapshot(), use_bin_type=True)
-        await c.wire.send({"id": req.id, "ok": True}, body)
+        def build() -> bytes:
+            return bytes(msgpack.packb(self.svc.snapshot(), use_bin_type=True))
+
+        who = c.session.id if c.session is not None else f"observer {c.peer}"
+        await send_built(c.wire, {"id": req.id, "ok": True}, who, build, self.svc.answers)
         return True
 
     async def bye(self, c: Conn, req: Bye, head: Head) -> bool:
@@ -254,6 +257,14 @@ class Handlers:
     async def list_keys(self, c: Conn, req: ListKeys, head: Head) -> bool:
         s = c.session
         assert s is not None
-        body = msgpack.packb(list(s.entries), use_bin_type=True)
-        await c.wire.send({"id": req.id, "ok": True}, body)
+        keys = list(s.entries)
+        # msgpack: an array header of at most 5 bytes, a str header of at most 2 a key
+        # (keys are shorter than 256 characters).
+        estimate = 5 + sum(len(k) + 2 for k in keys)
+
+        def build() -> bytes:
+            return bytes(msgpack.packb(keys, use_bin_type=True))
+
+        reply: Header = {"id": req.id, "ok": True}
+        await send_built(c.wire, reply, s.id, build, self.svc.answers, estimate)
         return True

@@ -12,18 +12,23 @@ every other client's disk-bound PUT would wait for the read deadline. So:
 1. A PUT takes budget in pieces of at most :data:`PIECE_BYTES`, just before it
    receives each piece: what a slow peer holds is what it actually sent, plus one
    piece.
-2. A piece is granted if it fits, in order of asking, and if its session stays
-   within its share: ``limit // (sessions holding or asking + 1)``, so that one
-   session (whatever its number of connections) never holds more than its part and
-   a session that arrives finds room. The *oldest* PUT in progress is always
-   granted, even past the limit or its share: partial holders waiting for each
-   other can never deadlock, and the overshoot is at most the rest of one PUT (at
-   most ``max_tensor``).
+2. A piece is granted if it fits, the sessions holding least first (then in order
+   of asking), and if its session stays within its share: ``limit // (sessions
+   holding or asking + 1)``, so that one session (whatever its number of
+   connections) never holds more than its part and a session that arrives finds
+   room. A session past its share is still granted when no other waiting session
+   holds less: a PUT larger than a share completes without waiting to become the
+   oldest. The *oldest* PUT in progress is always granted, even past the limit or
+   its share: partial holders waiting for each other can never deadlock, and the
+   overshoot is at most the rest of one PUT (at most ``max_tensor``).
 3. Waiting for budget is the daemon's doing, not the peer's: it does not count
    against the peer's read deadline (``_wire``).
 4. A PUT whose peer has sent nothing for :data:`PUT_STALL_S` while another request
    waits for this budget is dropped (NOTE [ Preemption ]): its connection closes
-   with a BUSY error frame, and its buffer is freed at once.
+   with a BUSY error frame, and its buffer is freed at once. So is a PUT that has
+   waited :data:`PUT_STALL_S` for more budget while its session holds more than its
+   share and another session's request does not fit the total: many sessions whose
+   PUTs each hold a little and wait for more would otherwise keep the whole budget.
 
 NOTE [ Answers read from disk ]
 A GET of a disk-tier tensor is streamed: the daemon reads one piece (whole chunks,
@@ -45,6 +50,9 @@ and in total (``limits.get_buffer``):
    (NOTE [ Preemption ]): it gives its budget back, its buffer is dropped, and the
    answer goes on later from where it stopped, the piece read from disk again once
    the client has read what the kernel holds for it.
+5. Answers built for one request (LIST, STATS) are held in this budget too while
+   they are sent; one that stalls for :data:`PUT_STALL_S` while another request
+   waits is dropped with its connection (it cannot be built again identically).
 An answer served from the RAM tier is sent from the tensor's own buffer: no copy;
 its bytes stay counted in the RAM tier until the send ends (``_tiers``).
 
@@ -58,8 +66,9 @@ holding the most first, until the request fits. Preempting a GET piece costs a d
 read; preempting a PUT costs the client a retry (it reconnects and sends again). A
 holder blocked for less than its stall time is left alone (a wake-up is scheduled
 for when it is not), so a client that reads and writes at its own pace is never
-preempted for a short pause. Holders waiting for the budget itself, or for the disk,
-are never preempted: that wait is the daemon's doing.
+preempted for a short pause. Holders waiting for the disk, or for the budget itself,
+are not preempted (that wait is the daemon's doing), except a PUT of a session over
+its share (rule 4 above).
 """
 
 from __future__ import annotations
@@ -121,6 +130,7 @@ class Hold:
         "preempted",
         "session",
         "stall_s",
+        "waiting_since",
     )
 
     def __init__(self, session: str, order: int, stall_s: float) -> None:
@@ -129,6 +139,9 @@ class Hold:
         self.stall_s = stall_s
         self.held = 0
         self.blocked_since: float | None = None
+        """When it began to wait on its client (None: it is not)."""
+        self.waiting_since: float | None = None
+        """When it began to wait for more of the budget, holding some (None: it is not)."""
         self.preempted = False
         self.on_block: Callable[[Hold], None] | None = None
         """Set by the budget: told when the holder starts waiting on its client."""
@@ -151,9 +164,25 @@ class Hold:
         if self.preempted:
             raise Preempted(sent)
 
+    def wait_budget(self, fut: asyncio.Future[None]) -> None:
+        """The holder waits for more of the budget until ``fut`` is done (a PUT)."""
+        self.waiting_since = time.monotonic()
+        self._wake = fut
+
+    def got_budget(self) -> None:
+        """That wait is over; raises :class:`Preempted` if it ended by preemption."""
+        self.waiting_since = None
+        self._wake = None
+        self.check()
+
+    @property
+    def stalled(self) -> bool:
+        return self.blocked_since is not None or self.waiting_since is not None
+
     def stalled_for(self, now: float) -> float:
-        """Seconds it has been blocked (0 when it is not)."""
-        return 0.0 if self.blocked_since is None else now - self.blocked_since
+        """Seconds it has been waiting, on its client or for budget (0 when it is not)."""
+        since = self.blocked_since if self.blocked_since is not None else self.waiting_since
+        return 0.0 if since is None else now - since
 
     def preempt(self) -> None:
         self.preempted = True
@@ -199,7 +228,7 @@ class _Shares:
         ready: list[Hold] = []
         soonest: float | None = None
         for h in among:
-            if h.preempted or h.blocked_since is None or not h.held:
+            if h.preempted or not h.stalled or not h.held:
                 continue
             left = h.stall_s - h.stalled_for(now)
             if left <= 0:
@@ -293,6 +322,9 @@ class PayloadBudget:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         item = (t, n, fut)
         self._waiters.append(item)
+        if t.held:
+            t.wait_budget(fut)  # rule 4: holding some while it waits, it may be dropped
+            self._blocked(t)
         self._wake()
         try:
             await fut
@@ -300,6 +332,9 @@ class PayloadBudget:
             if item in self._waiters:
                 self._waiters.remove(item)
             raise  # a grant already made stays with t: close() returns it
+        finally:
+            t.waiting_since = None
+        t.got_budget()
 
     def close(self, t: PayloadTicket) -> None:
         """Return everything ``t`` holds. Idempotent."""
@@ -311,38 +346,75 @@ class PayloadBudget:
 
     def _wake(self) -> None:
         # Drop waiters that gave up. Rule 2: the oldest PUT is granted whatever it
-        # asks; the others in order of asking, a session at its share skipped (it
-        # waits for its own PUTs), the first that does not fit the total ending the
-        # scan. Rule 4 for the first that waits: preempt blocked PUTs of its own
-        # session when its share is what is short, anyone's when the total is.
+        # asks; the others session holding least first (then in order of asking), a
+        # session at its share skipped (it waits for its own PUTs) unless no waiting
+        # session holds less, the first that does not fit the total ending the scan.
+        # Rule 4: for each session short of its share, its own PUTs stalled on their
+        # clients may be dropped; for the first request short of the total, any PUT
+        # stalled on its client, and any waiting for budget over its share.
         self._waiters = collections.deque(
             w for w in self._waiters if not w[2].done() and w[0] in self._shares.holders
         )
         oldest = self._oldest()
         share = self._share("")
+        held = self._shares.by_session
         skipped: set[str] = set()
-        first: tuple[PayloadTicket, int, bool] | None = None  # who, bytes short, own share
-        for item in list(self._waiters):
+        short: list[tuple[PayloadTicket, int, bool]] = []  # who, bytes short, own share
+        for item in self._scan_order(oldest):
             t, n, fut = item
             if t is not oldest:
                 if t.session in skipped:
                     continue
                 if not self._total_fits(n):
-                    first = first or (t, self._shares.used + n - self.limit, False)
+                    short.append((t, self._shares.used + n - self.limit, False))
                     break
-                if not self._share_fits(t, n, share):
-                    held = self._shares.by_session.get(t.session, 0)
-                    first = first or (t, held + n - share, True)
+                if not self._share_fits(t, n, share) and not self._holds_least(t, skipped):
+                    short.append((t, held.get(t.session, 0) + n - share, True))
                     skipped.add(t.session)
                     continue
             self._waiters.remove(item)
             self._shares.grant(t, n)
             fut.set_result(None)
-        if first is not None:
-            t, need, own = first
-            holders = self._shares.holders
-            among = [h for h in holders if h is not t and (h.session == t.session or not own)]
-            self._shares.preempt(need, among, self._wake)
+        for t, need, own in short:
+            self._shares.preempt(need, self._droppable(t, own, share), self._wake)
+
+    def _scan_order(
+        self, oldest: Hold | None
+    ) -> list[tuple[PayloadTicket, int, asyncio.Future[None]]]:
+        """Waiters in granting order (rule 2): the oldest PUT, then the sessions
+        holding least first, each in order of asking."""
+        held = self._shares.by_session
+        ranked = sorted(
+            enumerate(self._waiters),
+            key=lambda iw: (iw[1][0] is not oldest, held.get(iw[1][0].session, 0), iw[0]),
+        )
+        return [w for _, w in ranked]
+
+    def _holds_least(self, t: PayloadTicket, skipped: set[str]) -> bool:
+        """No other session still waiting holds less than ``t``'s (rule 2: a session
+        past its share still moves when it is the one that holds least, so a PUT larger
+        than a share always completes, and the others wait at most its next piece)."""
+        held = self._shares.by_session
+        mine = held.get(t.session, 0)
+        return all(
+            held.get(w.session, 0) >= mine
+            for w, _, _ in self._waiters
+            if w.session != t.session and w.session not in skipped
+        )
+
+    def _droppable(self, t: PayloadTicket, own: bool, share: int) -> list[Hold]:
+        """Who may be dropped for ``t`` (rule 4): PUTs stalled on their clients (of its
+        own session only, ``own``), and PUTs waiting for budget over their share."""
+        by_session = self._shares.by_session
+        out: list[Hold] = []
+        for h in self._shares.holders:
+            if h is t or (own and h.session != t.session):
+                continue
+            if h.blocked_since is not None or (
+                not own and h.waiting_since is not None and by_session.get(h.session, 0) > share
+            ):
+                out.append(h)
+        return out
 
     def snapshot(self) -> dict[str, int]:
         return {
@@ -391,9 +463,11 @@ class AnswerBudget:
         finally:
             self.release(h)
 
-    async def acquire(self, session: str, n: int) -> Hold:
-        """Wait for room, then hold ``n`` bytes for ``session``; :meth:`release` it."""
-        h = Hold(session, next(self._orders), GET_STALL_S)
+    async def acquire(self, session: str, n: int, stall_s: float = GET_STALL_S) -> Hold:
+        """Wait for room, then hold ``n`` bytes for ``session``; :meth:`release` it.
+        ``stall_s``: how long the holder may be blocked on its client before it may be
+        preempted (rule 4)."""
+        h = Hold(session, next(self._orders), stall_s)
         h.on_block = self._blocked
         item = (h, n, asyncio.get_running_loop().create_future())
         self._waiters.append(item)

@@ -279,6 +279,65 @@ def test_one_sessions_stalled_puts_do_not_hold_up_another(
             s.close()
 
 
+def test_stalled_puts_of_many_sessions_are_dropped_for_another(
+    daemons: DaemonLauncher, tmp_path: Path
+) -> None:
+    # Eight sessions, two half-sent PUTs each: shares alone cannot keep room for a
+    # newcomer, so PUTs stalled past PUT_STALL_S are dropped when it needs the room.
+    cfg = _config(
+        tmp_path,
+        f"memory_quota: 0\nroot: {tmp_path / 'root'}\ndisk_quota: 1GiB\n"
+        "limits:\n  put_buffer: 32MiB\n  read_timeout: 60s\n",
+    )
+    d = daemons.start("--config", cfg)
+    size = 16 * MiB
+    meta = tsh.TensorMeta("uint8", (size,), (1,), 0, False, "cpu", False, size).to_dict()
+    head = message_head({"op": "put", "id": 2, "meta": meta, "size": size}, size)
+    writers: list[socket.socket] = []
+    threads: list[threading.Thread] = []
+    dropped: list[dict[str, object]] = []
+
+    def half_send(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            s.sendall(head + bytes(size // 2))
+            s.settimeout(30)
+            got = recv_frame(s)
+            if got is not None:
+                dropped.append(got[0])
+
+    try:
+        for i in range(16):
+            s = raw_connect(d.url)
+            writers.append(s)
+            sid = None if i % 2 == 0 else sid  # noqa: F821 - set on the even turn
+            welcome = raw_hello(s, session=sid)
+            sid = welcome["session"]
+            threads.append(threading.Thread(target=half_send, args=(s,), daemon=True))
+            threads[-1].start()
+        wait_until(
+            lambda: fetch_stats(d.url)["buffers"]["put"]["used"] >= 28 * MiB,
+            20,
+            "the stalled PUTs to fill the budget",
+        )
+        x = torch.randn(MiB)  # 4 MiB
+        with DaemonStore(d.url, io_timeout_s=10, reconnect_deadline_s=0.5) as victim:
+            for _ in range(3):
+                assert torch.equal(victim.get(victim.put(x)), x)
+        snap = fetch_stats(d.url)
+        assert snap["counters"]["put_preemptions"] > 0
+        assert snap["buffers"]["put"]["used"] <= 32 * MiB + 8 * MiB  # + the oldest's rest
+        wait_until(lambda: dropped, 10, "a dropped writer to be told why")
+        assert dropped[0]["code"] == "BUSY" and "stalled" in str(dropped[0]["message"])
+    finally:
+        for s in writers:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(timeout=30)
+        for s in writers:
+            s.close()
+
+
 def test_stalled_readers_do_not_hold_up_another_session(
     daemons: DaemonLauncher, tmp_path: Path
 ) -> None:
