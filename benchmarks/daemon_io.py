@@ -16,7 +16,17 @@ spill to disk and some are refused (QUOTA_EXCEEDED: the client keeps those). Rep
 aggregate throughput, p50/p99 latency of put and get, refusals, spills, and checks
 that every acknowledged tensor read back equal.
 
-    python benchmarks/daemon_io.py                 # both parts, a table on stdout
+Part 3 (hostile clients, ``--skip-hostile`` leaves it out): one well-behaved client
+doing put+get of ``--size`` tensors through a disk-only daemon, first alone, then
+beside ``--slow-readers`` connections (default 40, over 8 sessions) that trickle-read
+GET answers of 32 MiB (16 KiB every 50 ms) and ``--half-writers`` connections
+(default 16, over 4 sessions) that each send half of a 32 MiB PUT and stop (dropped,
+they come back and do it again). Reports the victim's median and p90 put+get
+latency with and without them (target: at most 2x), and the daemon's RSS growth
+over its warmed-up idle size against its quotas and named budgets + 64 MiB (the
+budgets are set small here so that the bound says something).
+
+    python benchmarks/daemon_io.py                 # all parts, a table on stdout
     python benchmarks/daemon_io.py --json out.json # also the numbers as JSON
 """
 
@@ -371,6 +381,245 @@ def bench_pressure(url: str, procs: int, ops: int, size: int, step: int) -> dict
     }
 
 
+# ---------------------------------------------------------------- hostile clients
+HOSTILE_BYTES = 32 * MiB
+HOSTILE_LIMITS = {
+    "put_buffer": 64 * MiB,
+    "get_buffer": 64 * MiB,
+    "session_get_buffer": 16 * MiB,
+    "disk_bookkeeping": 8 * MiB,
+}
+HOSTILE_POOL_BYTES = 64 * MiB  # the disk tier's idle read buffers (the store's default)
+HOSTILE_DISCARD_BYTES = 1 * MiB
+
+
+def _raw_hello(sock: socket.socket, session: str | None) -> str:
+    from tensorstore_hooks.protocol import PROTOCOL_VERSION, message_head, unpack_header
+
+    hello = {"op": "hello", "id": 1, "version": PROTOCOL_VERSION, "token": None}
+    sock.sendall(message_head({**hello, "session": session}, 0))
+    prefix = bytearray(16)
+    _recv_exact(sock, memoryview(prefix))
+    header_len = int.from_bytes(prefix[4:8], "little")
+    raw = bytearray(header_len)
+    _recv_exact(sock, memoryview(raw))
+    answer = unpack_header(raw)
+    if answer.get("ok") is not True:
+        raise RuntimeError(f"HELLO refused: {answer}")
+    return str(answer["session"])
+
+
+def _slow_reader(url: str, session: str, key: str, stop: threading.Event) -> None:
+    """GET ``key`` and read the answer 16 KiB every 50 ms, until ``stop``."""
+    from tensorstore_hooks.protocol import message_head
+
+    host, port = url.removeprefix("tsh://").rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port))) as sock:
+        _raw_hello(sock, session)
+        sock.sendall(message_head({"op": "get", "id": 2, "key": key}, 0))
+        sink = bytearray(16 << 10)
+        while not stop.wait(0.05):
+            if not sock.recv_into(sink):
+                return
+
+
+def _half_writer(url: str, session: str, stop: threading.Event, drops: list[int]) -> None:
+    """Send half of a PUT and stop; when the daemon drops it, come back, until ``stop``."""
+    from tensorstore_hooks import TensorMeta
+    from tensorstore_hooks.protocol import message_head
+
+    host, port = url.removeprefix("tsh://").rsplit(":", 1)
+    n = HOSTILE_BYTES
+    meta = TensorMeta("uint8", (n,), (1,), 0, False, "cpu", False, n).to_dict()
+    # The first frame carries the first half (16 MiB, a frame's most); then nothing.
+    head = message_head({"op": "put", "id": 2, "meta": meta, "size": n}, n // 2)
+    half = bytes(n // 2)
+    while not stop.is_set():
+        try:
+            with socket.create_connection((host, int(port))) as sock:
+                _raw_hello(sock, session)
+                sock.sendall(head + half)
+                while not stop.wait(0.2):  # then nothing; the daemon may drop us
+                    sock.setblocking(False)
+                    with contextlib.suppress(BlockingIOError):
+                        if not sock.recv(1 << 16):
+                            break
+                    sock.setblocking(True)
+        except OSError:
+            pass
+        drops[0] += 1
+        stop.wait(0.1)
+
+
+def _hostile(url: str, readers: int, writers: int) -> None:
+    """Hidden mode: run the hostile clients until stdin says stop; print their counts."""
+    import torch
+
+    from tensorstore_hooks.storage.daemon._client import DaemonStore
+
+    torch.set_num_threads(1)
+    stop = threading.Event()
+    stores = [DaemonStore(url) for _ in range(8)]
+    keys = [st.put(torch.zeros(HOSTILE_BYTES // 4)) for st in stores]
+    writer_sessions = [_raw_session(url) for _ in range(4)]
+    drops = [0]
+    threads = [
+        threading.Thread(
+            target=_slow_reader,
+            args=(url, stores[i % 8].session_id, keys[i % 8], stop),
+            daemon=True,
+        )
+        for i in range(readers)
+    ] + [
+        threading.Thread(
+            target=_half_writer, args=(url, writer_sessions[i % 4], stop, drops), daemon=True
+        )
+        for i in range(writers)
+    ]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    for st in stores:
+        st.close()
+    print(json.dumps({"writer_reconnects": drops[0] - writers}), flush=True)
+
+
+def _raw_session(url: str) -> str:
+    """A session of its own for the half-sent writers (a connection that says HELLO)."""
+    host, port = url.removeprefix("tsh://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        return _raw_hello(sock, None)
+
+
+def _victim_latencies(url: str, size: int, iters: int) -> list[float]:
+    import torch
+
+    from tensorstore_hooks.storage.daemon._client import DaemonStore
+
+    x = torch.randn(size // 4)
+    out = []
+    with DaemonStore(url) as store:
+        for i in range(iters + 2):
+            t0 = time.perf_counter()
+            key = store.put(x)
+            y = store.get(key)
+            if i >= 2:
+                out.append(time.perf_counter() - t0)
+            store.delete(key)
+        assert torch.equal(x, y)
+    return out
+
+
+class RssWatcher:
+    """The peak RSS of a process, sampled every few milliseconds."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._proc = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> RssWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def bench_hostile(tmp: Path, size: int, iters: int, readers: int, writers: int) -> dict[str, Any]:
+    """Part 3: the victim's latency alone and beside hostile clients; the daemon's RSS."""
+    limits = "".join(f"  {k}: {v}\n" for k, v in HOSTILE_LIMITS.items())
+    cfg = tmp / "hostile.yaml"
+    cfg.write_text(
+        f"memory_quota: 0\nroot: {tmp / 'hostile-root'}\ndisk_quota: 4GiB\nlimits:\n{limits}"
+    )
+    proc, url = _start_daemon("--config", str(cfg), log=tmp / "d3.log")
+    try:
+        _victim_latencies(url, size, 5)  # warm the daemon up
+        alone = _victim_latencies(url, size, iters)
+        with RssWatcher(proc.pid) as rss:
+            base = rss.now()
+            hostile = subprocess.Popen(
+                [sys.executable, __file__, "--hostile", url, str(readers), str(writers)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert hostile.stdout is not None and hostile.stdin is not None
+            assert hostile.stdout.readline().strip() == "ready"
+            time.sleep(2.0)  # the hostile clients take what they can
+            beside = _victim_latencies(url, size, iters)
+            hostile.stdin.write("stop\n")
+            hostile.stdin.flush()
+            out, _ = hostile.communicate(timeout=120)
+        from tensorstore_hooks.storage.daemon._client import fetch_stats
+
+        counters = fetch_stats(url)["counters"]
+    finally:
+        _stop(proc)
+    budgets = sum(HOSTILE_LIMITS[k] for k in ("put_buffer", "get_buffer", "disk_bookkeeping"))
+    bound = budgets + HOSTILE_POOL_BYTES + HOSTILE_DISCARD_BYTES + 64 * MiB  # RAM quota 0
+    ratio = statistics.median(beside) / statistics.median(alone)
+    return {
+        "tensor_bytes": size,
+        "slow_readers": readers,
+        "half_sent_writers": writers,
+        "victim_alone_p50_ms": 1e3 * statistics.median(alone),
+        "victim_alone_p90_ms": 1e3 * _pct(alone, 0.9),
+        "victim_beside_p50_ms": 1e3 * statistics.median(beside),
+        "victim_beside_p90_ms": 1e3 * _pct(beside, 0.9),
+        "latency_ratio_p50": ratio,
+        "rss_base": base,
+        "rss_peak": rss.peak,
+        "rss_growth": rss.peak - base,
+        "rss_bound": bound,
+        "rss_within_bound": rss.peak - base <= bound,
+        "get_preemptions": counters.get("get_preemptions", 0),
+        "put_preemptions": counters.get("put_preemptions", 0),
+        **json.loads(out.strip().splitlines()[-1]),
+    }
+
+
+def _print_hostile(h: dict[str, Any]) -> None:
+    from tensorstore_hooks._units import format_bytes
+
+    print(
+        f"hostile clients: {h['slow_readers']} slow readers + {h['half_sent_writers']} "
+        f"half-sent writers beside one client doing put+get of "
+        f"{format_bytes(h['tensor_bytes'])}:"
+    )
+    print(
+        f"  victim alone p50 {h['victim_alone_p50_ms']:.1f} ms (p90 "
+        f"{h['victim_alone_p90_ms']:.1f}), beside them p50 {h['victim_beside_p50_ms']:.1f} ms "
+        f"(p90 {h['victim_beside_p90_ms']:.1f}): ratio {h['latency_ratio_p50']:.2f} (target <= 2)"
+    )
+    print(
+        f"  daemon RSS grew {format_bytes(h['rss_growth'])} over its idle "
+        f"{format_bytes(h['rss_base'])}; bound (quotas + budgets + 64 MiB) "
+        f"{format_bytes(h['rss_bound'])}: within {h['rss_within_bound']}"
+    )
+    print(
+        f"  preemptions: GET pieces {h['get_preemptions']}, PUTs dropped "
+        f"{h['put_preemptions']} (writers came back {h['writer_reconnects']} times)"
+    )
+
+
 # ------------------------------------------------------------------------ main
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--echo-server":
@@ -379,6 +628,9 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         w_url, w_ops, w_size, w_step, w_seed = sys.argv[2:7]
         _worker(w_url, int(w_ops), int(w_size), int(w_step), int(w_seed))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--hostile":
+        _hostile(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return 0
     from tensorstore_hooks._units import format_bytes, parse_bytes
 
@@ -393,6 +645,10 @@ def main() -> int:
     p.add_argument("--memory-quota", default="64MiB", help="daemon RAM quota in part 2")
     p.add_argument("--disk-quota", default="64MiB", help="daemon disk quota in part 2")
     p.add_argument("--skip-pressure", action="store_true")
+    p.add_argument("--skip-hostile", action="store_true", help="no part 3")
+    p.add_argument("--slow-readers", type=int, default=40, help="part 3 (40)")
+    p.add_argument("--half-writers", type=int, default=16, help="part 3 (16)")
+    p.add_argument("--victim-iters", type=int, default=30, help="part 3 put+get pairs (30)")
     p.add_argument("--skip-tls", action="store_true", help="no TLS row (needs trustme)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args()
@@ -437,12 +693,19 @@ def main() -> int:
         if not args.skip_tls:
             tls = bench_tls(Path(tmp), size, args.iters, args.rounds)
             if tls is not None:
+                tls["ratio_to_raw"] = tls["put_get_bytes_per_s"] / raw_best
                 results["tls"] = tls
                 print(
                     f"  daemon over TLS {tls['put_get_bytes_per_s'] / 1e9:6.2f} GB/s   (put "
                     f"{tls['put_bytes_per_s'] / 1e9:.2f}, get {tls['get_bytes_per_s'] / 1e9:.2f}; "
-                    "target >= 0.5)"
+                    f"{tls['ratio_to_raw']:.2f}x the raw socket, target >= 0.25)"
                 )
+        if not args.skip_hostile:
+            hostile = bench_hostile(
+                Path(tmp), size, args.victim_iters, args.slow_readers, args.half_writers
+            )
+            results["hostile"] = hostile
+            _print_hostile(hostile)
         if not args.skip_pressure:
             psize = parse_bytes(args.pressure_size)
             proc, url = _start_daemon(
@@ -500,6 +763,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     pressure = results.get("pressure", {})
     ok = pressure.get("all_acknowledged_equal", True) and pressure.get("quota_never_exceeded", True)
+    ok = ok and results.get("hostile", {}).get("rss_within_bound", True)
     return 0 if ok else 1
 
 

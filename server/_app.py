@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.protocol import Msgpack
@@ -39,7 +40,10 @@ from ._services import Services
 from ._sessions import SessionTable
 from ._stats import DaemonStats, Report
 from ._tiers import Tiers
-from ._wire import FrameConn
+from ._wire import DISCARD_BYTES, FrameConn, discard_bytes
+
+if TYPE_CHECKING:  # prometheus-client is optional: _metrics is imported with --metrics
+    from ._metrics import MetricsServer
 
 __all__ = ["Daemon", "serve"]
 
@@ -73,7 +77,9 @@ class Daemon:
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
-        self._metrics_stop: Callable[[], None] | None = None
+        self._metrics: MetricsServer | None = None
+        self._root_unlock: Callable[[], None] | None = None
+        """Releases the root's lock (NOTE [ One daemon per root ]): the last thing done."""
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> str:
@@ -84,8 +90,12 @@ class Daemon:
         cfg = self.config
         if cfg.disk_enabled:
             assert cfg.root is not None
-            store, self.journal = open_disk(cfg.root, self.limits.max_tensor_bytes)
-            self.disk = DiskTier(store, self.pool, cfg.disk_quota_bytes)
+            store, self.journal, self._root_unlock = open_disk(
+                cfg.root, self.limits.max_tensor_bytes
+            )
+            self.disk = DiskTier(
+                store, self.pool, cfg.disk_quota_bytes, self.limits.disk_bookkeeping_bytes
+            )
         self.tiers = Tiers(memory_quota=cfg.memory_quota_bytes, disk=self.disk)
         self.sessions = SessionTable(
             self.tiers, self.journal, cfg.lease_s, session_quota=cfg.session_quota_bytes
@@ -122,7 +132,7 @@ class Daemon:
             from ._metrics import start_metrics_server
 
             try:
-                self._metrics_stop = start_metrics_server(cfg.metrics, lambda: self.stats.latest)
+                self._metrics = await start_metrics_server(cfg.metrics, lambda: self.stats.latest)
             except OSError as e:
                 raise ConfigError(
                     f"daemon config: metrics {cfg.metrics}: cannot listen: {e}"
@@ -168,6 +178,7 @@ class Daemon:
             if pending:
                 log.warning("%d connections did not finish within the drain timeout", len(pending))
                 await asyncio.wait(pending, timeout=1.0)
+        await self.sessions.drain()
         await self.tiers.drain()
         self.pool.shutdown(wait=True)
         if self.journal is not None:
@@ -175,9 +186,16 @@ class Daemon:
             self.journal.close()
         if self.disk is not None:
             self.disk.store.close()
-        if self._metrics_stop is not None:
-            self._metrics_stop()
+        if self._metrics is not None:
+            await self._metrics.close()
+        self.release_root()
         log.info("stopped")
+
+    def release_root(self) -> None:
+        """Release the root's lock (after the disk tier is closed, or a failed start)."""
+        if self._root_unlock is not None:
+            self._root_unlock()
+            self._root_unlock = None
 
     def _spawn(self, coro: Coroutine[object, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -211,6 +229,7 @@ class Daemon:
                     )
                 if self.disk is not None:
                     self.disk.check()
+                    self.sessions.retry_unrecorded()
                 if self.journal is not None and self.journal.needs_compaction():
                     self.sessions.compact_journal()
                 self.refresh_stats()
@@ -218,9 +237,31 @@ class Daemon:
                 log.exception("housekeeping failed")
 
     def _reports(self) -> tuple[Report, ...]:
+        buffers: dict[str, Msgpack] = {
+            "put": self.puts.snapshot(),
+            "get": self.answers.snapshot(),
+            "discard": {"used": discard_bytes(), "limit": DISCARD_BYTES},
+            "bookkeeping": (
+                self.disk.bookkeeping_snapshot()
+                if self.disk is not None
+                else {"used": 0, "limit": self.limits.disk_bookkeeping_bytes, "per_tensor": 0}
+            ),
+        }
+        if self.disk is not None:
+            pool = self.disk.store.buffers
+            buffers["store_pool"] = {
+                "used": pool.held_bytes,
+                "idle": pool.idle_bytes,
+                "in_use": pool.in_use_bytes,
+                "idle_limit": pool.idle_limit_bytes,
+            }
         budgets: Report = {
-            "buffers": {"put": self.puts.snapshot(), "get": self.answers.snapshot()},
-            "counters": {"get_buffer_waits": self.answers.waits},
+            "buffers": buffers,
+            "counters": {
+                "get_buffer_waits": self.answers.waits,
+                "get_preemptions": self.answers.snapshot()["preempted"],
+                "put_preemptions": self.puts.snapshot()["preempted"],
+            },
         }
         return (
             self.tiers.snapshot(),
@@ -247,6 +288,7 @@ async def _main(config: ServerConfig, on_ready: Callable[[str], None] | None) ->
         url = await daemon.start()
     except BaseException:
         daemon.pool.shutdown(wait=False)
+        daemon.release_root()
         raise
     if on_ready is not None:
         on_ready(url)

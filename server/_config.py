@@ -67,6 +67,10 @@ class LimitsConfig(BaseModel):
     session_get_buffer_bytes: Size = Field(32 << 20, alias="session_get_buffer")
     """Memory for GET answers read from disk, per session: a client that does not read
     its answers holds at most this much (NOTE [ Answers read from disk ])."""
+    disk_bookkeeping_bytes: Size = Field(256 << 20, alias="disk_bookkeeping")
+    """RAM for the bookkeeping of disk-tier tensors, about 1 KiB each (their keys,
+    metadata, index entries): past it, writes that would add one are refused
+    (QUOTA_EXCEEDED). NOTE [ Disk-tier bookkeeping ]."""
     drain_timeout_s: Seconds = Field(10.0, alias="drain_timeout", ge=0)
     """On SIGTERM, in-flight requests get this long to finish."""
 

@@ -29,7 +29,7 @@ from ._handlers import Handlers
 from ._model import Session
 from ._services import Services
 from ._stats import server_version
-from ._wire import ConnectionClosed
+from ._wire import ConnectionClosed, with_timeout
 
 __all__ = ["serve_connection"]
 
@@ -47,13 +47,14 @@ async def serve_connection(svc: Services, handlers: Handlers, c: Conn) -> None:
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.handshake_timeout_s
-        if svc.tls is not None:
-            try:
-                await conn.start_tls(svc.tls, limits.handshake_timeout_s)
-            except ConnectionClosed as e:
+        try:
+            # One deadline for TLS and the whole HELLO, however slowly its bytes come.
+            await with_timeout(_open(svc, c, deadline), limits.handshake_timeout_s)
+        except ConnectionClosed as e:
+            if conn.tls:  # let the TLS alert reach the client before the close
                 log.info("connection %s: %s", c.peer, e)
-                raise
-        await _handshake(svc, c, deadline)
+                linger = True
+            raise
         while not svc.conns.draining and c.kick_reason is None:
             c.idle = True
             head = await conn.read_head(limits.idle_timeout_s)
@@ -70,7 +71,7 @@ async def serve_connection(svc: Services, handlers: Handlers, c: Conn) -> None:
         if c.kick_reason is not None:
             conn.send_nowait(error_header(ErrorCode.NOT_FOUND, c.kick_reason, fatal=True))
     except ConnectionClosed:
-        log.debug("connection %s closed by the peer", c.peer)
+        log.debug("connection %s closed (%s)", c.peer, "TLS failed" if linger else "by the peer")
     except TimeoutError:
         log.info("closing connection %s: timed out", c.peer)
         conn.send_nowait(
@@ -101,6 +102,13 @@ def _token_ok(expected: str | None, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(
         given.encode("utf-8"), expected.encode("utf-8")
     )
+
+
+async def _open(svc: Services, c: Conn, deadline: float) -> None:
+    """TLS (if served), then HELLO; the caller bounds both with one deadline."""
+    if svc.tls is not None:
+        await c.wire.start_tls(svc.tls)
+    await _handshake(svc, c, deadline)
 
 
 async def _handshake(svc: Services, c: Conn, deadline: float) -> None:

@@ -59,6 +59,7 @@ from tensorstore_hooks.storage.zarr import ZarrStore, frame_record
 
 __all__ = [
     "DISK_NAMESPACE",
+    "DISK_TENSOR_RAM_BYTES",
     "RAM_OVERHEAD_BYTES",
     "DiskCharge",
     "DiskCosts",
@@ -71,6 +72,9 @@ DISK_NAMESPACE = "daemon"
 the session journal lives in it too (``daemon/sessions``)."""
 RAM_OVERHEAD_BYTES = 2048
 """Charged per tensor beyond its payload, in RAM and against a session's quota."""
+DISK_TENSOR_RAM_BYTES = 1024
+"""RAM charged per disk-tier tensor against ``limits.disk_bookkeeping`` (NOTE [ Disk-tier
+bookkeeping ] in ``_disk``; measured about 765 bytes)."""
 _MIN_CHUNK_BYTES = 4 << 10
 _INDEX_CRC_BYTES = 4
 """Per chunk, in the disk index record: its crc32c (NOTE [ Bound chunk checksums ])."""

@@ -12,13 +12,25 @@ NOTE [ Disk failures ]
    there) for a back-off of 0.5 s doubling to 30 s; the first write after it probes.
    A freed disk-tier tensor ends a back-off caused by a full filesystem (room may be
    back).
-3. One WARNING when writes start failing, naming the error; one INFO when they work
-   again; repeats in between are DEBUG. No traceback for an OS error.
+3. One WARNING per episode of failures, naming the error, and one INFO when writes
+   work again; everything in between is DEBUG. An episode lasts until writes have
+   worked for :data:`_EPISODE_QUIET_S` without a failure: a full filesystem where
+   each freed tensor lets one write through, and the next one fails, is one episode,
+   not one warning per freed tensor. No traceback for an OS error.
 4. A root deleted or replaced while the daemon serves (its device and inode changed)
    turns the disk tier off until a restart: one ERROR; its tensors answer NOT_FOUND
    ("lost with the root"), writes QUOTA_EXCEEDED.
 5. A failed read (a chunk missing or corrupt) fails that GET with INTERNAL naming
    the key; every other request goes on.
+
+NOTE [ Disk-tier bookkeeping ]
+A disk-tier tensor's payload costs no RAM, but its bookkeeping does: its entry, key
+and metadata, its place in the disk index, measured at about 765 bytes. Charged to
+nothing, a disk quota of small tensors would cost the daemon tens of GiB of RAM. So
+every disk-tier tensor, and every write in flight that would add one, is charged
+:data:`~._costs.DISK_TENSOR_RAM_BYTES` against ``limits.disk_bookkeeping``; a write
+past it is refused like one past the disk quota (QUOTA_EXCEEDED, saying which), and
+``stats`` shows the budget (``buffers.bookkeeping``).
 
 Byte counts: NOTE [ Exact disk quota ] in ``_costs``. Event-loop thread only, except
 the store calls, which run on ``pool``.
@@ -44,7 +56,7 @@ from tensorstore_hooks.errors import KeyNotFoundError, QuotaExceededError, Tenso
 from tensorstore_hooks.protocol import Msgpack
 from tensorstore_hooks.storage.zarr import ZarrStore
 
-from ._costs import DISK_NAMESPACE, DiskCharge, DiskCosts
+from ._costs import DISK_NAMESPACE, DISK_TENSOR_RAM_BYTES, DiskCharge, DiskCosts
 from ._model import Entry
 
 __all__ = ["DiskFailure", "DiskReservation", "DiskTier"]
@@ -53,11 +65,15 @@ T = TypeVar("T")
 
 log = logging.getLogger("tensorstore_hooks.server")
 
+_EPISODE_QUIET_S = 60.0
+"""Writes must work this long before a new failure counts as a new episode (rule 3)."""
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
 _COMPACT_DEAD_BYTES = 64 << 10
 """Journal records of deleted tensors worth a compaction when the disk is full."""
 _COMPACT_EVERY_S = 1.0
+_DELETE_BATCH = 256
+"""Disk-tier tensors deleted per store call (an ended session frees thousands)."""
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
@@ -107,6 +123,9 @@ class _Health:
         self.failures = 0
         self.probing = False
         """A write is testing whether the failure is over: the others wait for it."""
+        self.last_failure = float("-inf")
+        self.told = False
+        """The episode's WARNING was logged and its INFO not yet (rule 3)."""
 
     def writable(self, now: float) -> bool:
         return self.error is None or (now >= self.retry_at and not self.probing)
@@ -115,14 +134,16 @@ class _Health:
         self.failures += 1
         self.probing = False
         message = f"{what}: {exc}"
-        first = self.error is None
         self.error = message
         self.full = isinstance(exc, QuotaExceededError) or (
             isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
         )
         now = time.monotonic()
         self.retry_at = now + self.backoff_s
-        if first:
+        new_episode = now - self.last_failure >= _EPISODE_QUIET_S
+        self.last_failure = now
+        if new_episode:
+            self.told = True
             log.warning(
                 "the disk tier at %s cannot take writes (%s); tensors stay in RAM or with "
                 "their clients, next try in %gs",
@@ -135,7 +156,8 @@ class _Health:
         self.backoff_s = min(self.backoff_s * 2, _MAX_BACKOFF_S)
 
     def succeeded(self) -> None:
-        if self.error is not None:
+        if self.error is not None and self.told:
+            self.told = False
             log.info("the disk tier at %s takes writes again", self.where)
         self.probing = False
         self.error = None
@@ -150,9 +172,15 @@ class _Health:
 class DiskTier:
     """One ZarrStore namespace as the daemon's disk tier. Event-loop thread only."""
 
-    def __init__(self, store: ZarrStore, pool: Executor, quota: int) -> None:
+    def __init__(
+        self, store: ZarrStore, pool: Executor, quota: int, bookkeeping_limit: int
+    ) -> None:
         self.store = store
         self.quota = quota
+        self.bookkeeping_limit = bookkeeping_limit
+        """RAM for disk-tier tensors' bookkeeping (NOTE [ Disk-tier bookkeeping ])."""
+        self.writes = 0
+        """Writes in flight (reserved, not yet committed or released)."""
         self.costs = DiskCosts(store)
         self._pool = pool
         self._health = _Health(store.url)
@@ -235,15 +263,25 @@ class DiskTier:
             extra += self.costs.segment_doc_bound()
         return extra
 
+    def bookkeeping(self) -> int:
+        """RAM charged for disk-tier tensors and writes in flight (NOTE [ Disk-tier
+        bookkeeping ])."""
+        return (self.entries + self.writes) * DISK_TENSOR_RAM_BYTES
+
+    def bookkeeping_full(self) -> bool:
+        return self.bookkeeping() + DISK_TENSOR_RAM_BYTES > self.bookkeeping_limit
+
     def reserve(self, charge: DiskCharge, *, new_session: bool) -> DiskReservation | None:
-        """Room for one write, or None (no room, or the tier takes no writes now)."""
-        if not self.writable():
+        """Room for one write, or None (no room, the bookkeeping budget is full, or the
+        tier takes no writes now)."""
+        if not self.writable() or self.bookkeeping_full():
             return None
         records = charge.records + (self.costs.session_record if new_session else 0)
         res = DiskReservation(charge, self._extra(charge, new_session), records)
         if self.held() + res.nbytes > self.quota:
             return None
         self.reserved += res.nbytes
+        self.writes += 1
         if self._health.error is not None:
             res.probe = self._health.probing = True
         return res
@@ -253,6 +291,7 @@ class DiskTier:
         if res.active:
             res.active = False
             self.reserved -= res.nbytes
+            self.writes -= 1
             if res.probe:  # it never wrote: the next write probes instead
                 self._health.probing = False
 
@@ -264,6 +303,12 @@ class DiskTier:
         """Why writes are refused now (for a QUOTA_EXCEEDED message), or None."""
         if self.lost is not None:
             return self.lost
+        if self.bookkeeping_full():
+            return (
+                f"the daemon's RAM for disk-tier bookkeeping is full: {self.entries} tensors "
+                f"at {DISK_TENSOR_RAM_BYTES} bytes each of limits.disk_bookkeeping "
+                f"({format_bytes(self.bookkeeping_limit)})"
+            )
         if self._health.error is not None:
             left = max(0.0, self._health.retry_at - time.monotonic())
             return f"the disk tier failed ({self._health.error}); next try in {left:.1f}s"
@@ -309,6 +354,7 @@ class DiskTier:
         assert res.active
         res.active = False
         self.reserved -= res.nbytes
+        self.writes -= 1
         self._journals_since += res.records
         self.standing += res.charge.standing
         self.entries += 1
@@ -331,6 +377,11 @@ class DiskTier:
         self._journals_since += charge.records  # its index record is written
         self.release(res)
         self._queue_delete(_Doomed(dk, charge.files, charge.index_del, charge.records))
+
+    def journal_failed(self, exc: BaseException, what: str) -> None:
+        """A journal record could not be written (a delete, a session's end): the
+        disk tier backs off as for a failed write (NOTE [ Disk failures ], rule 2)."""
+        self._failed(exc, what)
 
     def _failed(self, exc: BaseException, what: str) -> None:
         self.write_failures += 1
@@ -395,13 +446,15 @@ class DiskTier:
             self._free_now(e)
 
     # ------------------------------------------------------------------ frees
-    def free(self, e: Entry) -> None:
+    def free(self, e: Entry, *, journaled: bool = True) -> None:
         """Delete ``e``'s disk-tier tensor (after its last streamed answer). Its session
-        journal's delete record is written: that part of its standing is spent."""
+        journal's delete record is written (``journaled``; else its session's end
+        record covers it): that part of its standing is spent."""
         session_del = self.costs.charge(e.meta).session_del
         self.entries -= 1
         self.standing -= session_del
-        self._journals_since += session_del
+        if journaled:
+            self._journals_since += session_del
         if e.readers == 0 and e.disk_key is not None:
             self._free_now(e)
 
@@ -420,7 +473,9 @@ class DiskTier:
 
     async def _flush_deletes(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending, []
+            # A bounded batch per store call: the store's index lock is held for the
+            # whole call, and other clients' disk writes need it too.
+            batch, self._pending = self._pending[:_DELETE_BATCH], self._pending[_DELETE_BATCH:]
             try:
                 await self._run(self.store.delete_many, [d.disk_key for d in batch])
             except Exception as exc:
@@ -473,6 +528,13 @@ class DiskTier:
             # The library's own disk path (NOTE [ Direct I/O ] in storage/io/_local.py).
             "direct_io": self.store.direct_io.enabled,
             "direct_io_reason": self.store.direct_io.reason,
+        }
+
+    def bookkeeping_snapshot(self) -> dict[str, int]:
+        return {
+            "used": self.bookkeeping(),
+            "limit": self.bookkeeping_limit,
+            "per_tensor": DISK_TENSOR_RAM_BYTES,
         }
 
     def counters(self) -> dict[str, int]:

@@ -34,8 +34,9 @@ from tensorstore_hooks.protocol import (
     parse_request,
 )
 
-from ._answers import send_entry
+from ._answers import send_built, send_entry
 from ._conns import Conn
+from ._payload import PUT_STALL_S, Preempted
 from ._services import Services
 from ._tensor_rules import meta_problem
 from ._tiers import Reservation, TierError
@@ -150,8 +151,11 @@ class Handlers:
         return True
 
     async def stats(self, c: Conn, req: Stats, head: Head) -> bool:
-        body = msgpack.packb(self.svc.snapshot(), use_bin_type=True)
-        await c.wire.send({"id": req.id, "ok": True}, body)
+        def build() -> bytes:
+            return bytes(msgpack.packb(self.svc.snapshot(), use_bin_type=True))
+
+        who = c.session.id if c.session is not None else f"observer {c.peer}"
+        await send_built(c.wire, {"id": req.id, "ok": True}, who, build, self.svc.answers)
         return True
 
     async def bye(self, c: Conn, req: Bye, head: Head) -> bool:
@@ -177,14 +181,22 @@ class Handlers:
             await c.wire.read_body(head, None)
             return await self.error(c, err.code, err.message, req.id)
         puts = self.svc.puts
-        ticket = puts.open() if res.tier == "disk" else None
+        ticket = puts.open(s.id) if res.tier == "disk" else None
         try:
             # Receive straight into the buffer the tensor will live in; a disk-bound
             # payload counts against the PUT budget as it arrives (NOTE [ Payload bytes
             # as they arrive ]); np.empty's pages are only touched as bytes land.
             buf = np.empty(req.size, dtype=np.uint8)
             reserve = functools.partial(puts.take, ticket) if ticket is not None else None
-            await c.wire.read_body(head, buf.data, reserve)
+            try:
+                await c.wire.read_body(head, buf.data, reserve, ticket)
+            except Preempted:  # NOTE [ Preemption ]: its buffer goes, and the connection
+                raise ProtocolError(
+                    ErrorCode.BUSY,
+                    f"dropped: this PUT's payload stalled for {PUT_STALL_S:g}s or more while "
+                    "other clients needed the daemon's PUT buffer; send it again",
+                    fatal=True,
+                ) from None
             if s.ended:
                 return await self.error(c, ErrorCode.NOT_FOUND, "the session has ended", req.id)
             key = secrets.token_urlsafe(16)
@@ -217,7 +229,7 @@ class Handlers:
             await c.wire.send(reply)
             return True
         try:
-            await send_entry(c.wire, reply, found, self.svc.tiers.disk, self.svc.answers)
+            await send_entry(c.wire, reply, found, self.svc.tiers, self.svc.answers)
         except TierError as err:
             return await self.error(c, err.code, err.message, req.id)
         return True
@@ -225,13 +237,18 @@ class Handlers:
     async def delete(self, c: Conn, req: Delete, head: Head) -> bool:
         s = c.session
         assert s is not None
-        missing = []
+        missing: list[str] = []
+        found = []
         for key in req.keys:
             entry = s.entries.get(key)
             if entry is None:
                 missing.append(key)
             else:
-                self.svc.sessions.free(entry)
+                found.append(entry)
+        try:
+            self.svc.sessions.free_keys(found)  # NOTE [ Durable deletes ]
+        except TierError as err:
+            return await self.error(c, err.code, err.message, req.id)
         await c.wire.send(
             {"id": req.id, "ok": True, "deleted": len(req.keys) - len(missing), "missing": missing}
         )
@@ -240,6 +257,14 @@ class Handlers:
     async def list_keys(self, c: Conn, req: ListKeys, head: Head) -> bool:
         s = c.session
         assert s is not None
-        body = msgpack.packb(list(s.entries), use_bin_type=True)
-        await c.wire.send({"id": req.id, "ok": True}, body)
+        keys = list(s.entries)
+        # msgpack: an array header of at most 5 bytes, a str header of at most 2 a key
+        # (keys are shorter than 256 characters).
+        estimate = 5 + sum(len(k) + 2 for k in keys)
+
+        def build() -> bytes:
+            return bytes(msgpack.packb(keys, use_bin_type=True))
+
+        reply: Header = {"id": req.id, "ok": True}
+        await send_built(c.wire, reply, s.id, build, self.svc.answers, estimate)
         return True

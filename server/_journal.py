@@ -14,17 +14,38 @@ restarted daemon starts with no sessions (its orphaned disk keys are collected).
 NOTE [ Crash ordering ]
 A tensor reaches disk in two steps: ``disk.put_blob`` (journaled by the store), then
 ``key_on_disk`` here. A crash between them leaves a disk key nobody owns; a crash
-between ``key_freed`` and the disk delete leaves one too. Recovery deletes every
+between ``keys_freed`` and the disk delete leaves one too. Recovery deletes every
 disk key the journal does not reference, so both cases end clean.
+
+NOTE [ Durable deletes ]
+A disk-tier tensor's chunks are deleted only after a record that a restart reads
+says nobody owns it; otherwise a crash would bring back a key whose bytes are gone.
+
+1. A DELETE writes the delete records of its disk-tier keys in one append
+   (:meth:`StateJournal.keys_freed`) before anything is freed, and only then is it
+   answered. If the append fails, nothing is freed, the keys stay readable, and the
+   DELETE is answered with an error (INTERNAL, saying so): never acknowledged.
+2. A session's end writes one record, the session's delete: replay treats every key
+   of an ended session as an orphan, so its keys need no records of their own. If
+   that record cannot be written, the session's disk-tier tensors stay on disk
+   (counted) until it can (housekeeping retries) or a compaction drops the session.
+3. A full filesystem must not wedge deletes, which are what frees it: the journal
+   keeps a small reserve file (``daemon/sessions/reserve``, 16 KiB, counted in the
+   disk quota) and gives it up when a delete record meets a full filesystem, then
+   appends again; the reserve is made again once there is room.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tensorstore_hooks.errors import QuotaExceededError
 from tensorstore_hooks.storage import split_url
 from tensorstore_hooks.storage.io import LocalIO
 from tensorstore_hooks.storage.zarr import MAGIC, Damage, IndexEntry, IndexLog
@@ -32,9 +53,15 @@ from tensorstore_hooks.storage.zarr import MAGIC, Damage, IndexEntry, IndexLog
 from ._costs import DISK_NAMESPACE
 from ._model import KeyRecord
 
-__all__ = ["Replay", "StateJournal", "damaged_readings"]
+__all__ = ["RESERVE_BYTES", "Replay", "StateJournal", "damaged_readings"]
 
 log = logging.getLogger("tensorstore_hooks.server")
+
+RESERVE_BYTES = 16 << 10
+"""The reserve file's size (NOTE [ Durable deletes ], rule 3): a few filesystem blocks,
+room for hundreds of delete records in each journal on a full filesystem (the first
+delete's unlinked chunks then give room back)."""
+_RESERVE_RETRY_S = 2.0
 
 
 @dataclass(slots=True)
@@ -72,6 +99,52 @@ class StateJournal:
                 root_url,
             )
         self._live = 0
+        self._reserve_path: str | None = None
+        self._reserve_tried = float("-inf")
+        if self.enabled:
+            self._reserve_path = os.path.join(location, DISK_NAMESPACE, "sessions", "reserve")
+            self.keep_reserve()
+
+    # --------------------------------------------------------------- reserve
+    def keep_reserve(self) -> bool:
+        """Make the reserve file if it is missing (rule 3); False if there is no room
+        yet. Tried at most every few seconds (housekeeping calls this)."""
+        path = self._reserve_path
+        if path is None:
+            return True
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == RESERVE_BYTES:
+                return True
+        now = time.monotonic()
+        if now - self._reserve_tried < _RESERVE_RETRY_S:
+            return False
+        self._reserve_tried = now
+        tmp = path + ".tmp"
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(bytes(RESERVE_BYTES))
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.debug("the journal's reserve file cannot be made yet: %s", e)
+            return False
+        return True
+
+    def _give_up_reserve(self) -> bool:
+        """Free the reserve for a delete record (rule 3); False if there was none."""
+        if self._reserve_path is None:
+            return False
+        try:
+            os.unlink(self._reserve_path)
+        except OSError:
+            return False
+        log.warning(
+            "the filesystem of the daemon's root is full: gave up the journal's reserve "
+            "file so that deletes can be recorded"
+        )
+        return True
 
     def load(self) -> Replay:
         """Replay the journal. Damage and unusable records are reported, never fatal."""
@@ -104,13 +177,17 @@ class StateJournal:
         self._put(f"s:{sid}", {"created": created})
 
     def session_ended(self, sid: str) -> None:
-        self._del(f"s:{sid}")
+        """Record that session ``sid`` ended (NOTE [ Durable deletes ], rule 2). Raises
+        a TensorStoreError if the record cannot be written."""
+        self._del_all([f"s:{sid}"])
 
     def key_on_disk(self, key: str, rec: KeyRecord) -> None:
         self._put(f"k:{key}", {"s": rec.session, "d": rec.disk_key, "n": rec.nbytes})
 
-    def key_freed(self, key: str) -> None:
-        self._del(f"k:{key}")
+    def keys_freed(self, keys: Sequence[str]) -> None:
+        """Record the delete of ``keys``, all in one append or none (NOTE [ Durable
+        deletes ], rule 1). Raises a TensorStoreError if it cannot be written."""
+        self._del_all([f"k:{k}" for k in keys])
 
     def compact(self, sessions: dict[str, float], keys: dict[str, KeyRecord]) -> None:
         """Rewrite the journal as a snapshot of exactly these live records."""
@@ -135,10 +212,16 @@ class StateJournal:
             self._log.record_put(name, entry)
             self._live += 1
 
-    def _del(self, name: str) -> None:
-        if self._log is not None:
-            self._log.record_delete(name)
-            self._live = max(0, self._live - 1)
+    def _del_all(self, names: list[str]) -> None:
+        if self._log is None or not names:
+            return
+        try:
+            self._log.record_deletes(names)
+        except QuotaExceededError:
+            if not self._give_up_reserve():
+                raise
+            self._log.record_deletes(names)  # rule 3: the reserve's room
+        self._live = max(0, self._live - len(names))
 
 
 _KEY_RE = re.compile(rb"k:([A-Za-z0-9_-]{8,64})")

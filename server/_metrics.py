@@ -1,12 +1,18 @@
-"""Prometheus text endpoint (``--metrics HOST:PORT``), via prometheus-client.
+"""Prometheus text endpoint (``--metrics HOST:PORT``), text made by prometheus-client.
 
-The HTTP server runs on prometheus-client's own thread. It never touches the
-daemon's live state: it reads the latest immutable snapshot, which the event loop
-replaces a few times a second.
+The endpoint is served on the daemon's event loop (no thread at all, so idle
+connections cost a few hundred bytes each, never a thread): one request per
+connection (``GET /metrics``), which must arrive within :data:`REQUEST_TIMEOUT_S`;
+at most :data:`MAX_CLIENTS` connections at once: a new one beyond that closes the
+oldest (so silent connections cannot lock the scraper out).
+It never touches the daemon's live state: it renders the latest snapshot, which the
+housekeeping task replaces a few times a second.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -15,15 +21,20 @@ from tensorstore_hooks.errors import ConfigError
 from tensorstore_hooks.protocol import OPS, Msgpack
 
 from ._config import is_loopback, parse_address
+from ._wire import with_timeout
 
 if TYPE_CHECKING:  # prometheus-client is optional: imported when the endpoint starts
-    from wsgiref.simple_server import WSGIServer
-
     from prometheus_client.metrics_core import Metric
 
-__all__ = ["start_metrics_server"]
+__all__ = ["MAX_CLIENTS", "REQUEST_TIMEOUT_S", "MetricsServer", "start_metrics_server"]
 
 log = logging.getLogger("tensorstore_hooks.server")
+
+REQUEST_TIMEOUT_S = 5.0
+"""A metrics connection must send its whole request within this."""
+MAX_CLIENTS = 16
+"""Metrics connections served at once; more are closed at once."""
+_MAX_REQUEST_BYTES = 8 << 10
 
 Snapshot = Callable[[], Mapping[str, Msgpack]]
 
@@ -46,6 +57,36 @@ def _number(snap: Mapping[str, Msgpack], *path: str) -> float:
     return float(value)
 
 
+def _budget_families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
+    """The named budgets (``buffers``), RAM held by answers, preemptions."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    buffers = GaugeMetricFamily(
+        "tsh_buffer_bytes",
+        "Memory held in the daemon's named budgets: PUTs bound for disk, GET answers read "
+        "from disk, disk-tier bookkeeping, the discard buffer, the disk tier's buffer pool.",
+        labels=["kind"],
+    )
+    for kind in ("put", "get", "bookkeeping", "discard", "store_pool"):
+        section = _at(snap, "buffers")
+        if isinstance(section, Mapping) and kind in section:
+            buffers.add_metric([kind], _number(snap, "buffers", kind, "used"))
+    yield buffers
+    yield GaugeMetricFamily(
+        "tsh_ram_answer_bytes",
+        "RAM held only by GET answers still sending tensors deleted or spilled meanwhile.",
+        value=_number(snap, "tiers", "ram", "answers"),
+    )
+    preempted = CounterMetricFamily(
+        "tsh_preemptions",
+        "Budget holders preempted for others (GET pieces read again, PUTs dropped).",
+        labels=["budget"],
+    )
+    for budget in ("put", "get"):
+        preempted.add_metric([budget], _number(snap, "counters", f"{budget}_preemptions"))
+    yield preempted
+
+
 def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -66,14 +107,7 @@ def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
         for tier in ("ram", "disk"):
             g.add_metric([tier], _number(snap, "tiers", tier, field))
         yield g
-    buffers = GaugeMetricFamily(
-        "tsh_buffer_bytes",
-        "Memory held for payloads in flight: PUTs bound for disk, GET answers read from disk.",
-        labels=["kind"],
-    )
-    for kind in ("put", "get"):
-        buffers.add_metric([kind], _number(snap, "buffers", kind, "used"))
-    yield buffers
+    yield from _budget_families(snap)
     disk = _at(snap, "tiers", "disk")
     yield GaugeMetricFamily(
         "tsh_disk_writable",
@@ -100,6 +134,7 @@ def _families(snap: Mapping[str, Msgpack]) -> Iterator[Metric]:
         ("tsh_spilled_bytes", "spill_bytes", "Bytes spilled from RAM to disk."),
         ("tsh_quota_rejections", "quota_rejected", "PUTs refused with QUOTA_EXCEEDED."),
         ("tsh_disk_write_failures", "disk_write_failures", "Disk-tier writes that failed."),
+        ("tsh_delete_failures", "delete_failures", "DELETEs refused: not journaled."),
         ("tsh_disk_direct_bytes", "disk_direct_bytes", "Disk-tier bytes moved with O_DIRECT."),
         (
             "tsh_disk_buffered_bytes",
@@ -126,10 +161,64 @@ class _Collector:
         return []  # values come from a snapshot; nothing to describe up front
 
 
-def start_metrics_server(address: str, snapshot: Snapshot) -> Callable[[], None]:
-    """Serve ``/metrics`` on ``address``; returns a function that stops the server."""
+class MetricsServer:
+    """The ``/metrics`` endpoint on the event loop; :meth:`close` stops it."""
+
+    def __init__(self, render: Callable[[], bytes], content_type: str) -> None:
+        self._render = render
+        self._content_type = content_type
+        self._server: asyncio.Server | None = None
+        self._clients: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(
+            self._serve, host, port, limit=_MAX_REQUEST_BYTES
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._clients) >= MAX_CLIENTS:
+            next(iter(self._clients)).close()  # its task ends with a closed stream
+        self._clients[writer] = None
+        try:
+            request = await with_timeout(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            status, body, kind = self._answer(request)
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("ascii") + body)
+            await with_timeout(writer.drain(), REQUEST_TIMEOUT_S)
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # a silent, slow or oversized client: just close
+        finally:
+            self._clients.pop(writer, None)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _answer(self, request: bytes) -> tuple[str, bytes, str]:
+        parts = request.split(b"\r\n", 1)[0].split()
+        if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
+            return "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+        if parts[1].split(b"?", 1)[0] not in (b"/metrics", b"/"):
+            return "404 Not Found", b"GET /metrics\n", "text/plain"
+        body = self._render()
+        return "200 OK", (b"" if parts[0] == b"HEAD" else body), self._content_type
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+
+async def start_metrics_server(address: str, snapshot: Snapshot) -> MetricsServer:
+    """Serve ``/metrics`` on ``address`` from the running event loop. Raises ConfigError
+    without prometheus-client, OSError if the address cannot be bound."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     except ImportError as e:
         raise ConfigError(
             "daemon config: --metrics needs prometheus-client: "
@@ -142,15 +231,7 @@ def start_metrics_server(address: str, snapshot: Snapshot) -> Callable[[], None]
         )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(snapshot))
-    # prometheus-client returns (server, thread) since 0.17, None before.
-    started: object = start_http_server(port, addr=host, registry=registry)
-    httpd: WSGIServer | None = started[0] if isinstance(started, tuple) else None
-    bound = httpd.server_port if httpd is not None else port
-    log.info("metrics on http://%s:%d/metrics", host, bound)
-
-    def stop() -> None:
-        if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
-
-    return stop
+    server = MetricsServer(lambda: bytes(generate_latest(registry)), CONTENT_TYPE_LATEST)
+    await server.start(host, port)
+    log.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server

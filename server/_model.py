@@ -87,6 +87,11 @@ class Entry:
     freed: bool = False
     readers: int = 0
     """GET answers streaming it from disk; its chunks are deleted after the last one."""
+    answers: int = 0
+    """GET answers sending its RAM buffer; the buffer stays counted in RAM until the
+    last one ends, even once the tensor is deleted or spilled (NOTE [ Quota accounting ])."""
+    answer_charge: int = 0
+    """RAM still counted for those answers after the tensor left RAM (0 otherwise)."""
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,6 @@
 """Memory the daemon holds for payloads in flight: PUT payloads bound for disk, GET
-answers read from disk. Both are bounded, counted in pieces as bytes move.
+answers read from disk. Both are bounded, counted in pieces as bytes move, and shared
+fairly between sessions.
 
 NOTE [ Payload bytes as they arrive ]
 A PUT placed on the disk tier is received into a transient buffer and written to
@@ -11,12 +12,23 @@ every other client's disk-bound PUT would wait for the read deadline. So:
 1. A PUT takes budget in pieces of at most :data:`PIECE_BYTES`, just before it
    receives each piece: what a slow peer holds is what it actually sent, plus one
    piece.
-2. A piece is granted if it fits, in order of asking. The *oldest* PUT in
-   progress is always granted, even past the limit: partial holders waiting for
-   each other can never deadlock, and the overshoot is at most the rest of one
-   PUT (at most ``max_tensor``).
+2. A piece is granted if it fits, the sessions holding least first (then in order
+   of asking), and if its session stays within its share: ``limit // (sessions
+   holding or asking + 1)``, so that one session (whatever its number of
+   connections) never holds more than its part and a session that arrives finds
+   room. A session past its share is still granted when no other waiting session
+   holds less: a PUT larger than a share completes without waiting to become the
+   oldest. The *oldest* PUT in progress is always granted, even past the limit or
+   its share: partial holders waiting for each other can never deadlock, and the
+   overshoot is at most the rest of one PUT (at most ``max_tensor``).
 3. Waiting for budget is the daemon's doing, not the peer's: it does not count
    against the peer's read deadline (``_wire``).
+4. A PUT whose peer has sent nothing for :data:`PUT_STALL_S` while another request
+   waits for this budget is dropped (NOTE [ Preemption ]): its connection closes
+   with a BUSY error frame, and its buffer is freed at once. So is a PUT that has
+   waited :data:`PUT_STALL_S` for more budget while its session holds more than its
+   share and another session's request does not fit the total: many sessions whose
+   PUTs each hold a little and wait for more would otherwise keep the whole budget.
 
 NOTE [ Answers read from disk ]
 A GET of a disk-tier tensor is streamed: the daemon reads one piece (whole chunks,
@@ -26,16 +38,37 @@ next, so a connection holds at most one piece at a time whatever the tensor's si
 and in total (``limits.get_buffer``):
 
 1. A piece is taken just before it is read from disk and returned once the socket
-   took all of it. A client that does not read its answers therefore holds at most
-   one piece per connection, and never more than its session's share: it stalls
-   its own session's GETs, not other sessions' (their pieces come from the rest of
-   the total, and a stalled send is dropped after ``read_timeout``).
+   took all of it; the buffer is dropped with it (nothing keeps a piece alive
+   between reads). A client that does not read its answers therefore holds at most
+   one piece per connection, and never more than its session's share.
 2. Pieces are granted in order of asking, except that a request whose *session* is
    at its share waits without holding up requests of other sessions behind it.
 3. A piece larger than a limit is granted when nothing else holds that budget (so
    a small limit slows GETs down, never refuses them).
-An answer served from the RAM tier is sent from the tensor's own buffer: no copy,
-nothing to count.
+4. A piece whose send has been waiting for the client to read for
+   :data:`GET_STALL_S` while another request waits for this budget is *preempted*
+   (NOTE [ Preemption ]): it gives its budget back, its buffer is dropped, and the
+   answer goes on later from where it stopped, the piece read from disk again once
+   the client has read what the kernel holds for it.
+5. Answers built for one request (LIST, STATS) are held in this budget too while
+   they are sent; one that stalls for :data:`PUT_STALL_S` while another request
+   waits is dropped with its connection (it cannot be built again identically).
+An answer served from the RAM tier is sent from the tensor's own buffer: no copy;
+its bytes stay counted in the RAM tier until the send ends (``_tiers``).
+
+NOTE [ Preemption ]
+A shared budget must never be held by clients that do not move their bytes while
+others wait: that is how one client stalls everyone. So every holder of a budget
+(:class:`Hold`) says when it is *blocked*, waiting on its own client (the socket
+full for a GET piece, empty for a PUT payload), and a budget that cannot grant a
+request preempts holders blocked for longer than their stall time, the session
+holding the most first, until the request fits. Preempting a GET piece costs a disk
+read; preempting a PUT costs the client a retry (it reconnects and sends again). A
+holder blocked for less than its stall time is left alone (a wake-up is scheduled
+for when it is not), so a client that reads and writes at its own pace is never
+preempted for a short pause. Holders waiting for the disk, or for the budget itself,
+are not preempted (that wait is the daemon's doing), except a PUT of a session over
+its share (rule 4 above).
 """
 
 from __future__ import annotations
@@ -44,15 +77,19 @@ import asyncio
 import collections
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Callable
 
 __all__ = [
     "ANSWER_PIECE_BYTES",
+    "GET_STALL_S",
     "PIECE_BYTES",
+    "PUT_STALL_S",
     "AnswerBudget",
+    "Hold",
     "PayloadBudget",
     "PayloadTicket",
+    "Preempted",
 ]
 
 PIECE_BYTES = 1 << 20
@@ -60,16 +97,176 @@ PIECE_BYTES = 1 << 20
 ANSWER_PIECE_BYTES = 4 << 20
 """A GET answer read from disk is read and sent in pieces of about this size (whole
 chunks: at least one chunk, NOTE [ Answers read from disk ])."""
+GET_STALL_S = 0.02
+"""A GET piece blocked on its client this long may be preempted (NOTE [ Preemption ])."""
+PUT_STALL_S = 0.5
+"""A PUT blocked on its client this long may be dropped (NOTE [ Preemption ])."""
 
 
-class PayloadTicket:
+class Preempted(Exception):
+    """A budget took back what a blocked holder held (NOTE [ Preemption ]).
+
+    ``sent``: bytes of the interrupted send that the socket had taken (0 for a recv).
+    """
+
+    def __init__(self, sent: int = 0) -> None:
+        super().__init__("preempted")
+        self.sent = sent
+
+
+class Hold:
+    """One holder of a budget: a PUT in flight, or one GET piece. Event-loop thread only.
+
+    The connection's I/O (``_wire``) calls :meth:`block` while it waits on the client
+    and :meth:`unblock` when the client moved bytes; a budget calls :meth:`preempt`.
+    """
+
+    __slots__ = (
+        "_wake",
+        "blocked_since",
+        "held",
+        "on_block",
+        "order",
+        "preempted",
+        "session",
+        "stall_s",
+        "waiting_since",
+    )
+
+    def __init__(self, session: str, order: int, stall_s: float) -> None:
+        self.session = session
+        self.order = order
+        self.stall_s = stall_s
+        self.held = 0
+        self.blocked_since: float | None = None
+        """When it began to wait on its client (None: it is not)."""
+        self.waiting_since: float | None = None
+        """When it began to wait for more of the budget, holding some (None: it is not)."""
+        self.preempted = False
+        self.on_block: Callable[[Hold], None] | None = None
+        """Set by the budget: told when the holder starts waiting on its client."""
+        self._wake: asyncio.Future[None] | None = None
+
+    def block(self, wake: asyncio.Future[None]) -> None:
+        """The holder waits on its client until ``wake`` is done (or it is preempted)."""
+        self.blocked_since = time.monotonic()
+        self._wake = wake
+        if self.on_block is not None and self.held:
+            self.on_block(self)
+
+    def unblock(self) -> None:
+        """The wait is over (whatever ended it)."""
+        self.blocked_since = None
+        self._wake = None
+
+    def check(self, sent: int = 0) -> None:
+        """Raise :class:`Preempted` (with ``sent``) if the budget took this hold back."""
+        if self.preempted:
+            raise Preempted(sent)
+
+    def wait_budget(self, fut: asyncio.Future[None]) -> None:
+        """The holder waits for more of the budget until ``fut`` is done (a PUT)."""
+        self.waiting_since = time.monotonic()
+        self._wake = fut
+
+    def got_budget(self) -> None:
+        """That wait is over; raises :class:`Preempted` if it ended by preemption."""
+        self.waiting_since = None
+        self._wake = None
+        self.check()
+
+    @property
+    def stalled(self) -> bool:
+        return self.blocked_since is not None or self.waiting_since is not None
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds it has been waiting, on its client or for budget (0 when it is not)."""
+        since = self.blocked_since if self.blocked_since is not None else self.waiting_since
+        return 0.0 if since is None else now - since
+
+    def preempt(self) -> None:
+        self.preempted = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+
+class _Shares:
+    """What each session holds of one budget, its holders, and their preemption
+    (NOTE [ Preemption ])."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.by_session: dict[str, int] = {}
+        self.holders: dict[Hold, None] = {}  # insertion order = oldest first
+        self.preemptions = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    def grant(self, h: Hold, n: int) -> None:
+        self.used += n
+        h.held += n
+        self.by_session[h.session] = self.by_session.get(h.session, 0) + n
+
+    def give_back(self, h: Hold) -> None:
+        if not h.held:
+            return
+        self.used -= h.held
+        left = self.by_session[h.session] - h.held
+        if left:
+            self.by_session[h.session] = left
+        else:
+            del self.by_session[h.session]
+        h.held = 0
+
+    def preempt(self, need: int, among: list[Hold], again: Callable[[], None]) -> None:
+        """Preempt blocked holders of ``among``, the session holding most first, until
+        ``need`` bytes are on their way back. Holders blocked for less than their stall
+        time are left alone; ``again`` is called when the soonest of them reaches it
+        (if that much was not found)."""
+        now = time.monotonic()
+        ready: list[Hold] = []
+        soonest: float | None = None
+        for h in among:
+            if h.preempted or not h.stalled or not h.held:
+                continue
+            left = h.stall_s - h.stalled_for(now)
+            if left <= 0:
+                ready.append(h)
+            elif soonest is None or left < soonest:
+                soonest = left
+        ready.sort(key=lambda h: (-self.by_session.get(h.session, 0), -h.stalled_for(now)))
+        freed = sum(h.held for h in among if h.preempted)  # already on their way back
+        for h in ready:
+            if freed >= need:
+                return
+            h.preempt()
+            self.preemptions += 1
+            freed += h.held
+        if freed < need and soonest is not None:
+            self.arm(now + soonest, again)
+
+    def arm(self, at: float, again: Callable[[], None]) -> None:
+        """Call ``again`` at monotonic time ``at`` (one wake-up, the earliest asked for:
+        it rescans everything)."""
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+
+        def fire() -> None:
+            self._timer = None
+            again()
+
+        self._timer_at = at
+        delay_s = max(0.0, at - time.monotonic()) + 0.001
+        self._timer = asyncio.get_running_loop().call_later(delay_s, fire)
+
+
+class PayloadTicket(Hold):
     """One PUT's share of the budget; :meth:`PayloadBudget.close` returns it."""
 
-    __slots__ = ("held", "order")
-
-    def __init__(self, order: int) -> None:
-        self.order = order
-        self.held = 0
+    __slots__ = ()
 
 
 class PayloadBudget:
@@ -77,74 +274,155 @@ class PayloadBudget:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.used = 0
-        self._open: dict[int, PayloadTicket] = {}  # insertion order = oldest first
+        self._shares = _Shares(limit)
         self._waiters: collections.deque[tuple[PayloadTicket, int, asyncio.Future[None]]] = (
             collections.deque()
         )
         self._orders = itertools.count()
 
-    def open(self) -> PayloadTicket:
-        t = PayloadTicket(next(self._orders))
-        self._open[t.order] = t
+    @property
+    def used(self) -> int:
+        return self._shares.used
+
+    def open(self, session: str) -> PayloadTicket:
+        t = PayloadTicket(session, next(self._orders), PUT_STALL_S)
+        t.on_block = self._blocked
+        self._shares.holders[t] = None
         return t
 
-    def _oldest(self) -> PayloadTicket | None:
-        return next(iter(self._open.values()), None)
+    def _blocked(self, t: Hold) -> None:
+        if self._waiters:  # rule 4: look again once it has stalled long enough
+            self._shares.arm(time.monotonic() + t.stall_s, self._wake)
 
-    def _grant(self, t: PayloadTicket, n: int) -> None:
-        self.used += n
-        t.held += n
+    def _oldest(self) -> Hold | None:
+        return next(iter(self._shares.holders), None)
+
+    def _share(self, asking: str) -> int:
+        """Rule 2: ``limit // (sessions holding or asking + 1)``, at least one piece."""
+        active = set(self._shares.by_session)
+        active.update(t.session for t, _, _ in self._waiters)
+        active.add(asking)
+        return max(PIECE_BYTES, self.limit // (len(active) + 1))
+
+    def _total_fits(self, n: int) -> bool:
+        return self._shares.used + n <= self.limit
+
+    def _share_fits(self, t: PayloadTicket, n: int, share: int) -> bool:
+        return self._shares.by_session.get(t.session, 0) + n <= share
 
     async def take(self, t: PayloadTicket, n: int) -> None:
         """Count ``n`` more bytes for ``t`` (waits while the budget is full)."""
-        if t is self._oldest() or (not self._waiters and self.used + n <= self.limit):
-            self._grant(t, n)
+        if t is self._oldest() or (
+            not self._waiters
+            and self._total_fits(n)
+            and self._share_fits(t, n, self._share(t.session))
+        ):
+            self._shares.grant(t, n)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         item = (t, n, fut)
         self._waiters.append(item)
+        if t.held:
+            t.wait_budget(fut)  # rule 4: holding some while it waits, it may be dropped
+            self._blocked(t)
+        self._wake()
         try:
             await fut
         except asyncio.CancelledError:
             if item in self._waiters:
                 self._waiters.remove(item)
             raise  # a grant already made stays with t: close() returns it
+        finally:
+            t.waiting_since = None
+        t.got_budget()
 
     def close(self, t: PayloadTicket) -> None:
         """Return everything ``t`` holds. Idempotent."""
-        if self._open.pop(t.order, None) is None:
+        if t not in self._shares.holders:
             return
-        self.used -= t.held
-        t.held = 0
+        del self._shares.holders[t]
+        self._shares.give_back(t)
         self._wake()
 
     def _wake(self) -> None:
-        # Drop waiters that gave up, then rule 2: the oldest PUT first, then in
-        # order of asking while pieces fit.
+        # Drop waiters that gave up. Rule 2: the oldest PUT is granted whatever it
+        # asks; the others session holding least first (then in order of asking), a
+        # session at its share skipped (it waits for its own PUTs) unless no waiting
+        # session holds less, the first that does not fit the total ending the scan.
+        # Rule 4: for each session short of its share, its own PUTs stalled on their
+        # clients may be dropped; for the first request short of the total, any PUT
+        # stalled on its client, and any waiting for budget over its share.
         self._waiters = collections.deque(
-            w for w in self._waiters if not w[2].done() and w[0].order in self._open
+            w for w in self._waiters if not w[2].done() and w[0] in self._shares.holders
         )
         oldest = self._oldest()
-        for item in list(self._waiters):
-            if item[0] is oldest:
-                self._waiters.remove(item)
-                self._grant(item[0], item[1])
-                item[2].set_result(None)
-        while self._waiters and self.used + self._waiters[0][1] <= self.limit:
-            t, n, fut = self._waiters.popleft()
-            self._grant(t, n)
+        share = self._share("")
+        held = self._shares.by_session
+        skipped: set[str] = set()
+        short: list[tuple[PayloadTicket, int, bool]] = []  # who, bytes short, own share
+        for item in self._scan_order(oldest):
+            t, n, fut = item
+            if t is not oldest:
+                if t.session in skipped:
+                    continue
+                if not self._total_fits(n):
+                    short.append((t, self._shares.used + n - self.limit, False))
+                    break
+                if not self._share_fits(t, n, share) and not self._holds_least(t, skipped):
+                    short.append((t, held.get(t.session, 0) + n - share, True))
+                    skipped.add(t.session)
+                    continue
+            self._waiters.remove(item)
+            self._shares.grant(t, n)
             fut.set_result(None)
+        for t, need, own in short:
+            self._shares.preempt(need, self._droppable(t, own, share), self._wake)
+
+    def _scan_order(
+        self, oldest: Hold | None
+    ) -> list[tuple[PayloadTicket, int, asyncio.Future[None]]]:
+        """Waiters in granting order (rule 2): the oldest PUT, then the sessions
+        holding least first, each in order of asking."""
+        held = self._shares.by_session
+        ranked = sorted(
+            enumerate(self._waiters),
+            key=lambda iw: (iw[1][0] is not oldest, held.get(iw[1][0].session, 0), iw[0]),
+        )
+        return [w for _, w in ranked]
+
+    def _holds_least(self, t: PayloadTicket, skipped: set[str]) -> bool:
+        """No other session still waiting holds less than ``t``'s (rule 2: a session
+        past its share still moves when it is the one that holds least, so a PUT larger
+        than a share always completes, and the others wait at most its next piece)."""
+        held = self._shares.by_session
+        mine = held.get(t.session, 0)
+        return all(
+            held.get(w.session, 0) >= mine
+            for w, _, _ in self._waiters
+            if w.session != t.session and w.session not in skipped
+        )
+
+    def _droppable(self, t: PayloadTicket, own: bool, share: int) -> list[Hold]:
+        """Who may be dropped for ``t`` (rule 4): PUTs stalled on their clients (of its
+        own session only, ``own``), and PUTs waiting for budget over their share."""
+        by_session = self._shares.by_session
+        out: list[Hold] = []
+        for h in self._shares.holders:
+            if h is t or (own and h.session != t.session):
+                continue
+            if h.blocked_since is not None or (
+                not own and h.waiting_since is not None and by_session.get(h.session, 0) > share
+            ):
+                out.append(h)
+        return out
 
     def snapshot(self) -> dict[str, int]:
-        return {"used": self.used, "limit": self.limit}
-
-
-@dataclass(eq=False, slots=True)
-class _Ask:
-    session: str
-    n: int
-    fut: asyncio.Future[None]
+        return {
+            "used": self.used,
+            "limit": self.limit,
+            "sessions": len(self._shares.by_session),
+            "preempted": self._shares.preemptions,
+        }
 
 
 class AnswerBudget:
@@ -156,80 +434,108 @@ class AnswerBudget:
     def __init__(self, limit: int, session_limit: int) -> None:
         self.limit = limit
         self.session_limit = session_limit
-        self.used = 0
-        self._by_session: dict[str, int] = {}
-        self._waiters: collections.deque[_Ask] = collections.deque()
+        self._shares = _Shares(limit)
+        self._orders = itertools.count()
+        self._waiters: collections.deque[tuple[Hold, int, asyncio.Future[None]]] = (
+            collections.deque()
+        )
         self.waits = 0
         """Pieces that had to wait for room (a counter, for ``stats``)."""
 
+    @property
+    def used(self) -> int:
+        return self._shares.used
+
     def _session_fits(self, session: str, n: int) -> bool:
-        held = self._by_session.get(session, 0)
+        held = self._shares.by_session.get(session, 0)
         return held == 0 or held + n <= self.session_limit
 
     def _total_fits(self, n: int) -> bool:
-        return self.used == 0 or self.used + n <= self.limit
-
-    def _grant(self, session: str, n: int) -> None:
-        self.used += n
-        self._by_session[session] = self._by_session.get(session, 0) + n
+        return self._shares.used == 0 or self._shares.used + n <= self.limit
 
     @contextlib.asynccontextmanager
-    async def hold(self, session: str, n: int) -> AsyncIterator[None]:
-        """Hold ``n`` bytes for ``session`` while the body runs (waits for room first)."""
-        await self._acquire(session, n)
+    async def hold(self, session: str, n: int) -> AsyncIterator[Hold]:
+        """Hold ``n`` bytes for ``session`` while the body runs (waits for room first).
+        The body reports through the :class:`Hold` when it waits on its client."""
+        h = await self.acquire(session, n)
         try:
-            yield
+            yield h
         finally:
-            self._release(session, n)
+            self.release(h)
 
-    async def _acquire(self, session: str, n: int) -> None:
-        ask = _Ask(session, n, asyncio.get_running_loop().create_future())
-        self._waiters.append(ask)
+    async def acquire(self, session: str, n: int, stall_s: float = GET_STALL_S) -> Hold:
+        """Wait for room, then hold ``n`` bytes for ``session``; :meth:`release` it.
+        ``stall_s``: how long the holder may be blocked on its client before it may be
+        preempted (rule 4)."""
+        h = Hold(session, next(self._orders), stall_s)
+        h.on_block = self._blocked
+        item = (h, n, asyncio.get_running_loop().create_future())
+        self._waiters.append(item)
         self._wake()
-        if ask.fut.done():
-            return  # granted at once
+        if item[2].done():
+            return h  # granted at once
         self.waits += 1
         try:
-            await ask.fut
+            await item[2]
         except asyncio.CancelledError:
-            if ask.fut.done() and not ask.fut.cancelled():
-                self._release(session, n)  # granted just as we were cancelled: hand it on
-            elif ask in self._waiters:
-                self._waiters.remove(ask)
+            if item[2].done() and not item[2].cancelled():
+                self.release(h)  # granted just as we were cancelled: hand it on
+            elif item in self._waiters:
+                self._waiters.remove(item)
             raise
+        return h
 
-    def _release(self, session: str, n: int) -> None:
-        self.used -= n
-        left = self._by_session[session] - n
-        if left:
-            self._by_session[session] = left
-        else:
-            del self._by_session[session]
+    def _blocked(self, h: Hold) -> None:
+        if self._waiters:  # rule 4: look again once it has stalled long enough
+            self._shares.arm(time.monotonic() + h.stall_s, self._wake)
+
+    def release(self, h: Hold) -> None:
+        """Give back what ``h`` holds. Idempotent."""
+        if h not in self._shares.holders:
+            return
+        del self._shares.holders[h]
+        self._shares.give_back(h)
         self._wake()
 
     def _wake(self) -> None:
         # Rule 2: in order of asking; a request whose session is at its share is
         # skipped (it waits for its own session's pieces), one that does not fit the
-        # total stops the scan (first come, first served for the shared part).
+        # total stops the scan (first come, first served for the shared part). Rule 4:
+        # whoever waits first may preempt blocked holders: its own session's when it
+        # waits for its share, anyone's (the biggest session first) for the total.
         waiting_sessions: set[str] = set()
-        for ask in list(self._waiters):
-            if ask.fut.done():
-                self._waiters.remove(ask)
+        short_share: list[tuple[str, int]] = []  # (session, bytes over its share)
+        short_total = 0
+        for item in list(self._waiters):
+            h, n, fut = item
+            if fut.done():
+                self._waiters.remove(item)
                 continue
-            if ask.session in waiting_sessions or not self._session_fits(ask.session, ask.n):
-                waiting_sessions.add(ask.session)  # keep each session's own order
+            if h.session in waiting_sessions or not self._session_fits(h.session, n):
+                if h.session not in waiting_sessions:
+                    held = self._shares.by_session.get(h.session, 0)
+                    short_share.append((h.session, held + n - self.session_limit))
+                waiting_sessions.add(h.session)  # keep each session's own order
                 continue
-            if not self._total_fits(ask.n):
+            if not self._total_fits(n):
+                short_total = self._shares.used + n - self.limit
                 break
-            self._waiters.remove(ask)
-            self._grant(ask.session, ask.n)
-            ask.fut.set_result(None)
+            self._waiters.remove(item)
+            self._shares.grant(h, n)
+            self._shares.holders[h] = None
+            fut.set_result(None)
+        holders = self._shares.holders
+        for session, need in short_share:
+            self._shares.preempt(need, [x for x in holders if x.session == session], self._wake)
+        if short_total > 0:
+            self._shares.preempt(short_total, list(holders), self._wake)
 
     def snapshot(self) -> dict[str, int]:
         return {
             "used": self.used,
             "limit": self.limit,
             "session_limit": self.session_limit,
-            "sessions": len(self._by_session),
+            "sessions": len(self._shares.by_session),
             "waits": self.waits,
+            "preempted": self._shares.preemptions,
         }

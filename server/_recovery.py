@@ -37,6 +37,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Callable
 from typing import TypeAlias, TypeGuard
 
 from tensorstore_hooks._codec import TensorMeta
@@ -62,22 +63,36 @@ log = logging.getLogger("tensorstore_hooks.server")
 _SEGMENT_RE = re.compile(r"seg-(\d+)")
 
 
-def open_disk(root: str, max_tensor_bytes: int) -> tuple[ZarrStore, StateJournal]:
-    """Prepare the root (NOTE [ Private root ]), quarantine unusable disk-index records,
-    open the disk tier and the session journal. Damage is logged, never fatal."""
+def open_disk(
+    root: str, max_tensor_bytes: int
+) -> tuple[ZarrStore, StateJournal, Callable[[], None]]:
+    """Prepare and lock the root (NOTE [ Private root ], NOTE [ One daemon per root ]),
+    quarantine unusable disk-index records, open the disk tier and the session journal.
+    Damage is logged, never fatal. Returns them and the function that releases the
+    root's lock (call it after the store is closed)."""
     kind, location = split_url(root)
+    unlock: Callable[[], None] = _nothing
     if kind == "local":
-        prepare_root(location)
-        live = _quarantine_index(location, max_tensor_bytes)
-        if live is not None:  # never sweep against an index that could not be read
-            _sweep_stray_chunks(location, live)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        # No spare chunk files: the disk quota counts what the directory holds.
-        disk = ZarrStore(root, namespace=DISK_NAMESPACE, spare_bytes=0)
-    for w in caught:
-        log.warning("disk tier: %s", w.message)
-    return disk, StateJournal(root)
+        unlock = prepare_root(location)  # the lock comes first: nothing is read before it
+    try:
+        if kind == "local":
+            live = _quarantine_index(location, max_tensor_bytes)
+            if live is not None:  # never sweep against an index that could not be read
+                _sweep_stray_chunks(location, live)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            # No spare chunk files: the disk quota counts what the directory holds.
+            disk = ZarrStore(root, namespace=DISK_NAMESPACE, spare_bytes=0)
+        for w in caught:
+            log.warning("disk tier: %s", w.message)
+        return disk, StateJournal(root), unlock
+    except BaseException:
+        unlock()
+        raise
+
+
+def _nothing() -> None:
+    pass
 
 
 def _is_count(value: object) -> TypeGuard[int]:

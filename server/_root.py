@@ -24,22 +24,44 @@ whose session ids grant access to those tensors with the token. So:
 The check is on the root itself; parents are the operator's business (a root under
 a directory another user can write could still be renamed away: put it under the
 daemon user's home or a 0700 directory).
+
+NOTE [ One daemon per root ]
+A daemon's start reads the root's journals, retires records, deletes chunk files no
+index entry covers and tightens modes; on a root that a live daemon serves, that
+would delete the files of its PUTs in flight. So:
+
+1. The daemon takes the root's lock (``flock`` on ``ROOT/daemon.lock``, holding the
+   text "pid N on HOST since TIME") after checking the root directory itself (a
+   ``stat``) and before anything under it is read, swept, changed or removed, and
+   holds it until it exits (the kernel drops it if the daemon dies, so SIGKILL leaves
+   no stale lock).
+2. A second daemon that finds the lock held exits at once (exit 2) saying the root is
+   in use and by which pid, having touched nothing under the root.
+3. The lock file is the daemon's own: ``clean`` and the stores' sweeps never remove
+   it (it is not a namespace), and the disk quota counts it (NOTE [ Exact disk quota ]).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import socket
 import stat
+import time
+from collections.abc import Callable
 
 from tensorstore_hooks.errors import ConfigError
 
-__all__ = ["DAEMON_UMASK", "check_root_dir", "prepare_root"]
+__all__ = ["DAEMON_UMASK", "ROOT_LOCK", "check_root_dir", "lock_root", "prepare_root"]
 
 log = logging.getLogger("tensorstore_hooks.server")
 
 DAEMON_UMASK = 0o077
 """The daemon's process umask: new files 0600, new directories 0700."""
+ROOT_LOCK = "daemon.lock"
+"""The root's lock file (NOTE [ One daemon per root ])."""
 
 
 def check_root_dir(path: str, st: os.stat_result, uid: int) -> str | None:
@@ -62,11 +84,13 @@ def check_root_dir(path: str, st: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def prepare_root(location: str) -> None:
-    """Create or check the local root ``location`` (NOTE [ Private root ]).
+def prepare_root(location: str) -> Callable[[], None]:
+    """Create or check the local root ``location`` and lock it (NOTE [ Private root ],
+    NOTE [ One daemon per root ]); returns the function that releases the lock.
 
     Sets the process umask to :data:`DAEMON_UMASK`. Raises ConfigError for a root
-    that another user owns or can write, or that is not a directory.
+    that another user owns or can write, that is not a directory, or that another
+    daemon holds (nothing under it is touched then).
     """
     os.umask(DAEMON_UMASK)
     path = os.path.abspath(location)
@@ -83,16 +107,67 @@ def prepare_root(location: str) -> None:
     why = check_root_dir(path, st, os.geteuid())
     if why is not None:
         raise ConfigError(f"daemon config: refusing root {why}")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        old = stat.S_IMODE(st.st_mode)
-        tightened = _tighten(path)
-        log.warning(
-            "root %s was mode %04o (other users could read it): tightened to 0700, and "
-            "%d files and directories under it to 0600/0700",
-            path,
-            old,
-            tightened,
-        )
+    unlock = lock_root(path)  # rule 1: before anything under the root is touched
+    try:
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            old = stat.S_IMODE(st.st_mode)
+            tightened = _tighten(path)
+            log.warning(
+                "root %s was mode %04o (other users could read it): tightened to 0700, and "
+                "%d files and directories under it to 0600/0700",
+                path,
+                old,
+                tightened,
+            )
+    except BaseException:
+        unlock()
+        raise
+    return unlock
+
+
+def lock_root(path: str) -> Callable[[], None]:
+    """Take the lock of the root directory ``path`` (NOTE [ One daemon per root ]);
+    returns the function that releases it. Raises ConfigError if another process
+    holds it (naming it) or the lock file cannot be made."""
+    lock_path = os.path.join(path, ROOT_LOCK)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(lock_path, flags, 0o600)
+    except OSError as e:
+        raise ConfigError(
+            f"daemon config: root {path}: cannot open its lock file {lock_path}: {e}"
+        ) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(
+                f"daemon config: root {path}: {lock_path} is not a regular file; remove it"
+            )
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "a process"
+        os.close(fd)
+        raise ConfigError(
+            f"daemon config: root {path} is in use by another daemon ({holder}); two daemons "
+            "on one root would delete each other's files. Stop that daemon and wait for it "
+            "to exit (it drains for up to limits.drain_timeout), or give this one another "
+            "--root"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    with contextlib.suppress(OSError):
+        since = time.strftime("%Y-%m-%dT%H:%M:%S")
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {since}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+    held = [fd]
+
+    def release() -> None:
+        if held:  # idempotent: never close a descriptor number twice
+            with contextlib.suppress(OSError):
+                os.close(held.pop())  # closing drops the flock
+
+    return release
 
 
 def _tighten(path: str) -> int:

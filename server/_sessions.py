@@ -4,10 +4,17 @@ that frees them when a client vanishes.
 The :class:`SessionTable` is the only place that changes a session's entries and byte
 counts and the only writer of session events to the journal; the tiers it drives
 (``_tiers``) only place bytes and report finished spills back through a callback.
+
+Deletes are journaled before anything is freed (NOTE [ Durable deletes ] in
+``_journal``). A session that ends is gone at once (its id no longer resumes, its
+connections are closed), and its tensors are freed by a background task in batches of
+:data:`REAP_BATCH`, the event loop served between them: a session of a hundred
+thousand tensors ending never holds up other clients' requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -25,9 +32,12 @@ from ._journal import StateJournal
 from ._model import Entry, KeyRecord, Session
 from ._tiers import Reservation, TierError, Tiers
 
-__all__ = ["Session", "SessionTable"]
+__all__ = ["REAP_BATCH", "Session", "SessionTable"]
 
 log = logging.getLogger("tensorstore_hooks.server")
+
+REAP_BATCH = 512
+"""Tensors of an ended session freed per turn of the event loop."""
 
 
 class SessionTable:
@@ -53,6 +63,12 @@ class SessionTable:
         self.expired = 0
         self.expired_bytes = 0
         self._compaction_failed = False
+        self._reapers: set[asyncio.Task[None]] = set()
+        self._unrecorded: dict[str, Session] = {}
+        """Ended sessions whose end the journal could not record yet: their disk-tier
+        tensors stay until it can (NOTE [ Durable deletes ], rule 2)."""
+        self.delete_failures = 0
+        """DELETEs refused because the journal could not record them."""
         tiers.spilled = self._spilled
         if tiers.disk is not None:
             tiers.disk.compact_sessions = self.compact_journal
@@ -78,21 +94,68 @@ class SessionTable:
         return self.sessions.get(sid)
 
     def end(self, s: Session, reason: str) -> int:
-        """End ``s`` and free all its tensors; returns the bytes freed. Idempotent."""
+        """End ``s`` and free all its tensors (in the background, see the module's
+        docstring); returns the bytes it held. Idempotent."""
         if s.ended:
             return 0
         s.ended = True
-        freed = s.nbytes
-        for entry in list(s.entries.values()):
-            self.free(entry)
-        s.entries.clear()
+        held = s.nbytes
         self.sessions.pop(s.id, None)
-        if s.persisted and self.journal is not None:
+        recorded = self._record_end(s)
+        self._reap(s, disk_too=recorded)
+        log.info("session %s ended (%s): %d bytes freed", s.label, reason, held)
+        return held
+
+    def _record_end(self, s: Session) -> bool:
+        """Journal the end of ``s`` (NOTE [ Durable deletes ], rule 2); False if the
+        record cannot be written now (``s`` then waits in :attr:`_unrecorded`)."""
+        if not s.persisted or self.journal is None:
+            return True
+        try:
             self.journal.session_ended(s.id)
-            if self.tiers.disk is not None:
-                self.tiers.disk.session_ended()
-        log.info("session %s ended (%s): %d bytes freed", s.label, reason, freed)
-        return freed
+        except TensorStoreError as exc:
+            if not self._unrecorded:
+                log.warning(
+                    "the session journal cannot record the end of session %s (%s); its "
+                    "disk-tier tensors stay on disk until it can",
+                    s.label,
+                    exc,
+                )
+            self._unrecorded[s.id] = s
+            return False
+        self._unrecorded.pop(s.id, None)
+        if self.tiers.disk is not None:
+            self.tiers.disk.session_ended()
+        return True
+
+    def retry_unrecorded(self) -> None:
+        """Housekeeping: record the ends the journal could not take before, then free
+        those sessions' disk-tier tensors."""
+        for s in list(self._unrecorded.values()):
+            if not self._record_end(s):
+                return
+            self._reap(s, disk_too=True)
+        if self.journal is not None:
+            self.journal.keep_reserve()
+
+    def _reap(self, s: Session, *, disk_too: bool) -> None:
+        entries = [e for e in s.entries.values() if disk_too or e.buf is not None]
+        if not entries:
+            return
+        task = asyncio.get_running_loop().create_task(self._reap_entries(entries))
+        self._reapers.add(task)
+        task.add_done_callback(self._reapers.discard)
+
+    async def _reap_entries(self, entries: list[Entry]) -> None:
+        for i in range(0, len(entries), REAP_BATCH):
+            for e in entries[i : i + REAP_BATCH]:
+                self._forget(e, journaled=False)  # the session's end record covers them
+            await asyncio.sleep(0)
+
+    async def drain(self) -> None:
+        """Wait until every ended session's tensors are freed (shutdown)."""
+        while self._reapers:
+            await asyncio.gather(*self._reapers, return_exceptions=True)
 
     def expire(self, now: float) -> list[Session]:
         """End every session whose lease ran out; returns them (to kick their connections)."""
@@ -174,11 +237,33 @@ class SessionTable:
         s.disk_bytes += e.nbytes
         return e
 
-    def free(self, e: Entry) -> None:
-        """Forget ``e`` and release its bytes. Idempotent.
+    def free_keys(self, entries: list[Entry]) -> None:
+        """Forget ``entries`` (a DELETE) and release their bytes. The journal records
+        the disk-tier ones first, in one append (NOTE [ Durable deletes ], rule 1);
+        if it cannot, nothing is freed and TierError(INTERNAL) says why."""
+        on_disk = [e.key for e in entries if e.buf is None and not e.freed]
+        if on_disk and self.journal is not None:
+            try:
+                self.journal.keys_freed(on_disk)
+            except TensorStoreError as exc:
+                self.delete_failures += 1
+                if self.tiers.disk is not None:
+                    self.tiers.disk.journal_failed(exc, "recording a delete")
+                raise TierError(
+                    ErrorCode.INTERNAL,
+                    f"the daemon could not record the delete of {len(on_disk)} disk-tier "
+                    f"tensors in its journal ({exc}); nothing was deleted and the keys stay "
+                    "readable: delete them again later",
+                ) from exc
+        for e in entries:
+            self._forget(e, journaled=True)
+
+    def _forget(self, e: Entry, *, journaled: bool) -> None:
+        """Drop ``e`` from its session and release its bytes. Idempotent.
 
         The journal forgets a disk tensor before its chunks are deleted (NOTE [ Crash
-        ordering ] in ``_journal``).
+        ordering ] in ``_journal``): ``journaled`` says whether its own delete record
+        was written (else its session's end record covers it).
         """
         if e.freed:
             return
@@ -188,9 +273,7 @@ class SessionTable:
             s.ram_bytes -= e.nbytes
         else:
             s.disk_bytes -= e.nbytes
-            if self.journal is not None:
-                self.journal.key_freed(e.key)
-        self.tiers.free(e)
+        self.tiers.free(e, journaled=journaled)
 
     def restore_key(self, key: str, s: Session, meta: TensorMeta, rec: KeyRecord) -> Entry:
         """Re-adopt a journaled disk-tier tensor after a restart."""
@@ -246,6 +329,12 @@ class SessionTable:
             self._compaction_failed = True
             return
         self._compaction_failed = False
+        # The snapshot names none of the ended sessions: their ends are recorded now.
+        for s in list(self._unrecorded.values()):
+            del self._unrecorded[s.id]
+            if self.tiers.disk is not None:
+                self.tiers.disk.session_ended()
+            self._reap(s, disk_too=True)
 
     # ---------------------------------------------------------------- report
     def snapshot(self, connections: Mapping[str, int], now: float) -> dict[str, Msgpack]:
@@ -272,5 +361,7 @@ class SessionTable:
                 "sessions_expired": self.expired,
                 "expired_bytes": self.expired_bytes,
                 "session_quota_rejected": self.session_rejected,
+                "delete_failures": self.delete_failures,
+                "unrecorded_session_ends": len(self._unrecorded),
             },
         }

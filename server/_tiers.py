@@ -26,6 +26,13 @@ counts as on disk only once its bytes and its journal record are written; a spil
 that cannot be journaled is undone and the tensor stays in RAM (NOTE [ Disk
 failures ] in ``_disk``). What each tensor counts against a quota: NOTE [ What a
 tensor costs ] in ``_costs``.
+
+A GET served from RAM sends the tensor's own buffer, which stays alive until the
+send ends, however slowly the client reads. So a RAM tensor being sent keeps its RAM
+charge until its last answer ends, even when it is deleted or spilled meanwhile
+(``ram_answers`` counts those bytes): RAM used is what RAM holds, and the RAM quota
+bounds it. Tensors being sent are not picked to spill (spilling them would free
+nothing until their answers end).
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ class Tiers:
         self.ram_spilling = 0
         """Bytes of RAM tensors being written to disk (freed when the writes finish)."""
         self.ram_used = 0
+        self.ram_answers = 0
+        """RAM (within ``ram_used``) held only by answers of tensors that left RAM."""
         self.ram_reserved = 0
         self.ram_entries = 0
         self.spills = 0
@@ -198,6 +207,8 @@ class Tiers:
         for e in self._lru.values():
             if total >= nbytes:
                 break
+            if e.answers:
+                continue  # being sent: spilling it would free nothing yet
             dres = self.disk.reserve(self.disk.charge(e.meta), new_session=not e.owner.persisted)
             if dres is None:
                 break
@@ -227,7 +238,7 @@ class Tiers:
         """
         if self.disk is None or self.memory_quota == 0:
             return
-        pending = self.ram_used + self.ram_reserved - self.ram_spilling
+        pending = self.ram_used - self.ram_answers + self.ram_reserved - self.ram_spilling
         if pending * 8 <= self.memory_quota * 7:
             return
         self._spill_oldest(pending - self.memory_quota * 3 // 4, all_or_nothing=False)
@@ -250,12 +261,11 @@ class Tiers:
             self._spill_undone(e)
             return
         self.disk.commit(dres)
-        rc = ram_charge(e.nbytes)
         e.spilling = False
         e.buf = None
         e.disk_key = dk
-        self.ram_spilling -= rc
-        self.ram_used -= rc
+        self.ram_spilling -= ram_charge(e.nbytes)
+        self._left_ram(e)
         self.ram_entries -= 1
         self.spills += 1
         self.spill_bytes += e.nbytes
@@ -331,8 +341,10 @@ class Tiers:
         self.disk.restore(e.meta)
 
     # ------------------------------------------------------------------- free
-    def free(self, e: Entry) -> None:
-        """Release ``e``'s bytes (a spill in flight finishes the job). Idempotent."""
+    def free(self, e: Entry, *, journaled: bool = True) -> None:
+        """Release ``e``'s bytes (a spill in flight finishes the job). Idempotent.
+        ``journaled``: a disk-tier tensor's own delete record was written (else its
+        session's end record covers it)."""
         if e.freed:
             return
         e.freed = True
@@ -342,12 +354,34 @@ class Tiers:
                 self._drop_ram(e)
             return
         assert self.disk is not None
-        self.disk.free(e)
+        self.disk.free(e, journaled=journaled)
 
     def _drop_ram(self, e: Entry) -> None:
         e.buf = None
-        self.ram_used -= ram_charge(e.nbytes)
+        self._left_ram(e)
         self.ram_entries -= 1
+
+    def _left_ram(self, e: Entry) -> None:
+        """``e`` is no longer a RAM tensor: its RAM is free, or once its answers end."""
+        rc = ram_charge(e.nbytes)
+        if e.answers:
+            e.answer_charge = rc
+            self.ram_answers += rc
+        else:
+            self.ram_used -= rc
+
+    def answer_started(self, e: Entry) -> None:
+        """A GET answer starts sending ``e``'s RAM buffer."""
+        e.answers += 1
+
+    def answer_ended(self, e: Entry) -> None:
+        """That answer ended (sent, or the connection dropped): the buffer's RAM is
+        free if the tensor left RAM meanwhile and no other answer sends it."""
+        e.answers -= 1
+        if e.answers == 0 and e.answer_charge:
+            self.ram_used -= e.answer_charge
+            self.ram_answers -= e.answer_charge
+            e.answer_charge = 0
 
     async def drain(self) -> None:
         """Wait for spills and batched disk deletes to finish (shutdown)."""
@@ -384,6 +418,7 @@ class Tiers:
         }
         ram = {
             "used": self.ram_used,
+            "answers": self.ram_answers,
             "reserved": self.ram_reserved,
             "quota": self.memory_quota,
             "tensors": self.ram_entries,

@@ -11,6 +11,12 @@ on Linux and macOS; uvloop works too).
 Every read of a frame runs under a deadline, so a peer that stops mid-frame (or
 sends one byte a minute) is dropped after ``read_timeout_s``.
 
+A transfer that holds a shared budget (a PUT payload, a GET piece) sets
+:attr:`FrameConn.hold`: every wait on the peer is then reported to it, and a budget
+that preempts it (NOTE [ Preemption ] in ``_payload``) ends the wait with
+:class:`~._payload.Preempted`. Bytes read only to be discarded go through one buffer
+shared by every connection (their content is never looked at).
+
 TLS: after :meth:`FrameConn.start_tls` the socket is a non-blocking
 ``ssl.SSLSocket``. It has no ``sendmsg`` (so each buffer is sent on its own, and
 the TLS layer copies it into records anyway), and it may want to write while
@@ -24,10 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import select
 import socket
 import ssl
+import struct
 import sys
+import termios
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -47,9 +56,29 @@ from tensorstore_hooks.protocol import (
     unpack_header,
 )
 
-from ._payload import PIECE_BYTES
+from ._payload import PIECE_BYTES, Hold, Preempted
 
-__all__ = ["ConnectionClosed", "FrameConn", "Head", "with_timeout"]
+__all__ = ["DISCARD_BYTES", "ConnectionClosed", "FrameConn", "Head", "with_timeout"]
+
+DISCARD_BYTES = 1 << 20
+"""The one buffer every connection reads discarded bytes into (a budget of its own)."""
+_DRAINED_BYTES = 256 << 10
+"""A preempted answer goes on once the peer's unread bytes fall below this."""
+_DRAIN_POLL_S = 0.05
+_discard: bytearray | None = None
+
+
+def _discard_buffer() -> memoryview:
+    """The shared discard buffer (made at the first use)."""
+    global _discard
+    if _discard is None:
+        _discard = bytearray(DISCARD_BYTES)
+    return memoryview(_discard)
+
+
+def discard_bytes() -> int:
+    """Bytes the shared discard buffer takes now (0 until a first discard)."""
+    return DISCARD_BYTES if _discard is not None else 0
 
 T = TypeVar("T")
 Reserve = Callable[[int], Awaitable[None]]
@@ -115,20 +144,20 @@ class FrameConn:
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._prefix = bytearray(PREFIX_BYTES)
-        self._scratch: bytearray | None = None
         self.tls = False
+        self.hold: Hold | None = None
+        """The budget holder of the transfer in progress (its waits on the peer are
+        reported to it), or None."""
 
-    async def start_tls(self, ctx: ssl.SSLContext, timeout_s: float) -> None:
-        """Run the server side of a TLS handshake within ``timeout_s``.
+    async def start_tls(self, ctx: ssl.SSLContext) -> None:
+        """Run the server side of a TLS handshake (the caller bounds it in time).
 
         A peer that starts with a plaintext frame is answered, in plaintext, with an
         ``UNAUTHORIZED`` error saying that this daemon needs ``tsh+tls://``.
         Raises :class:`ConnectionClosed` when the handshake fails (bad or missing
-        client certificate, not TLS at all), ``TimeoutError`` past the deadline.
+        client certificate, not TLS at all); :attr:`tls` is then already True, and
+        OpenSSL has queued its alert for the peer (close with :meth:`linger_close`).
         """
-        await with_timeout(self._start_tls(ctx), timeout_s)
-
-    async def _start_tls(self, ctx: ssl.SSLContext) -> None:
         while True:
             try:
                 first = self.sock.recv(4, socket.MSG_PEEK)
@@ -172,10 +201,18 @@ class FrameConn:
     async def _wait(self, add: _AddWatch, remove: Callable[[int], object]) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         add(self._fd, _wake, fut)
+        hold = self.hold
+        if hold is not None:
+            hold.check()
+            hold.block(fut)  # a budget may preempt it while it waits on the peer
         try:
             await fut
         finally:
             remove(self._fd)
+            if hold is not None:
+                hold.unblock()
+        if hold is not None:
+            hold.check()
 
     def _readable(self) -> Awaitable[None]:
         return self._wait(self._loop.add_reader, self._loop.remove_reader)
@@ -247,7 +284,11 @@ class FrameConn:
         return Head(header, payload_len, size)
 
     async def read_body(
-        self, head: Head, dest: memoryview | None, reserve: Reserve | None = None
+        self,
+        head: Head,
+        dest: memoryview | None,
+        reserve: Reserve | None = None,
+        hold: Hold | None = None,
     ) -> None:
         """Receive the message's payload into ``dest`` (``None``: read and discard).
 
@@ -255,9 +296,20 @@ class FrameConn:
         ``reserve(n)``, if given, is awaited before each piece of at most
         ``PIECE_BYTES`` is received (the PUT payload budget, see NOTE [ Payload bytes
         as they arrive ]); time spent waiting in it does not count against the deadline.
+        ``hold``: the budget holder the waits on the peer are reported to; raises
+        :class:`~._payload.Preempted` if the budget takes it back.
         """
         if dest is not None and len(dest) != head.size:
             raise ValueError("destination does not match the message size")
+        self.hold = hold
+        try:
+            await self._read_body(head, dest, reserve)
+        finally:
+            self.hold = None
+
+    async def _read_body(
+        self, head: Head, dest: memoryview | None, reserve: Reserve | None
+    ) -> None:
         pos = 0
         frame_len = head.first_len
         while True:
@@ -288,9 +340,7 @@ class FrameConn:
         if dest is not None:
             await self.recv_into(dest[pos : pos + n])
             return
-        if self._scratch is None:
-            self._scratch = bytearray(1 << 20)
-        scratch = memoryview(self._scratch)
+        scratch = _discard_buffer()
         while n:
             k = min(n, len(scratch))
             await self.recv_into(scratch[:k])
@@ -360,15 +410,20 @@ class FrameConn:
             return
         sock = self.sock
         bufs = [memoryview(b).cast("B") for b in buffers]
+        sent = 0
         while bufs:
             try:
                 n = sock.sendmsg(bufs)
             except (BlockingIOError, InterruptedError):
-                await self._writable()
+                try:
+                    await self._writable()
+                except Preempted:
+                    raise Preempted(sent) from None
                 continue
             except OSError as e:
                 raise ConnectionClosed(str(e)) from e
             self.bytes_out += n
+            sent += n
             while n:
                 first = bufs[0]
                 if n >= len(first):
@@ -382,22 +437,90 @@ class FrameConn:
 
     async def _send_tls(self, buffers: Sequence[bytes | memoryview]) -> None:
         sock = self.sock
+        sent = 0
         for b in buffers:
             view = memoryview(b).cast("B")
             while view:
                 try:
                     n = sock.send(view)
                 except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
-                    # Retry with the same buffer: OpenSSL requires it after a WANT.
-                    await _want(self, e)
+                    # Retry with the same bytes: OpenSSL requires it after a WANT (a
+                    # preempted send resumes at ``sent``, with this very view again).
+                    try:
+                        await _want(self, e)
+                    except Preempted:
+                        raise Preempted(sent) from None
                     continue
                 except (BlockingIOError, InterruptedError):
-                    await self._writable()
+                    try:
+                        await self._writable()
+                    except Preempted:
+                        raise Preempted(sent) from None
                     continue
                 except OSError as e:
                     raise ConnectionClosed(str(e)) from e
                 self.bytes_out += n
+                sent += n
                 view = view[n:]
+
+    async def send_resumable(
+        self, parts: Sequence[bytes | memoryview], pos: int, hold: Hold, timeout_s: float
+    ) -> None:
+        """Send the bytes of ``parts`` (taken as one run) from offset ``pos`` on, while
+        ``hold`` holds their budget; at most ``timeout_s`` waiting on the peer.
+
+        Raises :class:`~._payload.Preempted` whose ``sent`` is the offset the peer
+        got to if the budget takes ``hold`` back (call again from there, with the
+        same bytes: TLS needs the interrupted write repeated as it was),
+        ``TimeoutError`` or :class:`ConnectionClosed`.
+        """
+        bufs: list[bytes | memoryview] = []
+        skip = pos
+        for part in parts:
+            view = memoryview(part).cast("B")
+            if skip >= len(view):
+                skip -= len(view)
+                continue
+            bufs.append(view[skip:])
+            skip = 0
+        self.hold = hold
+        try:
+            await with_timeout(self._sendmsg_all(bufs), timeout_s)
+        except Preempted as e:
+            raise Preempted(pos + e.sent) from None
+        finally:
+            self.hold = None
+
+    async def wait_drained(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the peer has read all but
+        :data:`_DRAINED_BYTES` of what the kernel holds for it."""
+        await with_timeout(self._drained(), timeout_s)
+
+    async def _drained(self) -> None:
+        tcp = self.sock.family in (socket.AF_INET, socket.AF_INET6)
+        lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+        if tcp and lowat is not None:
+            # Writable only once fewer than _DRAINED_BYTES are unsent: no polling.
+            before = self.sock.getsockopt(socket.IPPROTO_TCP, lowat)
+            self.sock.setsockopt(socket.IPPROTO_TCP, lowat, _DRAINED_BYTES)
+            try:
+                await self._writable()
+            finally:
+                with contextlib.suppress(OSError):
+                    self.sock.setsockopt(socket.IPPROTO_TCP, lowat, before)
+            return
+        while True:
+            await self._writable()
+            if self._unsent() <= _DRAINED_BYTES:
+                return
+            await asyncio.sleep(_DRAIN_POLL_S)
+
+    def _unsent(self) -> int:
+        try:
+            out = fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            return 0
+        return int(struct.unpack("i", out)[0])
 
     def send_nowait(self, header: Header) -> None:
         """Best effort, never blocks: used for a last error frame before closing."""
@@ -420,9 +543,7 @@ class FrameConn:
             self.close()
 
     async def _drain(self, max_bytes: int) -> None:
-        if self._scratch is None:
-            self._scratch = bytearray(1 << 16)
-        view = memoryview(self._scratch)
+        view = _discard_buffer()
         while max_bytes > 0:
             try:
                 n = self.sock.recv_into(view)

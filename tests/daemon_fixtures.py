@@ -33,13 +33,44 @@ __all__ = [
     "raw_hello",
     "recv_frame",
     "send_frame",
+    "rss",
     "shared_daemon",
+    "tmpfs",
     "wait_until",
 ]
 
 CLI = [sys.executable, "-m", "tensorstore_hooks.cli"]
 SERVE = [*CLI, "serve"]
 START_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (skips the test if mounting is refused:
+    it needs root or CAP_SYS_ADMIN); unmounted at the end."""
+    path.mkdir()
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command on this machine: this case needs it")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def rss(pid: int) -> int:
+    """Resident set size of process ``pid`` in bytes."""
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
 
 
 def free_port() -> int:

@@ -54,6 +54,30 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     return out
 
 
+def _buffer_lines(snap: dict[str, Any]) -> list[str]:
+    """The daemon's named budgets (what it holds for clients beyond the tiers)."""
+    from tensorstore_hooks._units import format_bytes as fb
+
+    lines = []
+    buffers = snap.get("buffers") or {}
+    put, get = buffers.get("put"), buffers.get("get")
+    if put and get:
+        lines.append(
+            f"buffers      put {fb(put['used'])} of {fb(put['limit'])}   "
+            f"get {fb(get['used'])} of {fb(get['limit'])} "
+            f"({fb(get['session_limit'])} per session, {get['waits']} waits)"
+        )
+    book, pool = buffers.get("bookkeeping"), buffers.get("store_pool")
+    if book and pool:
+        answers = snap["tiers"]["ram"].get("answers", 0)
+        lines.append(
+            f"             disk bookkeeping {fb(book['used'])} of {fb(book['limit'])}   "
+            f"read buffers {fb(pool['used'])} (idle {fb(pool['idle'])} of "
+            f"{fb(pool['idle_limit'])})   RAM held by answers {fb(answers)}"
+        )
+    return lines
+
+
 def format_stats(snap: dict[str, Any]) -> str:
     """Render a STATS snapshot as the human-readable report ``stats`` prints."""
     from tensorstore_hooks._units import format_bytes as fb
@@ -84,14 +108,7 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"connections {snap['connections']} of {snap['max_connections']} "
         f"(accepted {c['connections']}, refused {c['refused']})",
     ]
-    buffers = snap.get("buffers") or {}
-    put, get = buffers.get("put"), buffers.get("get")
-    if put and get:
-        lines.append(
-            f"buffers      put {fb(put['used'])} of {fb(put['limit'])}   "
-            f"get {fb(get['used'])} of {fb(get['limit'])} "
-            f"({fb(get['session_limit'])} per session, {get['waits']} waits)"
-        )
+    lines += _buffer_lines(snap)
     disk = tiers["disk"]
     if disk.get("enabled") and "direct_io" in disk:
         how = "on" if disk["direct_io"] else f"off ({disk.get('direct_io_reason', '?')})"

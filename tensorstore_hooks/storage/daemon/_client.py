@@ -206,6 +206,7 @@ class DaemonStore(BlobStore):
             self._addr,
             token,
             tls=self._tls,
+            client_cert=self._tls is not None and tls_cert is not None,
             peer_uid=peer_uid,
             connect_timeout_s=connect_timeout_s,
             io_timeout_s=io_timeout_s,
@@ -288,16 +289,25 @@ class DaemonStore(BlobStore):
         self._pool.drop_idle()
 
     def _call(
-        self, req: Request, payload: Buffer | None = None, *, retry: bool = True
+        self,
+        req: Request,
+        payload: Buffer | None = None,
+        *,
+        retry: bool = True,
+        sent: list[bool] | None = None,
     ) -> tuple[Header, np.ndarray | None]:
         """One request with reconnect/retry; daemon error codes become library errors.
 
         Retried by the library's one retry loop (NOTE [ One retry layer ] in
         ``storage/_retry.py``) with :func:`_classify_connection`: only a lost connection heals.
+        ``sent``, if given, gets one item per attempt that sent the request (more than
+        one: an earlier attempt may have been carried out, its answer lost).
         """
 
         def attempt(time_left_s: float) -> tuple[Header, np.ndarray | None]:
             conn = self._acquire()
+            if sent is not None:
+                sent.append(True)  # from here the daemon may have acted on it
             try:
                 answer, body = conn.call(req, payload)
             except _Lost:
@@ -307,6 +317,9 @@ class DaemonStore(BlobStore):
             except ProtocolError as e:
                 self._release(conn)
                 raise self._translate(e, req) from e
+            except BaseException:  # a final error (TLS refused): the slot goes back
+                self._release(conn)
+                raise
             self._release(conn)
             self._last_activity = time.monotonic()
             return answer, body
@@ -419,9 +432,12 @@ class DaemonStore(BlobStore):
         self._check_writer("delete")
         if not is_valid_key(key):
             raise self._missing_key(key, self.url)
-        answer, _ = self._call(Delete(id=0, keys=(key,)))
-        if answer.get("missing"):
+        sent: list[bool] = []
+        answer, _ = self._call(Delete(id=0, keys=(key,)), sent=sent)
+        if answer.get("missing") and len(sent) <= 1:
             raise KeyNotFoundError(self._fail(f"no key {key!r} to delete"))
+        # Missing on a retry: the attempt whose answer was lost (the daemon restarting,
+        # a dropped connection) deleted it. The key is gone, as asked.
 
     def delete_many(self, keys: Iterable[str]) -> None:
         self._check_writer("delete")
@@ -527,7 +543,8 @@ def fetch_stats(
         token = env_token()
     tls = TlsOptions(tls_ca, tls_cert, tls_key).context(addr.url) if addr.tls else None
     try:
-        conn = Connection(addr, timeout_s, timeout_s, tls=tls)
+        cert = tls is not None and tls_cert is not None
+        conn = Connection(addr, timeout_s, timeout_s, tls=tls, client_cert=cert)
     except _Lost as e:
         raise StoreUnavailableError(f"stats: cannot reach the daemon at {addr.url}: {e}") from e
     try:

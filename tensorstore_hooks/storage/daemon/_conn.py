@@ -133,19 +133,36 @@ def _check_peer(sock: socket.socket, addr: DaemonAddress, peer_uid: int | None) 
         )
 
 
-def _tls_failure(addr: DaemonAddress, e: ssl.SSLError) -> StoreUnavailableError:
+_CERT_REFUSED = ("CERTIFICATE_REQUIRED", "UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN")
+"""TLS alerts a daemon sends when it refuses the client's certificate."""
+
+
+def _cert_refused(client_cert: bool) -> str:
+    """Why a daemon with ``--tls-client-ca`` refused this client, and what to do."""
+    if client_cert:
+        return (
+            "the daemon refused this client's certificate: it is not signed by a CA the "
+            "daemon trusts (its --tls-client-ca); use a certificate that CA signed"
+        )
+    return (
+        "the daemon refused the connection for want of a client certificate (it was "
+        "started with --tls-client-ca): pass tls_cert= and tls_key="
+    )
+
+
+def _tls_failure(
+    addr: DaemonAddress, e: ssl.SSLError, client_cert: bool
+) -> StoreUnavailableError:
+    text = str(e).upper()
     if isinstance(e, ssl.SSLCertVerificationError):
         why = (
             f"the daemon's certificate did not verify ({e.verify_message}); pass "
             "tls_ca= the CA that signed it, and connect by the host name it names"
         )
-    elif "WRONG_VERSION_NUMBER" in str(e) or "record layer" in str(e) or "packet length" in str(e):
+    elif "WRONG_VERSION_NUMBER" in text or "RECORD LAYER" in text or "PACKET LENGTH" in text:
         why = "the daemon did not answer in TLS: it serves plaintext, use tsh:// instead"
-    elif "CERTIFICATE_REQUIRED" in str(e).upper() or "UNKNOWN_CA" in str(e).upper():
-        why = (
-            "the daemon refused this client's certificate (it requires one signed by its "
-            "--tls-client-ca): pass tls_cert= and tls_key="
-        )
+    elif any(alert in text for alert in _CERT_REFUSED):
+        why = _cert_refused(client_cert)
     else:
         why = "TLS failed"
     return StoreUnavailableError(f"DaemonStore({addr.url}): {why}: {e}")
@@ -161,8 +178,10 @@ class Connection:
         io_timeout_s: float,
         *,
         tls: ssl.SSLContext | None = None,
+        client_cert: bool = False,
         peer_uid: int | None = None,
     ) -> None:
+        """``client_cert``: ``tls`` presents a client certificate (for messages)."""
         try:
             if addr.path is not None:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -182,9 +201,12 @@ class Connection:
                 _check_peer(sock, addr, peer_uid)
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=addr.host)
+        except StoreUnavailableError:  # final (another user's socket): never retried
+            sock.close()
+            raise
         except ssl.SSLError as e:
             sock.close()
-            raise _tls_failure(addr, e) from e
+            raise _tls_failure(addr, e, client_cert) from e
         except OSError as e:
             sock.close()
             raise Lost(f"TLS handshake: {e}") from e
@@ -195,6 +217,7 @@ class Connection:
         self.addr = addr
         self.sock = sock
         self.tls = tls is not None
+        self.client_cert = client_cert
         self.broken = False
         self.session: str | None = None
         self._ids = itertools.count(1)
@@ -231,7 +254,7 @@ class Connection:
             self.close()
             if isinstance(e, ssl.SSLEOFError | ssl.SSLZeroReturnError):
                 raise Lost(str(e) + self._first_call_hint(rid)) from e
-            raise _tls_failure(self.addr, e) from e
+            raise _tls_failure(self.addr, e, self.client_cert) from e
         except (OSError, EOFError) as e:
             self.close()
             raise Lost((str(e) or type(e).__name__) + self._first_call_hint(rid)) from e
@@ -263,12 +286,13 @@ class Connection:
     def _first_call_hint(self, rid: int) -> str:
         # TLS 1.3 verifies a client certificate after the client's handshake has
         # finished: a daemon with --tls-client-ca refuses us on the first request,
-        # with an alert or (if it closes first) a bare EOF. Say what to try.
+        # with an alert (the daemon lingers so that it arrives) or, if the alert was
+        # lost, a bare EOF. Say what that most likely means.
         if not self.tls or rid != 1:
             return ""
         return (
-            " (the daemon closed the TLS connection on the first request: if it was "
-            "started with --tls-client-ca, pass tls_cert= and tls_key=)"
+            " (the daemon closed the TLS connection on the first request; if it was "
+            f"started with --tls-client-ca, {_cert_refused(self.client_cert)})"
         )
 
     def _send(self, header: Header, payload: Buffer | None) -> None:

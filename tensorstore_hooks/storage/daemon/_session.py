@@ -31,6 +31,7 @@ class DaemonSession:
         token: str | None,
         *,
         tls: ssl.SSLContext | None,
+        client_cert: bool = False,
         peer_uid: int | None,
         connect_timeout_s: float,
         io_timeout_s: float,
@@ -38,6 +39,8 @@ class DaemonSession:
     ) -> None:
         self.addr = addr
         self.tls = tls
+        self.client_cert = client_cert
+        """``tls`` presents a client certificate (for messages)."""
         self.peer_uid = peer_uid
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
@@ -57,7 +60,12 @@ class DaemonSession:
 
     def new_conn(self, connect_timeout_s: float, io_timeout_s: float) -> Connection:
         return Connection(
-            self.addr, connect_timeout_s, io_timeout_s, tls=self.tls, peer_uid=self.peer_uid
+            self.addr,
+            connect_timeout_s,
+            io_timeout_s,
+            tls=self.tls,
+            client_cert=self.client_cert,
+            peer_uid=self.peer_uid,
         )
 
     def hello(self, conn: Connection, sid: str | None) -> Header:

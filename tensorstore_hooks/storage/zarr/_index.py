@@ -374,11 +374,18 @@ class IndexLog:
                 log.warning("journal %s: %s; delete records are kept until it works", self._dir, e)
             self._deferred.append(data)
 
-    def _write(self, data: bytes) -> None:
+    def record_deletes(self, keys: Sequence[str]) -> None:
+        """Append delete records for ``keys`` in one write, or none of them: raises a
+        TensorStoreError if they could not be written (the file is as before). For an
+        owner that must not acknowledge a delete a crash could undo (the daemon's
+        session journal)."""
+        if keys:
+            self._write(b"".join(frame_record(["del", k, None]) for k in keys), len(keys))
+
+    def _write(self, data: bytes, records: int = 1) -> None:
         if not (self._persist and self._append):
             return
         f = self._open()
-        records = 1
         if self._deferred:
             records += len(self._deferred)
             data = b"".join(self._deferred) + data
