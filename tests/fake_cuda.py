@@ -32,6 +32,14 @@ the way a GPU would, so gradients come out wrong (NaN) rather than by luck right
   (pytorch#146286), on a device destination after them, in stream order.
 * Rule 10: while :meth:`capture` is active, ``query``, ``synchronize`` and blocking
   copies raise, from any thread, as CUDA's global capture mode does.
+* Per-stream pools (finding G): memory :meth:`allocated_for` a stream goes back to that
+  stream's pool when freed; every other stream that used it (made it, or read it in a
+  copy) must have been ``record_stream``-ed on it, or the freed block may be handed to a
+  new tensor while that stream's kernels still use it: reported when the memory is
+  found freed (:meth:`run_all`, or any device allocation).
+* A stream pool (finding K): with ``stream_pool=n``, :meth:`new_stream` hands out the
+  ``n`` streams of each device round-robin, as torch's pool of 32 does, so streams
+  alias; :meth:`pool_stream` takes one the way NCCL does.
 
 The pinned allocator is modelled as torch's caching host allocator: each request is
 rounded up to a power of two, and a freed block stays held (cached) for a later
@@ -250,6 +258,8 @@ class _Memory:
     stamp: int = 0  # ... and when (or, for a produced tensor, when it was produced)
     nbytes: int = 0
     record_streams: set[FakeStream] = field(default_factory=set)
+    alloc_stream: FakeStream | None = None  # the pool its block returns to (allocated_for)
+    uses: set[FakeStream] = field(default_factory=set)  # streams that made or read it
 
 
 class FakeCuda:
@@ -257,8 +267,12 @@ class FakeCuda:
     module docstring). ``polls``: queries an event answers ``False`` before its stream
     runs (0: streams run as soon as work is queued)."""
 
-    def __init__(self, *, polls: int = 0) -> None:
+    def __init__(self, *, polls: int = 0, stream_pool: int = 0) -> None:
         self.polls = polls
+        self.stream_pool = stream_pool
+        """Streams per device :meth:`new_stream` cycles through (0: a new one each time)."""
+        self._pools: dict[str, list[FakeStream]] = {}
+        self._pool_next: Counter[str] = Counter()
         self.log: list[str] = []
         """Every call, in order: stream, event, copy, wait, record_stream, allocation."""
         self.violations: list[str] = []
@@ -281,6 +295,7 @@ class FakeCuda:
         self.pinned_blocks_made = 0
         self._device: list[tuple[StorageWeakRef, int]] = []
         self.device_held_bytes = 0
+        self._owned: list[_Memory] = []  # memory allocated_for a stream: checked when freed
 
     # ----------------------------------------------------------- test helpers
     def user_stream(self, name: str) -> FakeStream:
@@ -295,9 +310,29 @@ class FakeCuda:
             if known is not None and known.kind == DEVICE and known.stream is stream:
                 return  # another view of memory made earlier: made then, not now
             stream.stamp += 1
+            if known is not None and known.alloc_stream is not None:
+                known.stream, known.stamp = stream, stream.stamp  # keep its pool's record
+                known.uses.add(stream)
+                return
             self._memory[_ptr(t)] = _Memory(
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp
             )
+
+    def allocated_for(self, t: torch.Tensor, stream: FakeStream) -> None:
+        """``t``'s memory came from ``stream``'s pool (allocated while it was current):
+        freed, it returns there, and every other stream that used it must have been
+        ``record_stream``-ed on it first (finding G)."""
+        with self._lock:
+            stream.stamp += 1
+            mem = _Memory(StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp)
+            mem.alloc_stream = stream
+            mem.uses.add(stream)
+            self._memory[_ptr(t)] = mem
+            self._owned.append(mem)
+
+    def pool_stream(self, device: torch.device | None = None) -> FakeStream:
+        """A stream taken from the pool as NCCL takes one (``getStreamFromPool``)."""
+        return self._from_pool(device)
 
     def mark_host(self, t: torch.Tensor) -> None:
         """``t`` is in ordinary host memory (read from a store), unless known otherwise."""
@@ -328,6 +363,7 @@ class FakeCuda:
         with self._lock:
             for stream in list(self._all_streams):
                 self._run(stream, None)
+            self._sweep_owned()
 
     def check_consumed(self, t: torch.Tensor, done: FakeEvent) -> None:
         """Rule 4: the current stream waited for ``done`` and may use ``t``'s memory."""
@@ -363,9 +399,23 @@ class FakeCuda:
         return stack[-1] if stack else self.default
 
     def new_stream(self, device: torch.device) -> FakeStream:
-        stream = self._stream(f"copy{next(self._ids)}", side=True)
+        if self.stream_pool:
+            stream = self._from_pool(device)
+        else:
+            stream = self._stream(f"copy{next(self._ids)}", side=True)
         self._note(f"new_stream -> {stream}")
         return stream
+
+    def _from_pool(self, device: torch.device | None) -> FakeStream:
+        with self._lock:
+            key = str(device)
+            pool = self._pools.setdefault(key, [])
+            n = self._pool_next[key]
+            self._pool_next[key] += 1
+            size = max(self.stream_pool, 1)
+            if len(pool) < size:
+                pool.append(self._stream(f"pool{key}#{len(pool)}", side=True))
+            return pool[n % size]
 
     @contextlib.contextmanager
     def use_stream(self, stream: object) -> Iterator[None]:
@@ -431,6 +481,7 @@ class FakeCuda:
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp, nbytes
             )
             self._sweep_device()
+            self._sweep_owned()
             self._device.append((StorageWeakRef(t.untyped_storage()), nbytes))
             self.device_held_bytes += nbytes
             self._note(f"empty {numel} x {dtype} on {stream}")
@@ -645,6 +696,21 @@ class FakeCuda:
             else:
                 live.append((weak, block))
         self._blocks = live
+
+    def _sweep_owned(self) -> None:
+        live = []
+        for mem in self._owned:
+            if not mem.weak.expired():
+                live.append(mem)
+                continue
+            for user in sorted(mem.uses - mem.record_streams, key=str):
+                if user is not mem.alloc_stream:
+                    self._violate(
+                        f"rule 2: memory allocated for {mem.alloc_stream} freed to its pool "
+                        f"while {user} used it with no record_stream (its kernels may still "
+                        "read it when the block is handed out again)"
+                    )
+        self._owned = live
 
     def _sweep_device(self) -> None:
         live = []

@@ -19,6 +19,9 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
 2. A device tensor a copy reads stays referenced until that copy's event has
    completed, so the caching allocator cannot hand its memory to another kernel (a
    copy on the producing stream itself, rule 8: ``record_stream`` on that stream).
+   Every tensor taken off the device is also ``record_stream``-ed on its producer at
+   pack: memory allocated for another stream returns to that stream's pool when the
+   library drops it, and must not be handed out while the producer may still use it.
 3. A pinned buffer goes back to its pool or tier, to be written or copied into again,
    only once every copy using it has completed; bytes copied to host are read, on the
    host or by a copy back to the device on any stream, only after the copy's event
@@ -77,6 +80,7 @@ __all__ = [
     "TorchCuda",
     "pinned_block_bytes",
     "pinned_buffer",
+    "producer_event",
     "returned_bytes",
     "span_bytes",
     "with_bits",
@@ -446,6 +450,7 @@ def copy_to_host(t: torch.Tensor, buf: torch.Tensor, streams: StreamSet, rt: Run
         rt.copy(dst, flat, non_blocking=True)
         done = rt.new_event()
         rt.record(done, copy_stream)
+    rt.record_stream(flat, producer)  # rule 2: memory of another stream's pool
     # ``buf`` may be a range of a larger slab (NOTE [ Pinned slabs ]): from its offset.
     host = dst.as_strided(t.shape, t.stride(), dst.storage_offset())
     return with_bits(host, conj, neg), done
@@ -484,6 +489,18 @@ def copy_to_device(
         rt.record(done, stream)
     rt.record_stream(base, stream)  # freed early (a read nobody claims): not reused mid-copy
     return with_bits(base.as_strided(host.shape, host.stride(), 0), conj, neg), done
+
+
+def producer_event(t: torch.Tensor, rt: Runtime) -> CopyEvent:
+    """An event recorded now on the current stream, the one making ``t``, for
+    :func:`copy_to_pageable` on another thread later; ``t`` is ``record_stream``-ed on
+    that stream (rule 2: memory from another stream's pool is not handed out again
+    while the producer's kernels may still use it)."""
+    producer = rt.current_stream(t.device)
+    event = rt.new_event()
+    rt.record(event, producer)
+    rt.record_stream(t, producer)
+    return event
 
 
 def copy_to_pageable(
@@ -593,9 +610,7 @@ class CudaOps:
 
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
         """An event recorded now on the current stream (the one making ``t``)."""
-        event = self.runtime.new_event()
-        self.runtime.record(event, self.runtime.current_stream(t.device))
-        return event
+        return producer_event(t, self.runtime)
 
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
         """``t`` in new pageable host memory, copied after ``ready``; :func:`copy_to_pageable`."""

@@ -1,0 +1,60 @@
+"""The device path under a GPU's timing (issue 34): one test per finding, over the fake.
+
+``tests/fake_cuda.py`` keeps per-stream pools, a stream pool that aliases, several
+devices and graph capture; each test below breaks on the code before its finding's
+fix and states the rule it holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorstore_hooks.pipeline._staging import (
+    CudaOps,
+    StreamSet,
+    copy_to_host,
+    copy_to_pageable,
+    copy_to_pinned,
+    span_bytes,
+)
+from tests.fake_cuda import FakeCuda
+
+
+# ------------------------------------------------------------------ G: per-stream pools
+@pytest.mark.parametrize("path", ["pinned_buffer", "pageable", "host_rule"])
+def test_G_a_tensor_from_another_streams_pool_is_recorded_on_its_producer(path: str) -> None:
+    """A saved tensor allocated for stream ``a`` and made on stream ``b``: when the
+    library drops it, its block returns to ``a``'s pool, so ``b`` must have been
+    ``record_stream``-ed on it (the kernel that saved it may still be pending)."""
+    fake = FakeCuda(polls=2)
+    a, b = fake.user_stream("a"), fake.user_stream("b")
+    streams = StreamSet(fake)
+    t = torch.randn(1024)
+    expected = t.clone()
+    fake.allocated_for(t, a)
+    with fake.use_stream(b):
+        fake.produced(t)
+        if path == "pinned_buffer":
+            host, _ = copy_to_host(t, fake.pinned(span_bytes(t)), streams, fake)
+        elif path == "pageable":
+            host = copy_to_pageable(t, CudaOps(fake).producer_event(t), streams, fake)
+        else:
+            host, _ = copy_to_pinned(t, fake)
+    fake.run_all()  # the copy lands while the library still holds ``t`` (rule 2)
+    del t
+    fake.run_all()  # ... then the block is freed to ``a``'s pool
+    assert fake.violations == []
+    assert torch.equal(host, expected)
+
+
+def test_G_the_fake_reports_a_block_freed_without_its_users_record_stream() -> None:
+    fake = FakeCuda()
+    a, b = fake.user_stream("a"), fake.user_stream("b")
+    t = torch.randn(8)
+    fake.allocated_for(t, a)
+    with fake.use_stream(b):
+        fake.produced(t)
+    del t
+    fake.run_all()
+    assert len(fake.violations) == 1 and "rule 2" in fake.violations[0]
