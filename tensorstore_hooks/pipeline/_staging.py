@@ -56,10 +56,11 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeAlias, cast
+from typing import ClassVar, Protocol, TypeAlias, cast
 
 import torch
 
@@ -247,6 +248,9 @@ class TorchCuda:
         t.record_stream(cast(torch.cuda.Stream, stream))
 
 
+_TORCH_CUDA = TorchCuda()  # one runtime object: the key of the process's shared streams
+
+
 class DeviceOps(Protocol):
     """Every device-specific step the device stager takes: the seam CPU tests drive.
 
@@ -358,7 +362,27 @@ class PinnedPool:
 
 
 class StreamSet:
-    """One device-to-host and one host-to-device stream per device, made lazily."""
+    """One device-to-host and one host-to-device stream per device, made lazily.
+
+    :meth:`shared` gives every pipeline of a process the same set for one runtime:
+    torch hands streams out round-robin from a pool of 32 per device, which NCCL's
+    communicators use too, so two new streams per pipeline (hooks made every step)
+    would soon share a stream with a collective and serialize behind it.
+    """
+
+    _sets: ClassVar[weakref.WeakKeyDictionary[Runtime, StreamSet]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _sets_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def shared(cls, runtime: Runtime) -> StreamSet:
+        """The process's one :class:`StreamSet` over ``runtime``."""
+        with cls._sets_lock:
+            found = cls._sets.get(runtime)
+            if found is None:
+                found = cls._sets[runtime] = cls(runtime)
+            return found
 
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
@@ -579,8 +603,8 @@ class CudaOps:
     (default :class:`TorchCuda`): what the device stager does with an accelerator."""
 
     def __init__(self, runtime: Runtime | None = None) -> None:
-        self.runtime: Runtime = TorchCuda() if runtime is None else runtime
-        self.streams = StreamSet(self.runtime)
+        self.runtime: Runtime = _TORCH_CUDA if runtime is None else runtime
+        self.streams = StreamSet.shared(self.runtime)  # finding K: not two per pipeline
 
     def accelerated(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` are staged through host memory."""

@@ -18,7 +18,11 @@ from tensorstore_hooks.pipeline._staging import (
     copy_to_pinned,
     span_bytes,
 )
+from tests.fake_accelerator import CpuAsAccelerator
 from tests.fake_cuda import FakeCuda
+from tests.pipeline.test_cuda_path import fake_hooks, run_chain
+
+CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------------ G: per-stream pools
@@ -58,3 +62,20 @@ def test_G_the_fake_reports_a_block_freed_without_its_users_record_stream() -> N
     del t
     fake.run_all()
     assert len(fake.violations) == 1 and "rule 2" in fake.violations[0]
+
+
+# --------------------------------------------------------------- K: the stream pool
+def test_K_pipelines_made_every_step_never_share_a_stream_with_nccl() -> None:
+    """torch's pool hands out 32 streams per device round-robin; NCCL took one. Seventeen
+    pipelines (hooks made every step) take the process's two copy streams once."""
+    fake = FakeCuda(stream_pool=32)
+    nccl = fake.pool_stream(torch.device("cpu"))
+    used = set()
+    for _ in range(17):  # 34 streams: the pool wraps round to NCCL's
+        hooks, ops = fake_hooks(ops=CpuAsAccelerator(fake=fake), host_budget="1MiB")
+        run_chain(hooks, 1)
+        hooks.close()
+        used |= {ops.streams.d2h(CPU), ops.streams.h2d(CPU)}
+    assert nccl not in used
+    assert len(used) == 2
+    assert sum(line.startswith("new_stream") for line in fake.log) == 2
