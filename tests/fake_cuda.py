@@ -293,8 +293,11 @@ class FakeCuda:
         self.pinned_held_bytes = 0
         self.pinned_peak_bytes = 0
         self.pinned_blocks_made = 0
-        self._device: list[tuple[StorageWeakRef, int]] = []
+        self._device: list[tuple[_Memory, int]] = []
         self.device_held_bytes = 0
+        """Device memory the allocator cannot hand out: live blocks, and freed blocks
+        whose ``record_stream``-ed streams have not yet run past their free."""
+        self._deferred: list[tuple[int, dict[FakeStream, int]]] = []  # (bytes, stream -> stamp)
         self._owned: list[_Memory] = []  # memory allocated_for a stream: checked when freed
 
     # ----------------------------------------------------------- test helpers
@@ -482,7 +485,7 @@ class FakeCuda:
             )
             self._sweep_device()
             self._sweep_owned()
-            self._device.append((StorageWeakRef(t.untyped_storage()), nbytes))
+            self._device.append((self._memory[_ptr(t)], nbytes))
             self.device_held_bytes += nbytes
             self._note(f"empty {numel} x {dtype} on {stream}")
             return t
@@ -712,11 +715,31 @@ class FakeCuda:
                     )
         self._owned = live
 
+    def device_bytes(self) -> int:
+        """:attr:`device_held_bytes` now (freed blocks found, recorded streams checked)."""
+        with self._lock:
+            self._sweep_device()
+            return self.device_held_bytes
+
     def _sweep_device(self) -> None:
+        """Freed blocks go back to the allocator; one ``record_stream``-ed on a stream
+        still busy waits until that stream ran past the work queued when it was freed
+        (the allocator's free-time events), as torch's caching allocator does."""
         live = []
-        for weak, nbytes in self._device:
-            if weak.expired():
+        for mem, nbytes in self._device:
+            if not mem.weak.expired():
+                live.append((mem, nbytes))
+                continue
+            busy = {s: s.stamp for s in mem.record_streams if s.queue}
+            if busy:
+                self._deferred.append((nbytes, busy))
+            else:
+                self.device_held_bytes -= nbytes
+        self._device = live
+        pending = []
+        for nbytes, busy in self._deferred:
+            if all(not s.queue or s.queue[0].stamp > stamp for s, stamp in busy.items()):
                 self.device_held_bytes -= nbytes
             else:
-                live.append((weak, nbytes))
-        self._device = live
+                pending.append((nbytes, busy))
+        self._deferred = pending

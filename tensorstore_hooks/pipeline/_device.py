@@ -80,6 +80,12 @@ def _cut(slab: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return slab[offset : offset + nbytes]
 
 
+def _keep(_alive: torch.Tensor, release: Callable[[], None] | None = None) -> None:
+    """A buffer return whose closure also kept a tensor copied back alive until now."""
+    if release is not None:
+        release()
+
+
 class DeviceStager:
     """Host buffers (a pool, or the host tier when ``host_budget > 0``) and device copies.
 
@@ -323,10 +329,12 @@ class DeviceStager:
         except BaseException:
             self._end_read(rec, copy)
             raise
-        self._after(out[1], lambda: self._end_read(rec, copy))
+        # The closure keeps the tensor coming back referenced until its copy completed
+        # (finding I: the copy stream is not record_stream-ed on it).
+        self._after(out[1], lambda: self._end_read(rec, copy, out[0]))
         return out
 
-    def _end_read(self, rec: Record, copy: HostCopy) -> None:
+    def _end_read(self, rec: Record, copy: HostCopy, _dev: torch.Tensor | None = None) -> None:
         if self._copies.end_read(copy):
             self.give_back(rec, copy)
 
@@ -345,7 +353,9 @@ class DeviceStager:
             buf = tier.try_take(key, n)
             self._note_peak()
             if buf is None:  # no room in the tier: pageable copy, never over the cap
-                return self.ops.to_device(t, device)
+                dev, done = self.ops.to_device(t, device)
+                self._after(done, lambda: _keep(dev))  # until its copy completed (finding I)
+                return dev, done
             return self._through(t, device, buf, lambda: tier.release(key))
         pool = self._pool()
         buf = pool.take(n)
@@ -369,7 +379,7 @@ class DeviceStager:
         except BaseException:
             release()
             raise
-        self._after(done, release)
+        self._after(done, lambda: _keep(dev, release))  # ``dev`` too (finding I)
         return dev, done
 
     def finish(self, out: Loaded) -> torch.Tensor:

@@ -283,7 +283,8 @@ class DeviceOps(Protocol):
         self, host: torch.Tensor, device: torch.device, after: CopyEvent | None = None
     ) -> Loaded:
         """Start copying ``host`` onto ``device`` once ``after`` (if any) has completed:
-        ``(tensor, event)``; ``host`` stays untouched until the event has completed."""
+        ``(tensor, event)``; ``host`` stays untouched, and the tensor referenced, until
+        the event has completed."""
         ...
 
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
@@ -495,7 +496,8 @@ def copy_to_device(
     ``host`` still running) has completed. From pinned memory the copy is
     asynchronous, from pageable memory torch stages it at once. Either way the consumer
     waits for ``done`` before use (see :func:`consume`), and ``host`` must stay
-    untouched until ``done`` has completed.
+    untouched until ``done`` has completed. The caller keeps the returned tensor
+    referenced until then too: a read nobody claims must not free its block mid-copy.
     """
     src, conj, neg = physical(host)
     flat, span = _flat(src)
@@ -511,7 +513,9 @@ def copy_to_device(
         rt.copy(base, flat, non_blocking=True)
         done = rt.new_event()
         rt.record(done, stream)
-    rt.record_stream(base, stream)  # freed early (a read nobody claims): not reused mid-copy
+    # No record_stream on the copy stream (finding I): the allocator would hold the
+    # block until that stream drained every read queued after it. The caller keeps the
+    # tensor alive until ``done`` has completed instead (rule 2's way, for this copy).
     return with_bits(base.as_strided(host.shape, host.stride(), 0), conj, neg), done
 
 

@@ -7,9 +7,13 @@ fix and states the rule it holds.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from tensorstore_hooks.pipeline._device import DeviceStager
+from tensorstore_hooks.pipeline._records import HostCopies
 from tensorstore_hooks.pipeline._staging import (
     CudaOps,
     StreamSet,
@@ -18,11 +22,12 @@ from tensorstore_hooks.pipeline._staging import (
     copy_to_pinned,
     span_bytes,
 )
-from tests.fake_accelerator import CpuAsAccelerator
+from tests.fake_accelerator import CpuAsAccelerator, expect_broken
 from tests.fake_cuda import FakeCuda
 from tests.pipeline.test_cuda_path import fake_hooks, run_chain
 
 CPU = torch.device("cpu")
+KiB = 1 << 10
 
 
 # ------------------------------------------------------------------ G: per-stream pools
@@ -79,3 +84,41 @@ def test_K_pipelines_made_every_step_never_share_a_stream_with_nccl() -> None:
     assert nccl not in used
     assert len(used) == 2
     assert sum(line.startswith("new_stream") for line in fake.log) == 2
+
+
+# ------------------------------------------------------- I: copies back hold no stream
+def test_I_a_tensor_copied_back_is_freed_when_its_own_copy_completed() -> None:
+    """A read-ahead dropped after its copy landed frees its block at once; a
+    ``record_stream`` on the copy stream would hold it until every read queued after
+    it on that stream drained (torch's compiler offload forbids that)."""
+    fake = FakeCuda(polls=1000)
+    ops = CudaOps(fake)
+    hosts = [fake.pinned(64 * KiB).view(torch.float32) for _ in range(3)]
+    back = [ops.to_device(h, CPU) for h in hosts]
+    assert fake.device_bytes() == 3 * 64 * KiB
+    first, done = back.pop(0)
+    done.synchronize()  # the first copy landed; the two after it have not
+    del first
+    assert fake.device_bytes() == 2 * 64 * KiB
+    fake.run_all()
+    assert fake.violations == []
+
+
+@pytest.mark.parametrize("route", ["pool", "tier", "tier_full"])
+def test_I_the_stager_keeps_a_dropped_read_alive_until_its_copy_landed(route: str) -> None:
+    """Nobody claims a read (its record was freed): the stager, not the allocator's
+    stream bookkeeping, keeps the device tensor until its copy completed."""
+    budget = {"pool": 0, "tier": 1 << 20, "tier_full": 4 * KiB}[route]
+    ops = CpuAsAccelerator(lazy=True, polls=1000)
+    copies = HostCopies(threading.RLock())
+    stager = DeviceStager(copies, idle_cap=1 << 20, host_budget=budget, ops=ops)
+    t = torch.randn(4096)
+    dev, done = stager.to_device(t, CPU)
+    del dev
+    assert ops.fake.device_bytes() == 16 * KiB  # still held: the copy is running
+    assert done is not None
+    done.synchronize()
+    stager.finish((torch.empty(0), None))
+    stager._poll()
+    assert ops.fake.device_bytes() == 0
+    assert expect_broken(ops) == []
