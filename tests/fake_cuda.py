@@ -286,6 +286,7 @@ class FakeCuda:
         self.default = self._stream("default", side=False)
         self._memory: dict[int, _Memory] = {}
         self._capturing: set[int] = set()
+        self._capturing_streams: set[FakeStream] = set()
         self._copies = 0
         # the pinned allocator: live blocks, and freed blocks it keeps cached, by size
         self._blocks: list[tuple[StorageWeakRef, int]] = []
@@ -353,12 +354,15 @@ class FakeCuda:
     def capture(self) -> Iterator[None]:
         """Graph capture on this thread (``torch.cuda.graph``), in global mode."""
         me = threading.get_ident()
+        stream = self.current_stream(torch.device("cpu"))
         self._capturing.add(me)
+        self._capturing_streams.add(stream)
         self._note("begin capture")
         try:
             yield
         finally:
             self._capturing.discard(me)
+            self._capturing_streams.discard(stream)
             self._note("end capture")
 
     def run_all(self) -> None:
@@ -400,6 +404,9 @@ class FakeCuda:
     def current_stream(self, device: torch.device) -> FakeStream:
         stack: list[FakeStream] = getattr(self._tls, "stack", [])
         return stack[-1] if stack else self.default
+
+    def stream_capturing(self, stream: object) -> bool:
+        return stream in self._capturing_streams
 
     def new_stream(self, device: torch.device) -> FakeStream:
         if self.stream_pool:

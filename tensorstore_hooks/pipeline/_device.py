@@ -123,6 +123,10 @@ class DeviceStager:
         # Buffer returns waiting for a copy's event (rule 4), oldest first.
         self._waiting: deque[tuple[CopyEvent, Callable[[], None]]] = deque()
         self._waiting_lock = threading.Lock()
+        # Streams pack saw capturing a graph: while one still is, nothing here queries
+        # or waits on an event, on any thread (rule 10 of NOTE [ Stream ordering ]).
+        self._captures: set[object] = set()
+        self._captures_lock = threading.Lock()
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self._stats is not None:
@@ -148,7 +152,25 @@ class DeviceStager:
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device`` (rule 10 of NOTE [ Stream
         ordering ]: nothing may query or wait on an event then)."""
-        return self.accelerated(device) and bool(self.ops.capturing(device))
+        if not self.accelerated(device) or not self.ops.capturing(device):
+            return False
+        with self._captures_lock:
+            self._captures.add(self.ops.capture_stream(device))
+        return True
+
+    def quiet(self) -> bool:
+        """Whether a graph capture pack saw is still running: no thread may query or
+        wait on an event now (rule 10 of NOTE [ Stream ordering ], global mode)."""
+        if not self._captures:  # the common case: one read, no lock
+            return False
+        with self._captures_lock:
+            self._captures = {s for s in self._captures if self.ops.stream_capturing(s)}
+            return bool(self._captures)
+
+    def _wait_capture(self) -> None:
+        """On an I/O thread, before a blocking copy: wait for a capture to end."""
+        while self.quiet():
+            time.sleep(0.001)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the host tier (rule 1) rather than straight to a write."""
@@ -223,6 +245,8 @@ class DeviceStager:
 
     def _reap(self) -> None:
         """Drop device tensors whose copy to host has finished (frees device memory early)."""
+        if self.quiet():
+            return
         while True:
             with self._copying_lock:
                 if not self._copying:
@@ -242,6 +266,7 @@ class DeviceStager:
         """``t``'s bytes in pageable host memory, copied on the copy stream after
         ``ready`` (:meth:`producer_event`); blocks the calling (I/O) thread until done."""
         self._moved(span_bytes(t), to_host=True)
+        self._wait_capture()  # a blocking copy would invalidate the user's capture
         return self.ops.to_pageable(t, ready)
 
     def pin(self, t: torch.Tensor) -> Loaded:
@@ -287,7 +312,7 @@ class DeviceStager:
 
     def _poll(self) -> None:
         """Run the buffer returns whose copies have completed (never blocks)."""
-        if not self._waiting:  # the common case: one read, no lock
+        if not self._waiting or self.quiet():  # the common case: one read, no lock
             return
         done: list[Callable[[], None]] = []
         with self._waiting_lock:
@@ -304,6 +329,7 @@ class DeviceStager:
     def _settle(self) -> None:
         """Wait for every copy a buffer return waits on, then return the buffers (pack
         about to wait for room in the tier; at close)."""
+        self._wait_capture()
         while True:
             with self._waiting_lock:
                 if not self._waiting:

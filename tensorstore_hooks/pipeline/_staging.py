@@ -50,7 +50,10 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
    complete (polled), and events are made with ``blocking=True`` so a thread that
    does wait sleeps.
 10. No event is queried or synchronized while a graph is being captured: pack keeps
-    tensors in place then, and unpack refuses to bring an offloaded one back.
+    tensors in place then, and unpack refuses to bring an offloaded one back. CUDA's
+    global capture mode forbids it on every thread, so once pack has seen a capture
+    the I/O threads and buffer returns query nothing, and copies wait, until the
+    capturing stream says it has ended (``cudaStreamIsCapturing``, legal to ask).
 """
 
 from __future__ import annotations
@@ -127,6 +130,11 @@ class Runtime(Protocol):
         """The calling thread's current stream on ``device``."""
         ...
 
+    def stream_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is capturing a graph (legal to ask from any thread, even
+        during a capture: ``cudaStreamIsCapturing``)."""
+        ...
+
     def new_stream(self, device: torch.device) -> Stream:
         """A new side stream on ``device`` (a copy stream)."""
         ...
@@ -197,11 +205,19 @@ class TorchCuda:
 
     @staticmethod
     def capturing(device: torch.device) -> bool:
-        return bool(torch.cuda.is_current_stream_capturing())
+        # ``device``'s own current stream (finding L): is_current_stream_capturing()
+        # alone asks about the current device's, whatever device the tensor is on.
+        return TorchCuda.stream_capturing(torch.cuda.current_stream(device))
 
     @staticmethod
     def current_stream(device: torch.device) -> Stream:
         return torch.cuda.current_stream(device)
+
+    @staticmethod
+    def stream_capturing(stream: Stream) -> bool:
+        # current stream is thread-local: setting it here changes no other thread's
+        with torch.cuda.stream(cast(torch.cuda.Stream, stream)):
+            return bool(torch.cuda.is_current_stream_capturing())
 
     @staticmethod
     def new_stream(device: torch.device) -> Stream:
@@ -265,6 +281,15 @@ class DeviceOps(Protocol):
 
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device``'s current stream (rule 10)."""
+        ...
+
+    def capture_stream(self, device: torch.device) -> Stream:
+        """The stream capturing a graph on ``device`` (the current one), for
+        :meth:`stream_capturing` from other threads."""
+        ...
+
+    def stream_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is still capturing (asking is legal during a capture)."""
         ...
 
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -617,6 +642,14 @@ class CudaOps:
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device``'s current stream."""
         return self.runtime.capturing(device)
+
+    def capture_stream(self, device: torch.device) -> Stream:
+        """The stream capturing a graph on ``device`` (the current one)."""
+        return self.runtime.current_stream(device)
+
+    def stream_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is still capturing a graph."""
+        return self.runtime.stream_capturing(stream)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A new pinned host buffer of ``nbytes`` bytes."""

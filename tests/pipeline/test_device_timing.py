@@ -7,16 +7,21 @@ fix and states the rule it holds.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+import tensorstore_hooks as tsh
 from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._records import HostCopies
 from tensorstore_hooks.pipeline._staging import (
     CudaOps,
     StreamSet,
+    TorchCuda,
     copy_to_host,
     copy_to_pageable,
     copy_to_pinned,
@@ -25,6 +30,7 @@ from tensorstore_hooks.pipeline._staging import (
 from tests.fake_accelerator import CpuAsAccelerator, expect_broken
 from tests.fake_cuda import FakeCuda
 from tests.pipeline.test_cuda_path import fake_hooks, run_chain
+from tests.pipeline.test_pipeline import chain_grad, sin_chain
 
 CPU = torch.device("cpu")
 KiB = 1 << 10
@@ -122,3 +128,74 @@ def test_I_the_stager_keeps_a_dropped_read_alive_until_its_copy_landed(route: st
     stager._poll()
     assert ops.fake.device_bytes() == 0
     assert expect_broken(ops) == []
+
+
+# --------------------------------------------------- J: graph capture on other threads
+def test_J_no_thread_queries_an_event_while_a_graph_is_captured() -> None:
+    """Global capture mode: an event query from *any* thread invalidates the capture.
+    Copies of an earlier forward are still running when the user starts capturing;
+    the I/O threads' polls and reaps wait until the capture has ended."""
+    hooks, ops = fake_hooks(ops=CpuAsAccelerator(lazy=True, polls=1000), host_budget="1MiB")
+    stager = hooks._pipeline.stager
+    x = torch.randn(4096, requires_grad=True)
+    with hooks:
+        loss = sin_chain(x, 4)  # four copies to host, none complete yet
+    errors: list[BaseException] = []
+
+    def io_thread() -> None:
+        try:
+            stager._reap()
+            stager._poll()
+        except BaseException as e:  # the fake raises as CUDA would
+            errors.append(e)
+
+    with ops.fake.capture():
+        with hooks:
+            captured = sin_chain(x.detach().requires_grad_(), 2)  # kept in place
+        t = threading.Thread(target=io_thread)
+        t.start()
+        t.join()
+    assert errors == []
+    assert not any("during capture" in line for line in ops.fake.log)
+    assert stager.quiet() is False  # the capture ended: polls resume
+    captured.backward()
+    loss.backward()
+    assert torch.equal(x.grad, chain_grad(x, 4))
+    hooks.close()
+
+
+def test_J_tsh_capture_refuses_an_append_during_a_graph_capture_clearly(tmp_path: Path) -> None:
+    """``tsh.capture`` copying off the device inside a graph capture would record its
+    copy into the graph and have its writer wait on events: refused, with the fix."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ops = CpuAsAccelerator(lazy=True, polls=1000)
+    cap = tsh.capture(model, str(tmp_path), modules=["0"], what=("output",))
+    cap._writer.ops = ops
+    with cap:
+        model(torch.randn(2, 4))  # outside a capture: captured as ever
+        with ops.fake.capture(), pytest.raises(RuntimeError, match="CUDA graph is being"):
+            model(torch.randn(2, 4))
+    assert not any("during capture" in line for line in ops.fake.log)
+
+
+# ------------------------------------------------------------ L: several devices
+def test_L_the_capture_check_asks_the_tensors_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capturing on cuda:1 while cuda:0 is the current device: a tensor of cuda:1 is
+    kept in place (``is_current_stream_capturing()`` alone asks about cuda:0)."""
+    streams = {0: object(), 1: object()}
+    capturing = {streams[1]}
+    current: list[object] = [streams[0]]  # the current device's current stream
+
+    @contextlib.contextmanager
+    def use(stream: object) -> Iterator[None]:
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: streams[d.index])
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[-1] in capturing)
+    assert TorchCuda.capturing(torch.device("cuda", 1))
+    assert not TorchCuda.capturing(torch.device("cuda", 0))
