@@ -37,6 +37,14 @@ the way a GPU would, so gradients come out wrong (NaN) rather than by luck right
   copy) must have been ``record_stream``-ed on it, or the freed block may be handed to a
   new tensor while that stream's kernels still use it: reported when the memory is
   found freed (:meth:`run_all`, or any device allocation).
+* Simulated time (``timing=``, a :class:`Timing`): each kernel (:meth:`kernel`, and
+  every tensor :meth:`produced` at pack) advances the compute clock :attr:`now_s`;
+  a copy on a copy stream ends ``nbytes / bandwidth`` after both its stream is free
+  and it was issued; a copy from pageable memory runs at half rate and the host
+  waits for it. An event completes when the clock passes it: ``query`` answers by
+  the clock (not by ``polls``), ``synchronize`` and a compute stream's wait move the
+  clock to it. :meth:`live_bytes` / :attr:`peak_bytes` count device memory: tensors
+  made on the device (:meth:`produced`) and allocations, while referenced.
 * A stream pool (finding K): with ``stream_pool=n``, :meth:`new_stream` hands out the
   ``n`` streams of each device round-robin, as torch's pool of 32 does, so streams
   alias; :meth:`pool_stream` takes one the way NCCL does.
@@ -62,15 +70,34 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tensorstore_hooks._codec import span_of
 
-__all__ = ["FakeCuda", "FakeEvent", "FakeStream"]
+__all__ = ["FakeCuda", "FakeEvent", "FakeStream", "Timing"]
 
 PINNED, PAGEABLE, DEVICE = "pinned", "pageable", "device"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Rates of the simulated device (seconds and bytes per second)."""
+
+    compute_s: float = 1e-3
+    """One kernel (one saved tensor made, one used in backward)."""
+    d2h_bytes_per_s: float = 16e9
+    """Pinned device-to-host bandwidth (pageable: half)."""
+    h2d_bytes_per_s: float = 16e9
+    """Pinned host-to-device bandwidth (pageable: half)."""
+
+    @classmethod
+    def lagging(cls, lag: float, nbytes: int, compute_s: float = 1e-3) -> Timing:
+        """Copies of ``nbytes`` take ``lag`` times one kernel, each way."""
+        rate = nbytes / (lag * compute_s)
+        return cls(compute_s, rate, rate)
 
 
 class FakeStream:
     """A stream: a FIFO of queued work, a stamp per operation, what it waited for."""
 
     def __init__(self, name: str, side: bool) -> None:
+        self.busy_s = 0.0  # simulated time its queued work ends (timed fakes)
         self.name = name
         self.side = side
         """A copy stream the staging code made (not one compute runs on)."""
@@ -92,6 +119,7 @@ class FakeEvent:
         self.stamp = 0
         self.seen: dict[FakeStream, int] = {}
         self.polls_left = 0
+        self.at_s = 0.0  # simulated time it completes (timed fakes)
 
     def query(self) -> bool:
         return self._fake._query(self)
@@ -267,8 +295,17 @@ class FakeCuda:
     module docstring). ``polls``: queries an event answers ``False`` before its stream
     runs (0: streams run as soon as work is queued)."""
 
-    def __init__(self, *, polls: int = 0, stream_pool: int = 0) -> None:
+    def __init__(
+        self, *, polls: int = 0, stream_pool: int = 0, timing: Timing | None = None
+    ) -> None:
         self.polls = polls
+        self.timing = timing
+        """Simulated rates (``None``: untimed, events answer by ``polls``)."""
+        self.now_s = 0.0
+        """The compute clock: simulated seconds of kernels run (and waits)."""
+        self.peak_bytes = 0
+        """The most device memory :meth:`live_bytes` counted at once."""
+        self._made: list[tuple[StorageWeakRef, int]] = []  # tensors produced on the device
         self.stream_pool = stream_pool
         """Streams per device :meth:`new_stream` cycles through (0: a new one each time)."""
         self._pools: dict[str, list[FakeStream]] = {}
@@ -313,6 +350,11 @@ class FakeCuda:
             known = self._known(t)
             if known is not None and known.kind == DEVICE and known.stream is stream:
                 return  # another view of memory made earlier: made then, not now
+            self.kernel()
+            if known is None:
+                storage = t.untyped_storage()
+                self._made.append((StorageWeakRef(storage), storage.nbytes()))
+                self.live_bytes()
             stream.stamp += 1
             if known is not None and known.alloc_stream is not None:
                 known.stream, known.stamp = stream, stream.stamp  # keep its pool's record
@@ -321,6 +363,20 @@ class FakeCuda:
             self._memory[_ptr(t)] = _Memory(
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp
             )
+
+    def kernel(self) -> None:
+        """One kernel ran on the compute stream: the clock advances (timed fakes)."""
+        if self.timing is not None:
+            self.now_s += self.timing.compute_s
+
+    def live_bytes(self) -> int:
+        """Device memory now: produced tensors and allocations still referenced (and
+        freed blocks the allocator may not hand out yet); updates :attr:`peak_bytes`."""
+        with self._lock:
+            self._made = [(w, n) for w, n in self._made if not w.expired()]
+            out = sum(n for _, n in self._made) + self.device_bytes()
+            self.peak_bytes = max(self.peak_bytes, out)
+            return out
 
     def allocated_for(self, t: torch.Tensor, stream: FakeStream) -> None:
         """``t``'s memory came from ``stream``'s pool (allocated while it was current):
@@ -450,6 +506,7 @@ class FakeCuda:
             event.stream, event.stamp = stream, stream.stamp
             event.seen = dict(stream.seen)
             event.polls_left = self.polls
+            event.at_s = stream.busy_s if stream.side else self.now_s
             self._note(f"record {event} on {stream}@{stream.stamp}")
 
     def wait(self, stream: object, event: object) -> None:
@@ -465,10 +522,12 @@ class FakeCuda:
             if source is stream:
                 return
             if stream.side:
+                stream.busy_s = max(stream.busy_s, event.at_s)
                 stream.stamp += 1
                 stream.queue.append(_Wait(stream, stream.stamp, f"wait {event}", event))
                 self._flush(stream)
             else:
+                self.now_s = max(self.now_s, event.at_s)  # the compute stream stalls
                 self._run(source, event.stamp)  # compute is eager: it waits now
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
@@ -494,6 +553,7 @@ class FakeCuda:
             self._sweep_owned()
             self._device.append((self._memory[_ptr(t)], nbytes))
             self.device_held_bytes += nbytes
+            self.live_bytes()
             self._note(f"empty {numel} x {dtype} on {stream}")
             return t
 
@@ -562,6 +622,13 @@ class FakeCuda:
             if stream is None or self._complete(event):
                 self._note(f"query {event} -> True")
                 return True
+            if self.timing is not None:
+                if event.at_s > self.now_s:
+                    self._note(f"query {event} -> False")
+                    return False
+                self._run(stream, event.stamp)
+                self._note(f"query {event} -> True")
+                return True
             event.polls_left -= 1
             if event.polls_left > 0:
                 self._note(f"query {event} -> False")
@@ -576,6 +643,7 @@ class FakeCuda:
             self._note(f"synchronize {event}")
             if self.on_block is not None:
                 self.on_block(f"synchronize {event}")
+            self.now_s = max(self.now_s, event.at_s)  # the host waits: time passes
             if event.stream is not None:
                 self._run(event.stream, event.stamp)
 
@@ -591,7 +659,7 @@ class FakeCuda:
             op.run(self)
 
     def _flush(self, stream: FakeStream) -> None:
-        if self.polls == 0:
+        if self.polls == 0 and self.timing is None:
             self._run(stream, None)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
@@ -641,6 +709,7 @@ class FakeCuda:
         else:
             op.snapshot = psrc.clone()  # pageable: copied out when queued
         stream.queue.append(op)
+        self._time(stream, nbytes, src_kind, dst_kind)
         if not non_blocking:
             if self.on_block is not None:
                 self.on_block(f"blocking {name}")
@@ -649,6 +718,21 @@ class FakeCuda:
             self._flush(stream)
         else:
             self._run(stream, None)  # eager compute uses the result right away
+
+    def _time(self, stream: FakeStream, nbytes: int, src_kind: str, dst_kind: str) -> None:
+        """Timed fakes: when the copy just queued on ``stream`` ends."""
+        timing = self.timing
+        if timing is None or (src_kind == DEVICE) == (dst_kind == DEVICE):
+            return
+        rate = timing.d2h_bytes_per_s if src_kind == DEVICE else timing.h2d_bytes_per_s
+        if PAGEABLE in (src_kind, dst_kind):
+            rate /= 2  # staged through a bounce buffer, and the host waits for it
+        start = max(stream.busy_s, self.now_s) if stream.side else self.now_s
+        end = start + nbytes / rate
+        if stream.side:
+            stream.busy_s = end
+        else:
+            self.now_s = end  # on the compute stream: in its order
 
     def _order_device_side(
         self, op: _Copy, src: torch.Tensor, dst: torch.Tensor, src_kind: str, dst_kind: str

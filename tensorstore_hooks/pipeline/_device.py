@@ -48,6 +48,25 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    each tensor a 4 KiB-aligned range of one; slabs are never dropped while the
    pipeline lives (torch keeps freed pinned blocks cached, so dropping one would free
    nothing).
+
+NOTE [ Copy window ]
+Copies to host may lag the kernels that make the tensors (a d2h copy of a large
+block can take ~16x its forward), and a saved tensor stays on the device until its
+copy is seen complete. So the device bytes whose copy to host still runs are bounded,
+per device, on every path that copies at pack (the host tier, the pool, spills):
+
+1. The window is the write-behind's ``max_inflight`` (derived or given): beyond it,
+   the oldest copies are waited for by the current stream, on the device
+   (``wait_current``: never a host block on the training thread), and their saved
+   tensors are dropped at once. Kernels queued later on that stream, the ones that
+   would reuse the memory, run only after the copy has read it; memory of another
+   stream's pool is ``record_stream``-ed on its producer (rule 2 of NOTE [ Stream
+   ordering ]).
+2. The newest copy always runs, even alone over the window.
+3. A dropped tensor's copy keeps its event: host readers of the bytes (a spill's
+   write, a copy back) still wait for it.
+4. A tensor still on the device when backward needs it is used in place: the
+   read-ahead skips it and unpack returns it, nothing is copied back.
 """
 
 from __future__ import annotations
@@ -118,8 +137,14 @@ class DeviceStager:
             else None
         )
         """The host tier (``None`` without a ``host_budget``)."""
-        self._copying: deque[Record] = deque()  # copies to host not yet seen complete
+        # Copies to host not yet seen complete, per device (finding L: one device's
+        # lagging copy does not hold another's reaping), and their device bytes.
+        self._copying: dict[torch.device, deque[Record]] = {}
+        self._copying_bytes: dict[torch.device, int] = {}
         self._copying_lock = threading.Lock()
+        self.copy_window: Callable[[], int] = lambda: 0
+        """Device bytes whose copy to host may still run (NOTE [ Copy window ]); the
+        pipeline wires it to the write-behind's ``max_inflight``."""
         # Buffer returns waiting for a copy's event (rule 4), oldest first.
         self._waiting: deque[tuple[CopyEvent, Callable[[], None]]] = deque()
         self._waiting_lock = threading.Lock()
@@ -239,23 +264,48 @@ class DeviceStager:
             self.give_back(rec, copy)
             return
         with self._copying_lock:
-            self._copying.append(rec)
+            self._copying.setdefault(rec.device, deque()).append(rec)
+            self._copying_bytes[rec.device] = (
+                self._copying_bytes.get(rec.device, 0) + rec.device_nbytes
+            )
         self._reap()
+        self._bound(rec.device)
         self._poll()
 
     def _reap(self) -> None:
         """Drop device tensors whose copy to host has finished (frees device memory early)."""
         if self.quiet():
             return
-        while True:
-            with self._copying_lock:
-                if not self._copying:
-                    return
-                copy = self._copying[0].staged
-                if copy is not None and copy.event is not None and not copy.event.query():
-                    return
-                rec = self._copying.popleft()
-            self.give_back(rec, self._copies.done(rec))
+        for device in list(self._copying):
+            while True:
+                with self._copying_lock:
+                    queue = self._copying[device]
+                    if not queue:
+                        break
+                    copy = queue[0].staged
+                    if copy is not None and copy.event is not None and not copy.event.query():
+                        break
+                    rec = queue.popleft()
+                    self._copying_bytes[device] -= rec.device_nbytes
+                self.give_back(rec, self._copies.done(rec))
+
+    def _bound(self, device: torch.device) -> None:
+        """Keep the device bytes whose copy to host still runs within the window: the
+        oldest copies beyond it are waited for by the current stream (on the device)
+        and their saved tensors dropped now (NOTE [ Copy window ])."""
+        window = self.copy_window()
+        victims: list[Record] = []
+        with self._copying_lock:
+            queue = self._copying[device]
+            while len(queue) > 1 and self._copying_bytes[device] > window:
+                rec = queue.popleft()  # the newest copy always runs, even alone over it
+                self._copying_bytes[device] -= rec.device_nbytes
+                victims.append(rec)
+        for rec in victims:
+            copy = rec.staged
+            if copy is not None and copy.event is not None:
+                self.ops.wait_current(device, copy.event)
+            self.give_back(rec, self._copies.let_go(rec))
 
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
         """At pack, for ``t`` written without a host copy: an event on its producer,

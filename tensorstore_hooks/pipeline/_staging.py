@@ -316,6 +316,11 @@ class DeviceOps(Protocol):
         """An event recorded now on the stream making ``t`` (the current stream)."""
         ...
 
+    def wait_current(self, device: torch.device, event: CopyEvent) -> None:
+        """Make later work on ``device``'s current stream wait for ``event`` (on the
+        device: the host does not block)."""
+        ...
+
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
         """``t`` copied into new pageable host memory after ``ready`` (blocks until done)."""
         ...
@@ -672,6 +677,10 @@ class CudaOps:
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
         """An event recorded now on the current stream (the one making ``t``)."""
         return producer_event(t, self.runtime)
+
+    def wait_current(self, device: torch.device, event: CopyEvent) -> None:
+        """The current stream of ``device`` waits for ``event`` (a device-side wait)."""
+        self.runtime.wait(self.runtime.current_stream(device), event)
 
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
         """``t`` in new pageable host memory, copied after ``ready``; :func:`copy_to_pageable`."""

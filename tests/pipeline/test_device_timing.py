@@ -28,12 +28,13 @@ from tensorstore_hooks.pipeline._staging import (
     span_bytes,
 )
 from tests.fake_accelerator import CpuAsAccelerator, expect_broken
-from tests.fake_cuda import FakeCuda
+from tests.fake_cuda import FakeCuda, Timing
 from tests.pipeline.test_cuda_path import fake_hooks, run_chain
 from tests.pipeline.test_pipeline import chain_grad, sin_chain
 
 CPU = torch.device("cpu")
 KiB = 1 << 10
+T_BYTES = 16 * KiB  # each tensor sin_chain saves below
 
 
 # ------------------------------------------------------------------ G: per-stream pools
@@ -199,3 +200,43 @@ def test_L_the_capture_check_asks_the_tensors_own_device(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[-1] in capturing)
     assert TorchCuda.capturing(torch.device("cuda", 1))
     assert not TorchCuda.capturing(torch.device("cuda", 0))
+
+
+# ---------------------------------------------- A: device memory while copies lag
+N_SAVED = 16
+WINDOW = 4 * T_BYTES
+
+
+def lagging_step(lag: float, **kw: object) -> tuple[int, int, int]:
+    """One step of ``N_SAVED`` saves of ``T_BYTES`` each, under copies ``lag`` times
+    slower than a kernel: (device bytes the library holds at the end of forward, all
+    device bytes then, the step's device peak)."""
+    fake = FakeCuda(timing=Timing.lagging(lag, T_BYTES))
+    kw.setdefault("host_budget", "1MiB")
+    hooks, _ = fake_hooks(ops=CpuAsAccelerator(fake=fake), max_inflight=WINDOW, **kw)
+    x = torch.randn(T_BYTES // 4, requires_grad=True)
+    with hooks:
+        loss = sin_chain(x, N_SAVED)
+    records = hooks._pipeline.table.records()
+    held = sum(r.device_nbytes for r in records if r.source is not None)
+    at_end = fake.live_bytes()
+    loss.backward()
+    assert torch.equal(x.grad, chain_grad(x, N_SAVED))
+    fake.live_bytes()
+    hooks.close()
+    return held, at_end, fake.peak_bytes
+
+
+@pytest.mark.parametrize("lag", [1, 4, 16])
+@pytest.mark.parametrize("route", ["tier", "pool"])
+def test_A_device_bytes_stay_within_the_window_while_copies_lag(lag: int, route: str) -> None:
+    """Figures (16 saves of 16 KiB, window 64 KiB, host tier): held at the end of
+    forward 16 / 64 / 64 KiB at 1x / 4x / 16x lag, all device bytes then 32 / 80 / 80,
+    the step's peak 64 / 112 / 112 KiB against no offloading's 256. Before the window:
+    held 16 / 208 / 256 KiB (at 16x every saved tensor), peak 64 / 256 / 256. Through
+    the pool the writes wait for each copy on an I/O thread: held 0 at every lag."""
+    held, at_end, peak = lagging_step(lag, **({} if route == "tier" else {"host_budget": 0}))
+    no_offloading = N_SAVED * T_BYTES
+    assert held <= WINDOW, (held, at_end, peak)
+    assert at_end <= WINDOW + T_BYTES  # + the leaf ``x`` the caller holds
+    assert peak <= no_offloading, (held, at_end, peak)
