@@ -27,6 +27,7 @@ from tensorstore_hooks.pipeline._staging import (
     copy_to_pinned,
     span_bytes,
 )
+from tensorstore_hooks.runtime import _memory
 from tests.fake_accelerator import CpuAsAccelerator, expect_broken
 from tests.fake_cuda import FakeCuda, Timing
 from tests.pipeline.test_cuda_path import fake_hooks, run_chain
@@ -240,3 +241,28 @@ def test_A_device_bytes_stay_within_the_window_while_copies_lag(lag: int, route:
     assert held <= WINDOW, (held, at_end, peak)
     assert at_end <= WINDOW + T_BYTES  # + the leaf ``x`` the caller holds
     assert peak <= no_offloading, (held, at_end, peak)
+
+
+# ------------------------------------------------ M: device_budget auto's readings
+def test_M_auto_reads_the_reserved_peak_and_survives_a_peak_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fragmentation: the allocator reserved 10 GiB for 6 GiB of tensors; the room
+    must leave the 10. Then the user resets the peak stats: the mark stays."""
+    GiB = 1 << 30
+    stats = {
+        "reserved_bytes.all.current": 8 * GiB,
+        "reserved_bytes.all.peak": 10 * GiB,
+        "allocated_bytes.all.peak": 6 * GiB,
+    }
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (20 * GiB, 40 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 6 * GiB)
+    monkeypatch.setattr(_memory, "_cuda_marks", {})
+    device = torch.device("cuda", 3)
+    probe = _memory.SystemMemory()
+    reading = probe.read(device)
+    assert reading is not None and reading.limit_bytes == 28 * GiB
+    assert reading.peak_bytes == 10 * GiB and probe.peak(device) == 10 * GiB
+    stats.update({"reserved_bytes.all.peak": 8 * GiB, "allocated_bytes.all.peak": GiB})
+    assert probe.peak(device) == 10 * GiB  # torch.cuda.reset_peak_memory_stats()
