@@ -128,8 +128,8 @@ class DeviceStager:
         self._idle_cap = idle_cap
         self._stats = stats
         self.hold_timeout_s = hold_timeout_s
-        self.ops: DeviceOps = CudaOps() if ops is None else ops
-        """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
+        self._ops: DeviceOps = CudaOps() if ops is None else ops
+        self._accelerated: dict[torch.device, bool] = {}  # asked at every pack: cached
         self.pinned: PinnedPool | None = None
         self.tier: SlabTier[torch.Tensor] | None = (
             SlabTier(host_budget, self._allocate, _cut)  # rule 5 of NOTE [ Host tier wiring ]
@@ -170,9 +170,23 @@ class DeviceStager:
                 self._stats.peak_host_tier_bytes = used
 
     # --------------------------------------------------------------- routing
+    @property
+    def ops(self) -> DeviceOps:
+        """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: DeviceOps) -> None:
+        self._ops = ops
+        self._accelerated = {}
+
     def accelerated(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` leave it through this stager."""
-        return bool(self.ops.accelerated(device))
+        try:
+            return self._accelerated[device]
+        except KeyError:
+            known = self._accelerated[device] = bool(self._ops.accelerated(device))
+            return known
 
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device`` (rule 10 of NOTE [ Stream
@@ -199,6 +213,8 @@ class DeviceStager:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the host tier (rule 1) rather than straight to a write."""
+        if self.tier is None:  # the common case without a host tier: no span computed
+            return False
         return self.holds_bytes(span_bytes(t), t.device)
 
     def holds_bytes(self, nbytes: int, device: torch.device) -> bool:
