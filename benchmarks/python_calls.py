@@ -12,7 +12,12 @@ start after the profiler is set) during
   of the CUDA fake (``tests/fake_accelerator.py``: the real staging code, held in the
   host tier) when the tests are importable,
 
-in total and in the library's own files. Compare two trees by putting each first on
+in total and in the library's own files; then, with no profiler set, the host
+microseconds each saved tensor adds to a step on the training thread (its CPU time,
+less the same step's without hooks, per tensor, median of rounds; a ``memory://``
+store) under ``tsh.offload()``, ``save_on_cpu`` and
+torchtune's ``OffloadActivations`` where torchtune is installed (a noisy figure on a
+loaded machine: the call counts are the stable one). Compare two trees by putting each first on
 ``PYTHONPATH`` (``git archive REV | tar -x -C /tmp/base``)::
 
     python benchmarks/python_calls.py
@@ -183,6 +188,12 @@ def main() -> None:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+    with tempfile.TemporaryDirectory() as root:
+        figures["host_us_per_saved_tensor"] = us = host_us_per_tensor(root, args.tensors)
+    print(
+        "host microseconds per saved tensor (256 KiB, CPU): "
+        + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in us.items())
+    )
     for name in ("store_put_get_delete_64KiB", "saved_tensor_life", "saved_tensor_life_cuda_fake"):
         f = figures.get(name)
         if not isinstance(f, dict):
@@ -197,6 +208,56 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=2)
+
+
+def host_us_per_tensor(root: str, tensors: int, rounds: int = 7) -> dict[str, float | str]:
+    """Host microseconds a saved tensor adds to a step, per kind of hooks (see above)."""
+    import contextlib
+    import statistics
+    import time
+
+    x = torch.randn(64, 1024, requires_grad=True)
+    hooks = tsh.offload("memory://", min_bytes=0)
+    kinds: dict[str, object] = {
+        "none": contextlib.nullcontext,
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=False),
+        "tsh": lambda: hooks,
+    }
+    out: dict[str, float | str] = {}
+    try:
+        from torchtune.training import OffloadActivations
+
+        kinds["torchtune"] = lambda: OffloadActivations(use_streams=False)
+    except Exception as e:  # not installed, or its dependencies are not
+        out["torchtune"] = f"not measured: {type(e).__name__}: {e}"[:160]
+
+    def step(make: object) -> float:
+        assert callable(make)
+        t0 = time.thread_time()  # the training thread's CPU: not I/O waits, not I/O threads
+        with make():
+            y = x
+            for _ in range(tensors):
+                y = y.sin()
+            loss = y.sum()
+        loss.backward()
+        return time.thread_time() - t0
+
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    try:
+        for _ in range(2):  # warm
+            for make in kinds.values():
+                step(make)
+        hooks.flush()
+        for _ in range(rounds):
+            for name, make in kinds.items():
+                times[name].append(step(make))
+    finally:
+        hooks.close()
+    base = statistics.median(times["none"])
+    for name in kinds:
+        if name != "none":
+            out[name] = (statistics.median(times[name]) - base) / tensors * 1e6
+    return out
 
 
 def _tests_importable() -> bool:
