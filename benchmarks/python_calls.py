@@ -7,8 +7,17 @@ start after the profiler is set) during
 * a 64 KiB ``put`` + ``get`` + ``delete`` on a local store, per operation, and
 * the whole life of a saved CPU tensor under ``tsh.offload()`` (pack, write on an I/O
   thread, prefetch, unpack, free), per tensor, in a steady-state step,
+* the pack hook and the unpack hook alone, on the training thread (what must hide
+  under the kernels on a GPU), per tensor: a plain stored CPU tensor, and a tensor
+  of the CUDA fake (``tests/fake_accelerator.py``: the real staging code, held in the
+  host tier) when the tests are importable,
 
-in total and in the library's own files. Compare two trees by putting each first on
+in total and in the library's own files; then, with no profiler set, the host
+microseconds each saved tensor adds to a step on the training thread (its CPU time,
+less the same step's without hooks, per tensor, median of rounds; a ``memory://``
+store) under ``tsh.offload()``, ``save_on_cpu`` and
+torchtune's ``OffloadActivations`` where torchtune is installed (a noisy figure on a
+loaded machine: the call counts are the stable one). Compare two trees by putting each first on
 ``PYTHONPATH`` (``git archive REV | tar -x -C /tmp/base``)::
 
     python benchmarks/python_calls.py
@@ -33,29 +42,78 @@ import tensorstore_hooks as tsh
 ROOT = os.path.dirname(os.path.abspath(tsh.__file__))
 
 
+HOOKS = {"pack", "unpack"}  # Router.pack / Router.unpack: what the hooks call
+
+
 class Counter:
-    """Counts calls while ``on``; installed on this thread and every thread started later."""
+    """Counts calls while ``on``; installed on this thread and every thread started later.
+
+    Beside the totals, calls made on the thread that runs a pack or unpack hook, from
+    its entry (``Router.pack`` / ``Router.unpack``, called by autograd) to its return,
+    are counted per hook in :attr:`hooks` (entries in :attr:`entries`).
+    """
 
     def __init__(self) -> None:
         self.on = False
         self.total = 0
         self.library = 0
+        self.hooks = dict.fromkeys(HOOKS, 0)
+        self.hooks_library = dict.fromkeys(HOOKS, 0)
+        self.entries = dict.fromkeys(HOOKS, 0)
+        self._inside: dict[int, tuple[str, FrameType]] = {}  # thread -> (hook, its frame)
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
-        if event == "call" and self.on:
-            self.total += 1
-            if frame.f_code.co_filename.startswith(ROOT):
-                self.library += 1
+        if not self.on:
+            return
+        me = threading.get_ident()
+        inside = self._inside.get(me)
+        if event == "return":
+            if inside is not None and inside[1] is frame:
+                del self._inside[me]
+            return
+        if event != "call":
+            return
+        self.total += 1
+        code = frame.f_code
+        if code.co_filename.startswith(ROOT):
+            self.library += 1
+            if inside is None and code.co_name in HOOKS and code.co_filename.endswith(_ROUTER):
+                self._inside[me] = inside = (code.co_name, frame)
+                self.entries[code.co_name] += 1
+        if inside is not None:
+            self.hooks[inside[0]] += 1
+            if code.co_filename.startswith(ROOT):
+                self.hooks_library[inside[0]] += 1
+
+    def per_hook(self) -> dict[str, float]:
+        """Calls per pack and per unpack (each hook's own frame included), all and the
+        library's own (a fake runtime's calls are not the library's)."""
+        out = {}
+        for hook in sorted(HOOKS):
+            n = self.entries[hook] or 1
+            out[f"{hook}_calls"] = self.hooks[hook] / n
+            out[f"{hook}_library_calls"] = self.hooks_library[hook] / n
+        return out
 
     def measure(self, fn: object, per: int) -> dict[str, float]:
         assert callable(fn)
         self.total = self.library = 0
+        self.hooks = dict.fromkeys(HOOKS, 0)
+        self.hooks_library = dict.fromkeys(HOOKS, 0)
+        self.entries = dict.fromkeys(HOOKS, 0)
         self.on = True
         try:
             fn()
         finally:
             self.on = False
-        return {"calls": self.total / per, "library_calls": self.library / per}
+        return {
+            "calls": self.total / per,
+            "library_calls": self.library / per,
+            **self.per_hook(),
+        }
+
+
+_ROUTER = os.path.join("pipeline", "_router.py")
 
 
 def store_ops(root: str, counter: Counter, repeats: int) -> dict[str, float]:
@@ -76,9 +134,17 @@ def store_ops(root: str, counter: Counter, repeats: int) -> dict[str, float]:
         store.close()
 
 
-def saved_tensors(root: str, counter: Counter, tensors: int) -> dict[str, float]:
+def saved_tensors(
+    root: str, counter: Counter, tensors: int, *, fake_cuda: bool = False
+) -> dict[str, float]:
     x = torch.randn(64, 1024, requires_grad=True)  # 256 KiB a saved tensor
-    hooks = tsh.offload("file://" + os.path.join(root, "hooks"), min_bytes=0)
+    if fake_cuda:  # held in the host tier through the real staging code, on the fake
+        from tests.fake_accelerator import on_fake_accelerator
+
+        hooks = tsh.offload("memory://", min_bytes=0, host_budget="64MiB")
+        on_fake_accelerator(hooks)
+    else:
+        hooks = tsh.offload("file://" + os.path.join(root, "hooks"), min_bytes=0)
 
     def step(n: int) -> None:
         with hooks:
@@ -110,21 +176,100 @@ def main() -> None:
     threading.setprofile(counter)
     try:
         with tempfile.TemporaryDirectory() as root:
-            figures = {
+            figures: dict[str, object] = {
                 "library": ROOT,
                 "store_put_get_delete_64KiB": store_ops(root, counter, args.repeats),
                 "saved_tensor_life": saved_tensors(root, counter, args.tensors),
             }
+            if _tests_importable():
+                figures["saved_tensor_life_cuda_fake"] = saved_tensors(
+                    root, counter, args.tensors, fake_cuda=True
+                )
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    for name in ("store_put_get_delete_64KiB", "saved_tensor_life"):
-        f = figures[name]
-        assert isinstance(f, dict)
-        print(f"{name}: {f['calls']:.1f} Python calls ({f['library_calls']:.1f} in the library)")
+    with tempfile.TemporaryDirectory() as root:
+        figures["host_us_per_saved_tensor"] = us = host_us_per_tensor(root, args.tensors)
+    print(
+        "host microseconds per saved tensor (256 KiB, CPU): "
+        + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in us.items())
+    )
+    for name in ("store_put_get_delete_64KiB", "saved_tensor_life", "saved_tensor_life_cuda_fake"):
+        f = figures.get(name)
+        if not isinstance(f, dict):
+            continue
+        line = f"{name}: {f['calls']:.1f} Python calls ({f['library_calls']:.1f} in the library)"
+        if f.get("pack_calls"):
+            line += (
+                f"; per pack {f['pack_calls']:.1f} ({f['pack_library_calls']:.1f} library), "
+                f"per unpack {f['unpack_calls']:.1f} ({f['unpack_library_calls']:.1f} library)"
+            )
+        print(line)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=2)
+
+
+def host_us_per_tensor(root: str, tensors: int, rounds: int = 7) -> dict[str, float | str]:
+    """Host microseconds a saved tensor adds to a step, per kind of hooks (see above)."""
+    import contextlib
+    import statistics
+    import time
+
+    x = torch.randn(64, 1024, requires_grad=True)
+    hooks = tsh.offload("memory://", min_bytes=0)
+    kinds: dict[str, object] = {
+        "none": contextlib.nullcontext,
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=False),
+        "tsh": lambda: hooks,
+    }
+    out: dict[str, float | str] = {}
+    try:
+        from torchtune.training import OffloadActivations
+
+        kinds["torchtune"] = lambda: OffloadActivations(use_streams=False)
+    except Exception as e:  # not installed, or its dependencies are not
+        out["torchtune"] = f"not measured: {type(e).__name__}: {e}"[:160]
+
+    def step(make: object) -> float:
+        assert callable(make)
+        t0 = time.thread_time()  # the training thread's CPU: not I/O waits, not I/O threads
+        with make():
+            y = x
+            for _ in range(tensors):
+                y = y.sin()
+            loss = y.sum()
+        loss.backward()
+        return time.thread_time() - t0
+
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    try:
+        for _ in range(2):  # warm
+            for make in kinds.values():
+                step(make)
+        hooks.flush()
+        for _ in range(rounds):
+            for name, make in kinds.items():
+                times[name].append(step(make))
+    finally:
+        hooks.close()
+    base = statistics.median(times["none"])
+    for name in kinds:
+        if name != "none":
+            out[name] = (statistics.median(times[name]) - base) / tensors * 1e6
+    return out
+
+
+def _tests_importable() -> bool:
+    """Whether ``tests/`` (the CUDA fake) is importable: run from a checkout."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if checkout not in sys.path:
+        sys.path.insert(0, checkout)
+    try:
+        import tests.fake_accelerator  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -35,8 +35,14 @@ and the summary says where the chain's step time falls between ``tsh-disk`` (0) 
 ``tsh-remote`` (1).
 
 With ``--device cuda`` the modes are ``none``, ``save_on_cpu`` (pin_memory=True),
-``checkpoint``, ``tsh-disk`` and ``tsh-memory`` and memory is
-``torch.cuda.max_memory_allocated``.
+``torchtune`` (``OffloadActivations(use_streams=True)``), ``checkpoint``,
+``tsh-disk``, ``tsh-disk-buffered``, ``tsh-memory``, ``tsh-host`` (the host tier,
+``host_budget: auto``) and ``tsh-auto`` (``device_budget`` and ``host_budget``
+``auto``); memory is ``torch.cuda.max_memory_allocated``, and each step also records
+the device bytes allocated at the end of forward (``fwd_device_bytes``), the bytes
+copied each way (``bytes_to_host`` / ``bytes_to_device``: the library's counts; for
+``save_on_cpu`` and ``torchtune`` the bytes their hooks saw) and the PCIe-bound
+seconds those take at this machine's measured pinned bandwidth (``pcie_s``).
 
 Memory is measured as DESIGN.md "Figures that count" defines it, the way a user
 meets it: the process's high-water RSS over the whole run (warm-up step included)
@@ -143,7 +149,17 @@ CPU_MODES = (
     "tsh-disk-buffered",
     "tsh-memory",
 )
-CUDA_MODES = ("none", "save_on_cpu", "checkpoint", "tsh-disk", "tsh-disk-buffered", "tsh-memory")
+CUDA_MODES = (
+    "none",
+    "save_on_cpu",
+    "torchtune",  # torchtune's OffloadActivations(use_streams=True): the peer
+    "checkpoint",
+    "tsh-disk",
+    "tsh-disk-buffered",
+    "tsh-memory",
+    "tsh-host",  # the host tier: pinned host memory (host_budget auto), spills to disk
+    "tsh-auto",  # device_budget and host_budget auto
+)
 REMOTE_MODES = ("tsh-remote", "tsh-chain")  # with --store URL or --seaweedfs
 SEAWEED_BUCKET = "tsh-bench"
 BUDGET_SEP = "@"  # tsh-disk@512MiB: tsh-disk with device_budget=512MiB
@@ -359,13 +375,17 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         else:
             hooks = _open_tsh_hooks(url, options, args.tsh_store_option)
 
+    peer_bytes = [0]  # bytes a peer's hooks moved (each way) this step
+    peer: Any = _peer_hooks(mode, cuda, peer_bytes) if mode in PEER_MODES else None
+    bandwidth = _pinned_bandwidth(device) if cuda else None
+
     def context() -> Any:
         if mode in ("none", "checkpoint"):
             return contextlib.nullcontext()
         if mode == "tutorial":
             return _tutorial_hooks(scratch)
-        if mode == "save_on_cpu":
-            return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
+        if peer is not None:
+            return peer
         return hooks
 
     group = _worker_group()
@@ -389,8 +409,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         t_start = sampler.now()
         sampler.mark(f"step {i} forward")
         t0 = time.perf_counter()
+        peer_bytes[0] = 0
         with context():
             loss = model(tokens, targets)
+        fwd_device_bytes = torch.cuda.memory_allocated(device) - gpu_base if cuda else None
         sampler.mark(f"step {i} backward")
         renice_library_threads(args.io_nice)  # threads started during this forward
         loss.backward()
@@ -411,6 +433,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         if hooks is not None:
             assert stats_before is not None
             entry["stats"] = _stats_delta(stats_before, hooks.stats)
+        if cuda:
+            entry.update(_byte_figures(fwd_device_bytes, entry.get("stats"), peer_bytes, bandwidth))
         steps.append(entry)
 
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -491,6 +515,8 @@ def _stats_delta(before: Any, after: Any) -> dict[str, float]:
         "pack_stall_s",
         "unpack_stall_s",
         "bytes_written",
+        "bytes_to_host",
+        "bytes_to_device",
     )
     out = {f: getattr(after, f) - getattr(before, f) for f in fields}
     out.update(_plan_delta(before, after))
@@ -498,10 +524,87 @@ def _stats_delta(before: Any, after: Any) -> dict[str, float]:
 
 
 # ------------------------------------------------------- container memory, library CPU
+PEER_MODES = ("save_on_cpu", "torchtune")
+
+
+def _peer_hooks(mode: str, cuda: bool, moved: list[int]) -> Any:
+    """``save_on_cpu`` or torchtune's ``OffloadActivations(use_streams=True)``, with
+    their pack hook wrapped to count the bytes they move (``moved[0]``, each way)."""
+    import torch
+
+    if mode == "save_on_cpu":
+        hooks: Any = torch.autograd.graph.save_on_cpu(pin_memory=cuda)
+    else:
+        try:
+            from torchtune.training import OffloadActivations
+        except ImportError as e:
+            raise SystemExit(
+                "mode torchtune: torchtune is not installed (pip install torchtune, or "
+                "the wheels of ../shared/gpu/ on a GPU machine)"
+            ) from e
+        hooks = OffloadActivations(use_streams=True)
+    pack = hooks.pack_hook
+
+    def counting_pack(t: torch.Tensor) -> Any:
+        if t.device.type == "cuda":
+            moved[0] += t.numel() * t.element_size()
+        return pack(t)
+
+    hooks.pack_hook = counting_pack
+    return hooks
+
+
+def _pinned_bandwidth(device: Any, nbytes: int = 256 << 20) -> dict[str, float]:
+    """Pinned copy bandwidth each way on ``device`` (bytes/s), best of three."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out: dict[str, float] = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = nbytes / best
+    return out
+
+
+def _byte_figures(
+    fwd_device_bytes: int | None,
+    stats: dict[str, Any] | None,
+    peer_bytes: list[int],
+    bandwidth: dict[str, float] | None,
+) -> dict[str, Any]:
+    """A CUDA step's byte figures: device bytes at the end of forward, bytes copied each
+    way, and the seconds those copies take at the pinned bandwidth (PCIe-bound)."""
+    if stats is not None:
+        to_host = int(stats.get("bytes_to_host", 0))
+        to_device = int(stats.get("bytes_to_device", 0))
+    else:
+        to_host = to_device = peer_bytes[0]
+    out: dict[str, Any] = {
+        "fwd_device_bytes": fwd_device_bytes,
+        "bytes_to_host": to_host,
+        "bytes_to_device": to_device,
+    }
+    if bandwidth:
+        out["pcie_s"] = to_host / bandwidth["d2h"] + to_device / bandwidth["h2d"]
+        out["pinned_bandwidth"] = bandwidth
+    return out
+
+
 def _tsh_mode_store(mode: str) -> tuple[str | None, dict[str, Any]]:
     """The store URL and ``offload()`` keywords of a ``tsh-*`` mode."""
     if mode == "tsh-memory":
         return "memory://", {}
+    if mode == "tsh-host":
+        return None, {"host_budget": "auto"}
+    if mode == "tsh-auto":
+        return None, {"host_budget": "auto", "device_budget": "auto"}
     if mode == "tsh-disk-buffered":
         return None, {"direct_io": "off"}
     return None, {}  # tsh-disk: direct_io "auto"
@@ -1046,6 +1149,10 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
             "container_ratios": container_ratio,
             "lib_cpu_s": statistics.median(s.get("lib_cpu_s", 0.0) for s in steps),
         }
+        for key in ("fwd_device_bytes", "bytes_to_host", "bytes_to_device", "pcie_s"):
+            figures = [s[key] for s in steps if s.get(key) is not None]
+            if figures:  # CUDA runs (the byte figures of the module docstring)
+                entry[key] = statistics.median(figures)
         if stats:
             entry["stats"] = {k: statistics.median(s[k] for s in stats) for k in stats[0]}
             moved = entry["stats"].get("bytes_written", 0) + entry["stats"]["bytes_read"]
@@ -1154,6 +1261,30 @@ def format_table(result: dict[str, Any]) -> str:
             f"| {mode} | {e['step_s']:.2f}s | {tr} | {e['act_bytes'] / GiB:.2f} GiB | {mr} | "
             + " | ".join(extra + cols)
             + f" | {grads} |"
+        )
+    if gpu:
+        lines += ["", _byte_table(result["summary"])]
+    return "\n".join(lines)
+
+
+def _byte_table(summary: dict[str, Any]) -> str:
+    """CUDA runs: what each mode moves per step and leaves on the device after forward."""
+    head = (
+        "| mode | device bytes at end of forward | to host / step | to device / step "
+        "| PCIe-bound s / step | step time |"
+    )
+    lines = [head, "|---|---|---|---|---|---|"]
+    for mode, e in summary.items():
+        fwd = e.get("fwd_device_bytes")
+        pcie = e.get("pcie_s")
+        lines.append(
+            f"| {mode} | {fwd / GiB:.2f} GiB | " if fwd is not None else f"| {mode} | - | "
+        )
+        lines[-1] += (
+            f"{e.get('bytes_to_host', 0) / GiB:.2f} GiB | "
+            f"{e.get('bytes_to_device', 0) / GiB:.2f} GiB | "
+            + (f"{pcie:.3f}s" if pcie is not None else "-")
+            + f" | {e['step_s']:.3f}s |"
         )
     return "\n".join(lines)
 

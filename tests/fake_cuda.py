@@ -32,6 +32,22 @@ the way a GPU would, so gradients come out wrong (NaN) rather than by luck right
   (pytorch#146286), on a device destination after them, in stream order.
 * Rule 10: while :meth:`capture` is active, ``query``, ``synchronize`` and blocking
   copies raise, from any thread, as CUDA's global capture mode does.
+* Per-stream pools (finding G): memory :meth:`allocated_for` a stream goes back to that
+  stream's pool when freed; every other stream that used it (made it, or read it in a
+  copy) must have been ``record_stream``-ed on it, or the freed block may be handed to a
+  new tensor while that stream's kernels still use it: reported when the memory is
+  found freed (:meth:`run_all`, or any device allocation).
+* Simulated time (``timing=``, a :class:`Timing`): each kernel (:meth:`kernel`, and
+  every tensor :meth:`produced` at pack) advances the compute clock :attr:`now_s`;
+  a copy on a copy stream ends ``nbytes / bandwidth`` after both its stream is free
+  and it was issued; a copy from pageable memory runs at half rate and the host
+  waits for it. An event completes when the clock passes it: ``query`` answers by
+  the clock (not by ``polls``), ``synchronize`` and a compute stream's wait move the
+  clock to it. :meth:`live_bytes` / :attr:`peak_bytes` count device memory: tensors
+  made on the device (:meth:`produced`) and allocations, while referenced.
+* A stream pool (finding K): with ``stream_pool=n``, :meth:`new_stream` hands out the
+  ``n`` streams of each device round-robin, as torch's pool of 32 does, so streams
+  alias; :meth:`pool_stream` takes one the way NCCL does.
 
 The pinned allocator is modelled as torch's caching host allocator: each request is
 rounded up to a power of two, and a freed block stays held (cached) for a later
@@ -54,15 +70,34 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tensorstore_hooks._codec import span_of
 
-__all__ = ["FakeCuda", "FakeEvent", "FakeStream"]
+__all__ = ["FakeCuda", "FakeEvent", "FakeStream", "Timing"]
 
 PINNED, PAGEABLE, DEVICE = "pinned", "pageable", "device"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Rates of the simulated device (seconds and bytes per second)."""
+
+    compute_s: float = 1e-3
+    """One kernel (one saved tensor made, one used in backward)."""
+    d2h_bytes_per_s: float = 16e9
+    """Pinned device-to-host bandwidth (pageable: half)."""
+    h2d_bytes_per_s: float = 16e9
+    """Pinned host-to-device bandwidth (pageable: half)."""
+
+    @classmethod
+    def lagging(cls, lag: float, nbytes: int, compute_s: float = 1e-3) -> Timing:
+        """Copies of ``nbytes`` take ``lag`` times one kernel, each way."""
+        rate = nbytes / (lag * compute_s)
+        return cls(compute_s, rate, rate)
 
 
 class FakeStream:
     """A stream: a FIFO of queued work, a stamp per operation, what it waited for."""
 
     def __init__(self, name: str, side: bool) -> None:
+        self.busy_s = 0.0  # simulated time its queued work ends (timed fakes)
         self.name = name
         self.side = side
         """A copy stream the staging code made (not one compute runs on)."""
@@ -84,6 +119,7 @@ class FakeEvent:
         self.stamp = 0
         self.seen: dict[FakeStream, int] = {}
         self.polls_left = 0
+        self.at_s = 0.0  # simulated time it completes (timed fakes)
 
     def query(self) -> bool:
         return self._fake._query(self)
@@ -250,6 +286,8 @@ class _Memory:
     stamp: int = 0  # ... and when (or, for a produced tensor, when it was produced)
     nbytes: int = 0
     record_streams: set[FakeStream] = field(default_factory=set)
+    alloc_stream: FakeStream | None = None  # the pool its block returns to (allocated_for)
+    uses: set[FakeStream] = field(default_factory=set)  # streams that made or read it
 
 
 class FakeCuda:
@@ -257,8 +295,21 @@ class FakeCuda:
     module docstring). ``polls``: queries an event answers ``False`` before its stream
     runs (0: streams run as soon as work is queued)."""
 
-    def __init__(self, *, polls: int = 0) -> None:
+    def __init__(
+        self, *, polls: int = 0, stream_pool: int = 0, timing: Timing | None = None
+    ) -> None:
         self.polls = polls
+        self.timing = timing
+        """Simulated rates (``None``: untimed, events answer by ``polls``)."""
+        self.now_s = 0.0
+        """The compute clock: simulated seconds of kernels run (and waits)."""
+        self.peak_bytes = 0
+        """The most device memory :meth:`live_bytes` counted at once."""
+        self._made: list[tuple[StorageWeakRef, int]] = []  # tensors produced on the device
+        self.stream_pool = stream_pool
+        """Streams per device :meth:`new_stream` cycles through (0: a new one each time)."""
+        self._pools: dict[str, list[FakeStream]] = {}
+        self._pool_next: Counter[str] = Counter()
         self.log: list[str] = []
         """Every call, in order: stream, event, copy, wait, record_stream, allocation."""
         self.violations: list[str] = []
@@ -272,6 +323,7 @@ class FakeCuda:
         self.default = self._stream("default", side=False)
         self._memory: dict[int, _Memory] = {}
         self._capturing: set[int] = set()
+        self._capturing_streams: set[FakeStream] = set()
         self._copies = 0
         # the pinned allocator: live blocks, and freed blocks it keeps cached, by size
         self._blocks: list[tuple[StorageWeakRef, int]] = []
@@ -279,8 +331,12 @@ class FakeCuda:
         self.pinned_held_bytes = 0
         self.pinned_peak_bytes = 0
         self.pinned_blocks_made = 0
-        self._device: list[tuple[StorageWeakRef, int]] = []
+        self._device: list[tuple[_Memory, int]] = []
         self.device_held_bytes = 0
+        """Device memory the allocator cannot hand out: live blocks, and freed blocks
+        whose ``record_stream``-ed streams have not yet run past their free."""
+        self._deferred: list[tuple[int, dict[FakeStream, int]]] = []  # (bytes, stream -> stamp)
+        self._owned: list[_Memory] = []  # memory allocated_for a stream: checked when freed
 
     # ----------------------------------------------------------- test helpers
     def user_stream(self, name: str) -> FakeStream:
@@ -294,10 +350,49 @@ class FakeCuda:
             known = self._known(t)
             if known is not None and known.kind == DEVICE and known.stream is stream:
                 return  # another view of memory made earlier: made then, not now
+            self.kernel()
+            if known is None:
+                storage = t.untyped_storage()
+                self._made.append((StorageWeakRef(storage), storage.nbytes()))
+                self.live_bytes()
             stream.stamp += 1
+            if known is not None and known.alloc_stream is not None:
+                known.stream, known.stamp = stream, stream.stamp  # keep its pool's record
+                known.uses.add(stream)
+                return
             self._memory[_ptr(t)] = _Memory(
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp
             )
+
+    def kernel(self) -> None:
+        """One kernel ran on the compute stream: the clock advances (timed fakes)."""
+        if self.timing is not None:
+            self.now_s += self.timing.compute_s
+
+    def live_bytes(self) -> int:
+        """Device memory now: produced tensors and allocations still referenced (and
+        freed blocks the allocator may not hand out yet); updates :attr:`peak_bytes`."""
+        with self._lock:
+            self._made = [(w, n) for w, n in self._made if not w.expired()]
+            out = sum(n for _, n in self._made) + self.device_bytes()
+            self.peak_bytes = max(self.peak_bytes, out)
+            return out
+
+    def allocated_for(self, t: torch.Tensor, stream: FakeStream) -> None:
+        """``t``'s memory came from ``stream``'s pool (allocated while it was current):
+        freed, it returns there, and every other stream that used it must have been
+        ``record_stream``-ed on it first (finding G)."""
+        with self._lock:
+            stream.stamp += 1
+            mem = _Memory(StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp)
+            mem.alloc_stream = stream
+            mem.uses.add(stream)
+            self._memory[_ptr(t)] = mem
+            self._owned.append(mem)
+
+    def pool_stream(self, device: torch.device | None = None) -> FakeStream:
+        """A stream taken from the pool as NCCL takes one (``getStreamFromPool``)."""
+        return self._from_pool(device)
 
     def mark_host(self, t: torch.Tensor) -> None:
         """``t`` is in ordinary host memory (read from a store), unless known otherwise."""
@@ -315,12 +410,15 @@ class FakeCuda:
     def capture(self) -> Iterator[None]:
         """Graph capture on this thread (``torch.cuda.graph``), in global mode."""
         me = threading.get_ident()
+        stream = self.current_stream(torch.device("cpu"))
         self._capturing.add(me)
+        self._capturing_streams.add(stream)
         self._note("begin capture")
         try:
             yield
         finally:
             self._capturing.discard(me)
+            self._capturing_streams.discard(stream)
             self._note("end capture")
 
     def run_all(self) -> None:
@@ -328,6 +426,7 @@ class FakeCuda:
         with self._lock:
             for stream in list(self._all_streams):
                 self._run(stream, None)
+            self._sweep_owned()
 
     def check_consumed(self, t: torch.Tensor, done: FakeEvent) -> None:
         """Rule 4: the current stream waited for ``done`` and may use ``t``'s memory."""
@@ -362,10 +461,27 @@ class FakeCuda:
         stack: list[FakeStream] = getattr(self._tls, "stack", [])
         return stack[-1] if stack else self.default
 
+    def stream_capturing(self, stream: object) -> bool:
+        return stream in self._capturing_streams
+
     def new_stream(self, device: torch.device) -> FakeStream:
-        stream = self._stream(f"copy{next(self._ids)}", side=True)
+        if self.stream_pool:
+            stream = self._from_pool(device)
+        else:
+            stream = self._stream(f"copy{next(self._ids)}", side=True)
         self._note(f"new_stream -> {stream}")
         return stream
+
+    def _from_pool(self, device: torch.device | None) -> FakeStream:
+        with self._lock:
+            key = str(device)
+            pool = self._pools.setdefault(key, [])
+            n = self._pool_next[key]
+            self._pool_next[key] += 1
+            size = max(self.stream_pool, 1)
+            if len(pool) < size:
+                pool.append(self._stream(f"pool{key}#{len(pool)}", side=True))
+            return pool[n % size]
 
     @contextlib.contextmanager
     def use_stream(self, stream: object) -> Iterator[None]:
@@ -390,6 +506,7 @@ class FakeCuda:
             event.stream, event.stamp = stream, stream.stamp
             event.seen = dict(stream.seen)
             event.polls_left = self.polls
+            event.at_s = stream.busy_s if stream.side else self.now_s
             self._note(f"record {event} on {stream}@{stream.stamp}")
 
     def wait(self, stream: object, event: object) -> None:
@@ -405,10 +522,12 @@ class FakeCuda:
             if source is stream:
                 return
             if stream.side:
+                stream.busy_s = max(stream.busy_s, event.at_s)
                 stream.stamp += 1
                 stream.queue.append(_Wait(stream, stream.stamp, f"wait {event}", event))
                 self._flush(stream)
             else:
+                self.now_s = max(self.now_s, event.at_s)  # the compute stream stalls
                 self._run(source, event.stamp)  # compute is eager: it waits now
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
@@ -431,8 +550,10 @@ class FakeCuda:
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp, nbytes
             )
             self._sweep_device()
-            self._device.append((StorageWeakRef(t.untyped_storage()), nbytes))
+            self._sweep_owned()
+            self._device.append((self._memory[_ptr(t)], nbytes))
             self.device_held_bytes += nbytes
+            self.live_bytes()
             self._note(f"empty {numel} x {dtype} on {stream}")
             return t
 
@@ -501,6 +622,13 @@ class FakeCuda:
             if stream is None or self._complete(event):
                 self._note(f"query {event} -> True")
                 return True
+            if self.timing is not None:
+                if event.at_s > self.now_s:
+                    self._note(f"query {event} -> False")
+                    return False
+                self._run(stream, event.stamp)
+                self._note(f"query {event} -> True")
+                return True
             event.polls_left -= 1
             if event.polls_left > 0:
                 self._note(f"query {event} -> False")
@@ -515,6 +643,7 @@ class FakeCuda:
             self._note(f"synchronize {event}")
             if self.on_block is not None:
                 self.on_block(f"synchronize {event}")
+            self.now_s = max(self.now_s, event.at_s)  # the host waits: time passes
             if event.stream is not None:
                 self._run(event.stream, event.stamp)
 
@@ -530,7 +659,7 @@ class FakeCuda:
             op.run(self)
 
     def _flush(self, stream: FakeStream) -> None:
-        if self.polls == 0:
+        if self.polls == 0 and self.timing is None:
             self._run(stream, None)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
@@ -580,6 +709,7 @@ class FakeCuda:
         else:
             op.snapshot = psrc.clone()  # pageable: copied out when queued
         stream.queue.append(op)
+        self._time(stream, nbytes, src_kind, dst_kind)
         if not non_blocking:
             if self.on_block is not None:
                 self.on_block(f"blocking {name}")
@@ -588,6 +718,21 @@ class FakeCuda:
             self._flush(stream)
         else:
             self._run(stream, None)  # eager compute uses the result right away
+
+    def _time(self, stream: FakeStream, nbytes: int, src_kind: str, dst_kind: str) -> None:
+        """Timed fakes: when the copy just queued on ``stream`` ends."""
+        timing = self.timing
+        if timing is None or (src_kind == DEVICE) == (dst_kind == DEVICE):
+            return
+        rate = timing.d2h_bytes_per_s if src_kind == DEVICE else timing.h2d_bytes_per_s
+        if PAGEABLE in (src_kind, dst_kind):
+            rate /= 2  # staged through a bounce buffer, and the host waits for it
+        start = max(stream.busy_s, self.now_s) if stream.side else self.now_s
+        end = start + nbytes / rate
+        if stream.side:
+            stream.busy_s = end
+        else:
+            self.now_s = end  # on the compute stream: in its order
 
     def _order_device_side(
         self, op: _Copy, src: torch.Tensor, dst: torch.Tensor, src_kind: str, dst_kind: str
@@ -646,11 +791,46 @@ class FakeCuda:
                 live.append((weak, block))
         self._blocks = live
 
-    def _sweep_device(self) -> None:
+    def _sweep_owned(self) -> None:
         live = []
-        for weak, nbytes in self._device:
-            if weak.expired():
+        for mem in self._owned:
+            if not mem.weak.expired():
+                live.append(mem)
+                continue
+            for user in sorted(mem.uses - mem.record_streams, key=str):
+                if user is not mem.alloc_stream:
+                    self._violate(
+                        f"rule 2: memory allocated for {mem.alloc_stream} freed to its pool "
+                        f"while {user} used it with no record_stream (its kernels may still "
+                        "read it when the block is handed out again)"
+                    )
+        self._owned = live
+
+    def device_bytes(self) -> int:
+        """:attr:`device_held_bytes` now (freed blocks found, recorded streams checked)."""
+        with self._lock:
+            self._sweep_device()
+            return self.device_held_bytes
+
+    def _sweep_device(self) -> None:
+        """Freed blocks go back to the allocator; one ``record_stream``-ed on a stream
+        still busy waits until that stream ran past the work queued when it was freed
+        (the allocator's free-time events), as torch's caching allocator does."""
+        live = []
+        for mem, nbytes in self._device:
+            if not mem.weak.expired():
+                live.append((mem, nbytes))
+                continue
+            busy = {s: s.stamp for s in mem.record_streams if s.queue}
+            if busy:
+                self._deferred.append((nbytes, busy))
+            else:
+                self.device_held_bytes -= nbytes
+        self._device = live
+        pending = []
+        for nbytes, busy in self._deferred:
+            if all(not s.queue or s.queue[0].stamp > stamp for s, stamp in busy.items()):
                 self.device_held_bytes -= nbytes
             else:
-                live.append((weak, nbytes))
-        self._device = live
+                pending.append((nbytes, busy))
+        self._deferred = pending

@@ -344,6 +344,8 @@ class CaptureWriter:
         if rows == 0:
             return
         accelerated = bool(self.ops.accelerated(t.device))
+        if accelerated and self.ops.capturing(t.device):
+            raise _graph_capture_error(name)  # rule 10 of NOTE [ Stream ordering ]
         src = t
         if accelerated:
             # Rule 1: a private copy on the device, in the stored dtype, contiguous.
@@ -735,3 +737,12 @@ def _blocks_doc(runs: list[list[int]]) -> JSON:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _graph_capture_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"tsh.capture: array {name!r} was appended to while a CUDA graph is being "
+        "captured; its copy off the device and the writer's event waits are not "
+        "allowed in a capture (they would invalidate it). Append outside the captured "
+        "region, e.g. after the graph's replay, from the tensors it wrote."
+    )

@@ -48,6 +48,25 @@ stays in one only while its write runs (``max_inflight`` bounds them). With a
    each tensor a 4 KiB-aligned range of one; slabs are never dropped while the
    pipeline lives (torch keeps freed pinned blocks cached, so dropping one would free
    nothing).
+
+NOTE [ Copy window ]
+Copies to host may lag the kernels that make the tensors (a d2h copy of a large
+block can take ~16x its forward), and a saved tensor stays on the device until its
+copy is seen complete. So the device bytes whose copy to host still runs are bounded,
+per device, on every path that copies at pack (the host tier, the pool, spills):
+
+1. The window is the write-behind's ``max_inflight`` (derived or given): beyond it,
+   the oldest copies are waited for by the current stream, on the device
+   (``wait_current``: never a host block on the training thread), and their saved
+   tensors are dropped at once. Kernels queued later on that stream, the ones that
+   would reuse the memory, run only after the copy has read it; memory of another
+   stream's pool is ``record_stream``-ed on its producer (rule 2 of NOTE [ Stream
+   ordering ]).
+2. The newest copy always runs, even alone over the window.
+3. A dropped tensor's copy keeps its event: host readers of the bytes (a spill's
+   write, a copy back) still wait for it.
+4. A tensor still on the device when backward needs it is used in place: the
+   read-ahead skips it and unpack returns it, nothing is copied back.
 """
 
 from __future__ import annotations
@@ -80,6 +99,12 @@ def _cut(slab: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return slab[offset : offset + nbytes]
 
 
+def _keep(_alive: torch.Tensor, release: Callable[[], None] | None = None) -> None:
+    """A buffer return whose closure also kept a tensor copied back alive until now."""
+    if release is not None:
+        release()
+
+
 class DeviceStager:
     """Host buffers (a pool, or the host tier when ``host_budget > 0``) and device copies.
 
@@ -103,8 +128,8 @@ class DeviceStager:
         self._idle_cap = idle_cap
         self._stats = stats
         self.hold_timeout_s = hold_timeout_s
-        self.ops: DeviceOps = CudaOps() if ops is None else ops
-        """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
+        self._ops: DeviceOps = CudaOps() if ops is None else ops
+        self._accelerated: dict[torch.device, bool] = {}  # asked at every pack: cached
         self.pinned: PinnedPool | None = None
         self.tier: SlabTier[torch.Tensor] | None = (
             SlabTier(host_budget, self._allocate, _cut)  # rule 5 of NOTE [ Host tier wiring ]
@@ -112,11 +137,21 @@ class DeviceStager:
             else None
         )
         """The host tier (``None`` without a ``host_budget``)."""
-        self._copying: deque[Record] = deque()  # copies to host not yet seen complete
+        # Copies to host not yet seen complete, per device (finding L: one device's
+        # lagging copy does not hold another's reaping), and their device bytes.
+        self._copying: dict[torch.device, deque[Record]] = {}
+        self._copying_bytes: dict[torch.device, int] = {}
         self._copying_lock = threading.Lock()
+        self.copy_window: Callable[[], int] = lambda: 0
+        """Device bytes whose copy to host may still run (NOTE [ Copy window ]); the
+        pipeline wires it to the write-behind's ``max_inflight``."""
         # Buffer returns waiting for a copy's event (rule 4), oldest first.
         self._waiting: deque[tuple[CopyEvent, Callable[[], None]]] = deque()
         self._waiting_lock = threading.Lock()
+        # Streams pack saw capturing a graph: while one still is, nothing here queries
+        # or waits on an event, on any thread (rule 10 of NOTE [ Stream ordering ]).
+        self._captures: set[object] = set()
+        self._captures_lock = threading.Lock()
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self._stats is not None:
@@ -135,17 +170,51 @@ class DeviceStager:
                 self._stats.peak_host_tier_bytes = used
 
     # --------------------------------------------------------------- routing
+    @property
+    def ops(self) -> DeviceOps:
+        """The device seam (:class:`~tensorstore_hooks.pipeline._staging.DeviceOps`)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: DeviceOps) -> None:
+        self._ops = ops
+        self._accelerated = {}
+
     def accelerated(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` leave it through this stager."""
-        return bool(self.ops.accelerated(device))
+        try:
+            return self._accelerated[device]
+        except KeyError:
+            known = self._accelerated[device] = bool(self._ops.accelerated(device))
+            return known
 
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device`` (rule 10 of NOTE [ Stream
         ordering ]: nothing may query or wait on an event then)."""
-        return self.accelerated(device) and bool(self.ops.capturing(device))
+        if not self.accelerated(device) or not self.ops.capturing(device):
+            return False
+        with self._captures_lock:
+            self._captures.add(self.ops.capture_stream(device))
+        return True
+
+    def quiet(self) -> bool:
+        """Whether a graph capture pack saw is still running: no thread may query or
+        wait on an event now (rule 10 of NOTE [ Stream ordering ], global mode)."""
+        if not self._captures:  # the common case: one read, no lock
+            return False
+        with self._captures_lock:
+            self._captures = {s for s in self._captures if self.ops.stream_capturing(s)}
+            return bool(self._captures)
+
+    def _wait_capture(self) -> None:
+        """On an I/O thread, before a blocking copy: wait for a capture to end."""
+        while self.quiet():
+            time.sleep(0.001)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the host tier (rule 1) rather than straight to a write."""
+        if self.tier is None:  # the common case without a host tier: no span computed
+            return False
         return self.holds_bytes(span_bytes(t), t.device)
 
     def holds_bytes(self, nbytes: int, device: torch.device) -> bool:
@@ -211,21 +280,48 @@ class DeviceStager:
             self.give_back(rec, copy)
             return
         with self._copying_lock:
-            self._copying.append(rec)
+            self._copying.setdefault(rec.device, deque()).append(rec)
+            self._copying_bytes[rec.device] = (
+                self._copying_bytes.get(rec.device, 0) + rec.device_nbytes
+            )
         self._reap()
+        self._bound(rec.device)
         self._poll()
 
     def _reap(self) -> None:
         """Drop device tensors whose copy to host has finished (frees device memory early)."""
-        while True:
-            with self._copying_lock:
-                if not self._copying:
-                    return
-                copy = self._copying[0].staged
-                if copy is not None and copy.event is not None and not copy.event.query():
-                    return
-                rec = self._copying.popleft()
-            self.give_back(rec, self._copies.done(rec))
+        if self.quiet():
+            return
+        for device in list(self._copying):
+            while True:
+                with self._copying_lock:
+                    queue = self._copying[device]
+                    if not queue:
+                        break
+                    copy = queue[0].staged
+                    if copy is not None and copy.event is not None and not copy.event.query():
+                        break
+                    rec = queue.popleft()
+                    self._copying_bytes[device] -= rec.device_nbytes
+                self.give_back(rec, self._copies.done(rec))
+
+    def _bound(self, device: torch.device) -> None:
+        """Keep the device bytes whose copy to host still runs within the window: the
+        oldest copies beyond it are waited for by the current stream (on the device)
+        and their saved tensors dropped now (NOTE [ Copy window ])."""
+        window = self.copy_window()
+        victims: list[Record] = []
+        with self._copying_lock:
+            queue = self._copying[device]
+            while len(queue) > 1 and self._copying_bytes[device] > window:
+                rec = queue.popleft()  # the newest copy always runs, even alone over it
+                self._copying_bytes[device] -= rec.device_nbytes
+                victims.append(rec)
+        for rec in victims:
+            copy = rec.staged
+            if copy is not None and copy.event is not None:
+                self.ops.wait_current(device, copy.event)
+            self.give_back(rec, self._copies.let_go(rec))
 
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
         """At pack, for ``t`` written without a host copy: an event on its producer,
@@ -236,6 +332,7 @@ class DeviceStager:
         """``t``'s bytes in pageable host memory, copied on the copy stream after
         ``ready`` (:meth:`producer_event`); blocks the calling (I/O) thread until done."""
         self._moved(span_bytes(t), to_host=True)
+        self._wait_capture()  # a blocking copy would invalidate the user's capture
         return self.ops.to_pageable(t, ready)
 
     def pin(self, t: torch.Tensor) -> Loaded:
@@ -281,7 +378,7 @@ class DeviceStager:
 
     def _poll(self) -> None:
         """Run the buffer returns whose copies have completed (never blocks)."""
-        if not self._waiting:  # the common case: one read, no lock
+        if not self._waiting or self.quiet():  # the common case: one read, no lock
             return
         done: list[Callable[[], None]] = []
         with self._waiting_lock:
@@ -298,6 +395,7 @@ class DeviceStager:
     def _settle(self) -> None:
         """Wait for every copy a buffer return waits on, then return the buffers (pack
         about to wait for room in the tier; at close)."""
+        self._wait_capture()
         while True:
             with self._waiting_lock:
                 if not self._waiting:
@@ -323,10 +421,12 @@ class DeviceStager:
         except BaseException:
             self._end_read(rec, copy)
             raise
-        self._after(out[1], lambda: self._end_read(rec, copy))
+        # The closure keeps the tensor coming back referenced until its copy completed
+        # (finding I: the copy stream is not record_stream-ed on it).
+        self._after(out[1], lambda: self._end_read(rec, copy, out[0]))
         return out
 
-    def _end_read(self, rec: Record, copy: HostCopy) -> None:
+    def _end_read(self, rec: Record, copy: HostCopy, _dev: torch.Tensor | None = None) -> None:
         if self._copies.end_read(copy):
             self.give_back(rec, copy)
 
@@ -345,7 +445,9 @@ class DeviceStager:
             buf = tier.try_take(key, n)
             self._note_peak()
             if buf is None:  # no room in the tier: pageable copy, never over the cap
-                return self.ops.to_device(t, device)
+                dev, done = self.ops.to_device(t, device)
+                self._after(done, lambda: _keep(dev))  # until its copy completed (finding I)
+                return dev, done
             return self._through(t, device, buf, lambda: tier.release(key))
         pool = self._pool()
         buf = pool.take(n)
@@ -369,7 +471,7 @@ class DeviceStager:
         except BaseException:
             release()
             raise
-        self._after(done, release)
+        self._after(done, lambda: _keep(dev, release))  # ``dev`` too (finding I)
         return dev, done
 
     def finish(self, out: Loaded) -> torch.Tensor:

@@ -23,7 +23,8 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 from tensorstore_hooks.config import PipelineSettings, Policy, exact_size
 from tensorstore_hooks.pipeline._budgets import BudgetControl, pinned_idle_cap
@@ -83,7 +84,8 @@ class Pipeline:
             stats=stats,
             hold_timeout_s=settings.read_deadline_s,
         )
-        self.writer = WriteBehind(table, io, stager=stager, heap=self.heap, stats=stats)
+        self.writer = writer = WriteBehind(table, io, stager=stager, heap=self.heap, stats=stats)
+        stager.copy_window = _window_of(writer)  # NOTE [ Copy window ]
         self.prefetcher = Prefetcher(
             table.reads,
             io,
@@ -261,3 +263,15 @@ def _size(n: object, unset: str) -> object:
 
 def _count_heap_release(stats: OffloadStats) -> None:
     stats.heap_releases += 1
+
+
+def _window_of(writer: WriteBehind) -> Callable[[], int]:
+    """The write-behind's ``max_inflight``, read through a weak reference: the stager
+    must not keep the writer (and with it the pipeline's threads) alive in a cycle."""
+    ref = weakref.ref(writer)
+
+    def window() -> int:
+        alive = ref()
+        return 0 if alive is None else alive.max_inflight
+
+    return window

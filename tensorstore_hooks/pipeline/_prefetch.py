@@ -43,7 +43,13 @@ from tensorstore_hooks.pipeline._iopool import READ, StorePool
 from tensorstore_hooks.pipeline._records import ReadAhead, Record
 from tensorstore_hooks.pipeline._staging import Loaded
 from tensorstore_hooks.pipeline._stats import OffloadStats, count_transfer
-from tensorstore_hooks.pipeline._timeline import READ_RANGE, UNPACK_WAIT_RANGE, Timeline, span
+from tensorstore_hooks.pipeline._timeline import (
+    READ_RANGE,
+    UNPACK_WAIT_RANGE,
+    Timeline,
+    ranges_off,
+    span,
+)
 from tensorstore_hooks.runtime import HeapReleaser
 from tensorstore_hooks.storage import Retrier, RetriesExhausted, RetryPolicy, classify_store_read
 
@@ -107,12 +113,11 @@ class Prefetcher:
         later unpack on another stream: rule 8 of NOTE [ Record lifecycle ])."""
         out: Loaded | None = None
         if fut is not None:
-            with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
-                try:
-                    out = fut.result()
-                except (CancelledError, torch.OutOfMemoryError):
-                    out = None  # freed meanwhile, or no device memory ahead: read now
-                # Any other error is final: that read had the whole deadline already.
+            if fut.done() and ranges_off(self.timeline):  # nothing to wait for, nobody sees
+                out = _result(fut)
+            else:
+                with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
+                    out = _result(fut)
         if out is not None:
             self._stats.prefetch_hits += 1
         else:
@@ -212,3 +217,12 @@ class Prefetcher:
         # A logged error's traceback keeps this frame alive: it must not keep the read
         # (whose error holds the unpacking frames, and their handles) with it.
         del fut, out, error, rec
+
+
+def _result(fut: Future[Loaded]) -> Loaded | None:
+    """A read ahead's tensor; ``None``: freed meanwhile, or no device memory ahead (the
+    caller reads now). Any other error is final: that read had the whole deadline."""
+    try:
+        return fut.result()
+    except (CancelledError, torch.OutOfMemoryError):
+        return None

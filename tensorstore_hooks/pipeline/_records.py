@@ -567,6 +567,21 @@ class HostCopies:
                 rec._drop_source()
             return self._take(rec) if rec.state == State.DIRTY else None
 
+    def let_go(self, rec: Record) -> HostCopy | None:
+        """The consuming stream now waits (on the device) for ``rec``'s copy to host:
+        the saved tensor may go before the copy is seen complete (NOTE [ Copy window ]
+        in ``pipeline/_device.py``). As :meth:`done`, but the copy's event stays: host
+        readers of the bytes still wait for it. Returns a DIRTY record's copy to give back.
+        """
+        with self._lock:
+            if rec.staged is None:
+                return None
+            if rec.source is not None and rec.state in _COPYING:
+                if rec.modified():
+                    rec.move(State.DIRTY)
+                rec._drop_source()
+            return self._take(rec) if rec.state == State.DIRTY else None
+
     def take(self, rec: Record) -> HostCopy | None:
         """Detach ``rec``'s host copy for the caller to give back (``None``: it has
         none, or a read still uses it and its last reader gives it back)."""

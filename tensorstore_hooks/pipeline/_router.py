@@ -44,7 +44,13 @@ from tensorstore_hooks.pipeline._records import (
 from tensorstore_hooks.pipeline._spans import Pattern, Span, pattern_of
 from tensorstore_hooks.pipeline._staging import CopyEvent, device_bytes
 from tensorstore_hooks.pipeline._stats import OffloadStats, RouteStats
-from tensorstore_hooks.pipeline._timeline import PACK_RANGE, UNPACK_RANGE, Timeline, span
+from tensorstore_hooks.pipeline._timeline import (
+    PACK_RANGE,
+    UNPACK_RANGE,
+    Timeline,
+    ranges_off,
+    span,
+)
 from tensorstore_hooks.pipeline._writebehind import WriteBehind
 from tensorstore_hooks.runtime import PipelineEffects, foreign, never_compiled, shielded
 
@@ -189,6 +195,8 @@ class Router:
     @never_compiled  # called from compiled graphs: NOTE [ torch.compile ], rule 3
     def pack(self, t: torch.Tensor) -> Packed:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
+        if ranges_off(self.timeline):  # nobody would see the range
+            return self._pack(t)
         with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
             return self._pack(t)
 
@@ -238,6 +246,8 @@ class Router:
     def unpack(self, packed: Packed) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
         if isinstance(packed, Handle):
+            if ranges_off(self.timeline):  # nobody would see the range
+                return self.load(packed)
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
                 return self.load(packed)  # load() notes the backward step itself
         if isinstance(packed, Recomputed):

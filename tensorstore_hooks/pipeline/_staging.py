@@ -19,6 +19,9 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
 2. A device tensor a copy reads stays referenced until that copy's event has
    completed, so the caching allocator cannot hand its memory to another kernel (a
    copy on the producing stream itself, rule 8: ``record_stream`` on that stream).
+   Every tensor taken off the device is also ``record_stream``-ed on its producer at
+   pack: memory allocated for another stream returns to that stream's pool when the
+   library drops it, and must not be handed out while the producer may still use it.
 3. A pinned buffer goes back to its pool or tier, to be written or copied into again,
    only once every copy using it has completed; bytes copied to host are read, on the
    host or by a copy back to the device on any stream, only after the copy's event
@@ -47,16 +50,20 @@ The rules every copy between host and device keeps; ``docs/life-of-a-saved-tenso
    complete (polled), and events are made with ``blocking=True`` so a thread that
    does wait sleeps.
 10. No event is queried or synchronized while a graph is being captured: pack keeps
-    tensors in place then, and unpack refuses to bring an offloaded one back.
+    tensors in place then, and unpack refuses to bring an offloaded one back. CUDA's
+    global capture mode forbids it on every thread, so once pack has seen a capture
+    the I/O threads and buffer returns query nothing, and copies wait, until the
+    capturing stream says it has ended (``cudaStreamIsCapturing``, legal to ask).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeAlias, cast
+from typing import ClassVar, Protocol, TypeAlias, cast
 
 import torch
 
@@ -77,6 +84,7 @@ __all__ = [
     "TorchCuda",
     "pinned_block_bytes",
     "pinned_buffer",
+    "producer_event",
     "returned_bytes",
     "span_bytes",
     "with_bits",
@@ -120,6 +128,11 @@ class Runtime(Protocol):
 
     def current_stream(self, device: torch.device) -> Stream:
         """The calling thread's current stream on ``device``."""
+        ...
+
+    def stream_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is capturing a graph (legal to ask from any thread, even
+        during a capture: ``cudaStreamIsCapturing``)."""
         ...
 
     def new_stream(self, device: torch.device) -> Stream:
@@ -192,11 +205,19 @@ class TorchCuda:
 
     @staticmethod
     def capturing(device: torch.device) -> bool:
-        return bool(torch.cuda.is_current_stream_capturing())
+        # ``device``'s own current stream (finding L): is_current_stream_capturing()
+        # alone asks about the current device's, whatever device the tensor is on.
+        return TorchCuda.stream_capturing(torch.cuda.current_stream(device))
 
     @staticmethod
     def current_stream(device: torch.device) -> Stream:
         return torch.cuda.current_stream(device)
+
+    @staticmethod
+    def stream_capturing(stream: Stream) -> bool:
+        # current stream is thread-local: setting it here changes no other thread's
+        with torch.cuda.stream(cast(torch.cuda.Stream, stream)):
+            return bool(torch.cuda.is_current_stream_capturing())
 
     @staticmethod
     def new_stream(device: torch.device) -> Stream:
@@ -243,6 +264,9 @@ class TorchCuda:
         t.record_stream(cast(torch.cuda.Stream, stream))
 
 
+_TORCH_CUDA = TorchCuda()  # one runtime object: the key of the process's shared streams
+
+
 class DeviceOps(Protocol):
     """Every device-specific step the device stager takes: the seam CPU tests drive.
 
@@ -257,6 +281,15 @@ class DeviceOps(Protocol):
 
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device``'s current stream (rule 10)."""
+        ...
+
+    def capture_stream(self, device: torch.device) -> Stream:
+        """The stream capturing a graph on ``device`` (the current one), for
+        :meth:`stream_capturing` from other threads."""
+        ...
+
+    def stream_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is still capturing (asking is legal during a capture)."""
         ...
 
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -275,11 +308,17 @@ class DeviceOps(Protocol):
         self, host: torch.Tensor, device: torch.device, after: CopyEvent | None = None
     ) -> Loaded:
         """Start copying ``host`` onto ``device`` once ``after`` (if any) has completed:
-        ``(tensor, event)``; ``host`` stays untouched until the event has completed."""
+        ``(tensor, event)``; ``host`` stays untouched, and the tensor referenced, until
+        the event has completed."""
         ...
 
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
         """An event recorded now on the stream making ``t`` (the current stream)."""
+        ...
+
+    def wait_current(self, device: torch.device, event: CopyEvent) -> None:
+        """Make later work on ``device``'s current stream wait for ``event`` (on the
+        device: the host does not block)."""
         ...
 
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
@@ -354,7 +393,27 @@ class PinnedPool:
 
 
 class StreamSet:
-    """One device-to-host and one host-to-device stream per device, made lazily."""
+    """One device-to-host and one host-to-device stream per device, made lazily.
+
+    :meth:`shared` gives every pipeline of a process the same set for one runtime:
+    torch hands streams out round-robin from a pool of 32 per device, which NCCL's
+    communicators use too, so two new streams per pipeline (hooks made every step)
+    would soon share a stream with a collective and serialize behind it.
+    """
+
+    _sets: ClassVar[weakref.WeakKeyDictionary[Runtime, StreamSet]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _sets_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def shared(cls, runtime: Runtime) -> StreamSet:
+        """The process's one :class:`StreamSet` over ``runtime``."""
+        with cls._sets_lock:
+            found = cls._sets.get(runtime)
+            if found is None:
+                found = cls._sets[runtime] = cls(runtime)
+            return found
 
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
@@ -446,6 +505,7 @@ def copy_to_host(t: torch.Tensor, buf: torch.Tensor, streams: StreamSet, rt: Run
         rt.copy(dst, flat, non_blocking=True)
         done = rt.new_event()
         rt.record(done, copy_stream)
+    rt.record_stream(flat, producer)  # rule 2: memory of another stream's pool
     # ``buf`` may be a range of a larger slab (NOTE [ Pinned slabs ]): from its offset.
     host = dst.as_strided(t.shape, t.stride(), dst.storage_offset())
     return with_bits(host, conj, neg), done
@@ -466,7 +526,8 @@ def copy_to_device(
     ``host`` still running) has completed. From pinned memory the copy is
     asynchronous, from pageable memory torch stages it at once. Either way the consumer
     waits for ``done`` before use (see :func:`consume`), and ``host`` must stay
-    untouched until ``done`` has completed.
+    untouched until ``done`` has completed. The caller keeps the returned tensor
+    referenced until then too: a read nobody claims must not free its block mid-copy.
     """
     src, conj, neg = physical(host)
     flat, span = _flat(src)
@@ -482,8 +543,22 @@ def copy_to_device(
         rt.copy(base, flat, non_blocking=True)
         done = rt.new_event()
         rt.record(done, stream)
-    rt.record_stream(base, stream)  # freed early (a read nobody claims): not reused mid-copy
+    # No record_stream on the copy stream (finding I): the allocator would hold the
+    # block until that stream drained every read queued after it. The caller keeps the
+    # tensor alive until ``done`` has completed instead (rule 2's way, for this copy).
     return with_bits(base.as_strided(host.shape, host.stride(), 0), conj, neg), done
+
+
+def producer_event(t: torch.Tensor, rt: Runtime) -> CopyEvent:
+    """An event recorded now on the current stream, the one making ``t``, for
+    :func:`copy_to_pageable` on another thread later; ``t`` is ``record_stream``-ed on
+    that stream (rule 2: memory from another stream's pool is not handed out again
+    while the producer's kernels may still use it)."""
+    producer = rt.current_stream(t.device)
+    event = rt.new_event()
+    rt.record(event, producer)
+    rt.record_stream(t, producer)
+    return event
 
 
 def copy_to_pageable(
@@ -562,8 +637,8 @@ class CudaOps:
     (default :class:`TorchCuda`): what the device stager does with an accelerator."""
 
     def __init__(self, runtime: Runtime | None = None) -> None:
-        self.runtime: Runtime = TorchCuda() if runtime is None else runtime
-        self.streams = StreamSet(self.runtime)
+        self.runtime: Runtime = _TORCH_CUDA if runtime is None else runtime
+        self.streams = StreamSet.shared(self.runtime)  # finding K: not two per pipeline
 
     def accelerated(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` are staged through host memory."""
@@ -572,6 +647,14 @@ class CudaOps:
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device``'s current stream."""
         return self.runtime.capturing(device)
+
+    def capture_stream(self, device: torch.device) -> Stream:
+        """The stream capturing a graph on ``device`` (the current one)."""
+        return self.runtime.current_stream(device)
+
+    def stream_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is still capturing a graph."""
+        return self.runtime.stream_capturing(stream)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A new pinned host buffer of ``nbytes`` bytes."""
@@ -593,9 +676,11 @@ class CudaOps:
 
     def producer_event(self, t: torch.Tensor) -> CopyEvent:
         """An event recorded now on the current stream (the one making ``t``)."""
-        event = self.runtime.new_event()
-        self.runtime.record(event, self.runtime.current_stream(t.device))
-        return event
+        return producer_event(t, self.runtime)
+
+    def wait_current(self, device: torch.device, event: CopyEvent) -> None:
+        """The current stream of ``device`` waits for ``event`` (a device-side wait)."""
+        self.runtime.wait(self.runtime.current_stream(device), event)
 
     def to_pageable(self, t: torch.Tensor, ready: CopyEvent) -> torch.Tensor:
         """``t`` in new pageable host memory, copied after ``ready``; :func:`copy_to_pageable`."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -268,17 +269,36 @@ class SystemMemory:
 
     def peak(self, device: torch.device) -> int:
         if device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(device))
+            return _cuda_peak(device, torch.cuda.memory_stats(device))
         return peak_rss_bytes()
 
 
+_cuda_marks: dict[torch.device, int] = {}  # high-water marks a stats reset cannot lower
+_cuda_marks_lock = threading.Lock()
+
+
+def _cuda_peak(device: torch.device, stats: dict[str, int]) -> int:
+    """The device's high-water mark: the caching allocator's *reserved* peak (what
+    fragmentation really takes, not only what tensors were allocated), and never
+    lower than a mark seen before, since ``torch.cuda.reset_peak_memory_stats()``,
+    which training loops commonly call, resets the allocator's own peaks."""
+    seen = max(
+        int(stats.get("reserved_bytes.all.peak", 0)),
+        int(stats.get("allocated_bytes.all.peak", 0)),
+        int(stats.get("reserved_bytes.all.current", 0)),
+    )
+    with _cuda_marks_lock:
+        mark = _cuda_marks[device] = max(_cuda_marks.get(device, 0), seen)
+    return mark
+
+
 def _cuda_reading(device: torch.device) -> MemoryReading:
-    """Free device memory plus what torch's caching allocator holds; its peak allocation."""
+    """Free device memory plus what torch's caching allocator holds; its peak reserve."""
     free, _total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
     reserved = int(stats.get("reserved_bytes.all.current", 0))
     return MemoryReading(
         limit_bytes=int(free) + reserved,
-        peak_bytes=int(stats.get("allocated_bytes.all.peak", 0)),
+        peak_bytes=_cuda_peak(device, stats),
         source=f"{device}: free memory plus the caching allocator's reserve",
     )

@@ -317,9 +317,10 @@ def test_5_read_ahead_counts_the_device_bytes_of_what_comes_back(
 def test_6_read_ahead_skips_held_tensors_whose_device_copy_is_still_there() -> None:
     """Copies to host that have not been seen complete leave the device tensor in its
     record: backward uses it; reading the host copy back would make a second device
-    copy at peak memory that unpack never uses."""
+    copy at peak memory that unpack never uses. (A copy window wide enough for all
+    four: NOTE [ Copy window ] bounds them otherwise.)"""
     ops = CpuAsAccelerator(lazy=True, polls=1000)
-    hooks, _ = fake_hooks(ops=ops, host_budget="1MiB", prefetch="1MiB")
+    hooks, _ = fake_hooks(ops=ops, host_budget="1MiB", prefetch="1MiB", max_inflight="1MiB")
     run_chain(hooks, 4)
     stats = hooks.stats
     assert ops.to_device_calls == stats.prefetch_hits + stats.prefetch_misses == 0

@@ -267,9 +267,10 @@ def test_a_copy_that_completes_after_an_in_place_change_is_dirty_and_freed() -> 
 def test_async_copies_keep_the_device_tensor_until_they_complete() -> None:
     # A copy that has not completed leaves the record holding the device tensor
     # (unpack then returns it as is); a spill waits for the copy before writing.
+    # (A copy window wide enough for all ten: NOTE [ Copy window ] bounds them otherwise.)
     ops = CpuAsAccelerator(lazy=True, polls=1000)
     store = WrappedStore()
-    hooks = offload(store, ops=ops)
+    hooks = offload(store, ops=ops, max_inflight="1MiB")
     x, loss = forward(hooks, 10)
     recs = hooks._pipeline.table.records()
     assert [r.state for r in recs] == [State.STORED] * 6 + [State.HELD] * 4
