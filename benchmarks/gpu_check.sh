@@ -4,7 +4,7 @@
 #   benchmarks/gpu_check.sh prepare   # here, before the call: wheels into .gpu/ (ignored)
 #   benchmarks/gpu_check.sh           # on the lent machine (carry: [".gpu"])
 #
-# The device call:  run(command="bash benchmarks/gpu_check.sh", carry=[".gpu"], timeout_s=570)
+# The device call:  run(command="bash benchmarks/gpu_check.sh", carry=[".gpu"], timeout_s=540)
 #
 # On the lent machine (torch with CUDA, no index; ../shared/gpu/README.md) it installs
 # the wheels of .gpu/ and the project under /tmp/site (the image's torch untouched),
@@ -82,7 +82,7 @@ fi
 # 2. the cuda-marked tests (only the files that hold them: the others need test extras)
 files=$(grep -l "mark.cuda" -r tests --include='test_*.py' | sort | tr '\n' ' ')
 say "cuda tests in: $files"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --junitxml="$OUT/cuda_tests.xml" \
+timeout 170 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --junitxml="$OUT/cuda_tests.xml" \
     $files > "$OUT/cuda_tests.log" 2>&1
 rc=$?
 status[cuda_tests]=$rc
@@ -92,7 +92,7 @@ say "cuda tests: exit $rc ($([ $cuda = 1 ] && echo ran || echo 'skipped: no CUDA
 # 3. the GPU benchmark
 if [ $cuda = 1 ]; then
     modes="none,save_on_cpu,torchtune,tsh-memory,tsh-host,tsh-auto"
-    timeout 300 "$PY" benchmarks/train_step.py --device cuda --modes "$modes" --rounds 2 \
+    timeout 280 "$PY" benchmarks/train_step.py --device cuda --modes "$modes" --rounds 2 \
         --steps 3 --json "$OUT/train_step_cuda.json" > "$OUT/train_step_cuda.log" 2>&1
     rc=$?
     status[train_step_cuda]=$rc
@@ -103,7 +103,7 @@ else
 fi
 
 # 4. Python calls per pack and unpack (host time that must hide under the kernels)
-timeout 60 "$PY" benchmarks/python_calls.py > "$OUT/python_calls.log" 2>&1
+timeout 50 "$PY" benchmarks/python_calls.py > "$OUT/python_calls.log" 2>&1
 status[python_calls]=$?
 tail -n 12 "$OUT/python_calls.log"
 
