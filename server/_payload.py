@@ -82,6 +82,7 @@ from collections.abc import AsyncIterator, Callable
 
 __all__ = [
     "ANSWER_PIECE_BYTES",
+    "FAIR_STALL_S",
     "GET_STALL_S",
     "PIECE_BYTES",
     "PUT_STALL_S",
@@ -101,6 +102,13 @@ GET_STALL_S = 0.02
 """A GET piece blocked on its client this long may be preempted (NOTE [ Preemption ])."""
 PUT_STALL_S = 0.5
 """A PUT blocked on its client this long may be dropped (NOTE [ Preemption ])."""
+FAIR_STALL_S = 0.02
+"""A holder of a session over its fair share, stalled this long (on its client, or
+waiting for budget), may be preempted for a session under its share (NOTE [ Fair
+preemption ]). About one piece's time on loopback (a 1 MiB PUT piece or a 4 MiB GET
+piece moves in a few ms): the longest a request under its share waits per piece for
+holders that do not move their bytes. Any longer and a client that keeps
+reconnecting and refilling the budget sets the pace of everyone else."""
 
 
 class Preempted(Exception):
@@ -124,6 +132,7 @@ class Hold:
     __slots__ = (
         "_wake",
         "blocked_since",
+        "fair_stall_s",
         "held",
         "on_block",
         "order",
@@ -133,10 +142,15 @@ class Hold:
         "waiting_since",
     )
 
-    def __init__(self, session: str, order: int, stall_s: float) -> None:
+    def __init__(
+        self, session: str, order: int, stall_s: float, fair_stall_s: float | None = None
+    ) -> None:
         self.session = session
         self.order = order
         self.stall_s = stall_s
+        self.fair_stall_s = stall_s if fair_stall_s is None else min(stall_s, fair_stall_s)
+        """Its stall time when its session is over its share and a session under its
+        share needs room (NOTE [ Fair preemption ])."""
         self.held = 0
         self.blocked_since: float | None = None
         """When it began to wait on its client (None: it is not)."""
@@ -219,23 +233,28 @@ class _Shares:
             del self.by_session[h.session]
         h.held = 0
 
-    def preempt(self, need: int, among: list[Hold], again: Callable[[], None]) -> None:
+    def preempt(
+        self, need: int, among: list[Hold], again: Callable[[], None], fair_share: int = 0
+    ) -> None:
         """Preempt blocked holders of ``among``, the session holding most first, until
         ``need`` bytes are on their way back. Holders blocked for less than their stall
         time are left alone; ``again`` is called when the soonest of them reaches it
-        (if that much was not found)."""
+        (if that much was not found). ``fair_share``: when not 0, the request is of a
+        session under this share, and holders of sessions over it have their short
+        stall time (NOTE [ Fair preemption ])."""
         now = time.monotonic()
         ready: list[Hold] = []
         soonest: float | None = None
         for h in among:
             if h.preempted or not h.stalled or not h.held:
                 continue
-            left = h.stall_s - h.stalled_for(now)
+            over = fair_share and self.by_session.get(h.session, 0) > fair_share
+            left = (h.fair_stall_s if over else h.stall_s) - h.stalled_for(now)
             if left <= 0:
                 ready.append(h)
             elif soonest is None or left < soonest:
                 soonest = left
-        ready.sort(key=lambda h: (-self.by_session.get(h.session, 0), -h.stalled_for(now)))
+        ready.sort(key=lambda h: (-self.by_session.get(h.session, 0), -h.held, -h.stalled_for(now)))
         freed = sum(h.held for h in among if h.preempted)  # already on their way back
         for h in ready:
             if freed >= need:
@@ -285,14 +304,14 @@ class PayloadBudget:
         return self._shares.used
 
     def open(self, session: str) -> PayloadTicket:
-        t = PayloadTicket(session, next(self._orders), PUT_STALL_S)
+        t = PayloadTicket(session, next(self._orders), PUT_STALL_S, FAIR_STALL_S)
         t.on_block = self._blocked
         self._shares.holders[t] = None
         return t
 
     def _blocked(self, t: Hold) -> None:
-        if self._waiters:  # rule 4: look again once it has stalled long enough
-            self._shares.arm(time.monotonic() + t.stall_s, self._wake)
+        if self._waiters:  # rule 4: look again once it may have stalled long enough
+            self._shares.arm(time.monotonic() + t.fair_stall_s, self._wake)
 
     def _oldest(self) -> Hold | None:
         return next(iter(self._shares.holders), None)
@@ -368,7 +387,9 @@ class PayloadBudget:
                 if not self._total_fits(n):
                     short.append((t, self._shares.used + n - self.limit, False))
                     break
-                if not self._share_fits(t, n, share) and not self._holds_least(t, skipped):
+                if not self._share_fits(t, n, share) and not (
+                    self._holds_least(t, skipped) and self._spare_fits(t, n, share)
+                ):
                     short.append((t, held.get(t.session, 0) + n - share, True))
                     skipped.add(t.session)
                     continue
@@ -376,7 +397,10 @@ class PayloadBudget:
             self._shares.grant(t, n)
             fut.set_result(None)
         for t, need, own in short:
-            self._shares.preempt(need, self._droppable(t, own, share), self._wake)
+            # NOTE [ Fair preemption ]: a request of a session under its share does not
+            # wait PUT_STALL_S for holders of sessions over theirs.
+            fair = 0 if own or held.get(t.session, 0) >= share else share
+            self._shares.preempt(need, self._droppable(t, own, share), self._wake, fair)
 
     def _scan_order(
         self, oldest: Hold | None
@@ -401,6 +425,16 @@ class PayloadBudget:
             for w, _, _ in self._waiters
             if w.session != t.session and w.session not in skipped
         )
+
+    def _spare_fits(self, t: PayloadTicket, n: int, share: int) -> bool:
+        """``n`` bytes past ``t``'s share fit beside the room kept for the other
+        sessions with a PUT in progress that hold less than their share (rule 2): a
+        session past its share takes only what they cannot claim, so a PUT within its
+        share is not preempting a piece back at every piece."""
+        held = self._shares.by_session
+        sessions = {h.session for h in self._shares.holders if h.session != t.session}
+        kept = sum(max(0, share - held.get(s, 0)) for s in sessions)
+        return self._shares.used + n + kept <= self.limit
 
     def _droppable(self, t: PayloadTicket, own: bool, share: int) -> list[Hold]:
         """Who may be dropped for ``t`` (rule 4): PUTs stalled on their clients (of its
@@ -463,11 +497,18 @@ class AnswerBudget:
         finally:
             self.release(h)
 
-    async def acquire(self, session: str, n: int, stall_s: float = GET_STALL_S) -> Hold:
+    async def acquire(
+        self,
+        session: str,
+        n: int,
+        stall_s: float = GET_STALL_S,
+        fair_stall_s: float = FAIR_STALL_S,
+    ) -> Hold:
         """Wait for room, then hold ``n`` bytes for ``session``; :meth:`release` it.
         ``stall_s``: how long the holder may be blocked on its client before it may be
-        preempted (rule 4)."""
-        h = Hold(session, next(self._orders), stall_s)
+        preempted (rule 4); ``fair_stall_s``: the same while its session is over its
+        share and a session under its share waits (NOTE [ Fair preemption ])."""
+        h = Hold(session, next(self._orders), stall_s, fair_stall_s)
         h.on_block = self._blocked
         item = (h, n, asyncio.get_running_loop().create_future())
         self._waiters.append(item)
@@ -486,8 +527,8 @@ class AnswerBudget:
         return h
 
     def _blocked(self, h: Hold) -> None:
-        if self._waiters:  # rule 4: look again once it has stalled long enough
-            self._shares.arm(time.monotonic() + h.stall_s, self._wake)
+        if self._waiters:  # rule 4: look again once it may have stalled long enough
+            self._shares.arm(time.monotonic() + h.fair_stall_s, self._wake)
 
     def release(self, h: Hold) -> None:
         """Give back what ``h`` holds. Idempotent."""
@@ -497,20 +538,34 @@ class AnswerBudget:
         self._shares.give_back(h)
         self._wake()
 
+    def _fair_share(self) -> int:
+        """Rule 2: ``limit // (sessions holding or asking + 1)``."""
+        active = set(self._shares.by_session)
+        active.update(h.session for h, _, _ in self._waiters)
+        return max(1, self.limit // (len(active) + 1))
+
+    def _scan_order(self, share: int) -> list[tuple[Hold, int, asyncio.Future[None]]]:
+        """Waiters in granting order (rule 2): those of sessions holding less than
+        ``share`` first, then the others, each group in order of asking."""
+        held = self._shares.by_session
+        return sorted(self._waiters, key=lambda w: held.get(w[0].session, 0) >= share)
+
     def _wake(self) -> None:
-        # Rule 2: in order of asking; a request whose session is at its share is
-        # skipped (it waits for its own session's pieces), one that does not fit the
-        # total stops the scan (first come, first served for the shared part). Rule 4:
-        # whoever waits first may preempt blocked holders: its own session's when it
-        # waits for its share, anyone's (the biggest session first) for the total.
+        # Rule 2: sessions under their fair share first, then in order of asking; a
+        # request whose session is at its session limit is skipped (it waits for its
+        # own session's pieces), one that does not fit the total stops the scan (first
+        # come, first served for the shared part). Rule 4: whoever waits first may
+        # preempt blocked holders: its own session's when it waits for its session
+        # limit, anyone's (the biggest session first) for the total, those of sessions
+        # over their share after FAIR_STALL_S if it is under its share.
+        self._waiters = collections.deque(w for w in self._waiters if not w[2].done())
+        share = self._fair_share()
+        fair = 0
         waiting_sessions: set[str] = set()
         short_share: list[tuple[str, int]] = []  # (session, bytes over its share)
         short_total = 0
-        for item in list(self._waiters):
+        for item in self._scan_order(share):
             h, n, fut = item
-            if fut.done():
-                self._waiters.remove(item)
-                continue
             if h.session in waiting_sessions or not self._session_fits(h.session, n):
                 if h.session not in waiting_sessions:
                     held = self._shares.by_session.get(h.session, 0)
@@ -519,6 +574,7 @@ class AnswerBudget:
                 continue
             if not self._total_fits(n):
                 short_total = self._shares.used + n - self.limit
+                fair = share if self._shares.by_session.get(h.session, 0) < share else 0
                 break
             self._waiters.remove(item)
             self._shares.grant(h, n)
@@ -528,7 +584,7 @@ class AnswerBudget:
         for session, need in short_share:
             self._shares.preempt(need, [x for x in holders if x.session == session], self._wake)
         if short_total > 0:
-            self._shares.preempt(short_total, list(holders), self._wake)
+            self._shares.preempt(short_total, list(holders), self._wake, fair)
 
     def snapshot(self) -> dict[str, int]:
         return {
