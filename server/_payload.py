@@ -17,9 +17,13 @@ every other client's disk-bound PUT would wait for the read deadline. So:
    holding or asking + 1)``, so that one session (whatever its number of
    connections) never holds more than its part and a session that arrives finds
    room. A session past its share is still granted when no other waiting session
-   holds less: a PUT larger than a share completes without waiting to become the
-   oldest. The *oldest* PUT in progress is always granted, even past the limit or
-   its share: partial holders waiting for each other can never deadlock, and the
+   holds less, and only from the room that the other sessions with a PUT in
+   progress that hold less than their share cannot claim (up to their share): a
+   PUT larger than a share completes without waiting to become the oldest, and the
+   room one preemption made for a PUT within its share stays that PUT's for its
+   next pieces, not taken back by the sessions over theirs between two of them.
+   The *oldest* PUT in progress is always granted, even past the limit or its
+   share: partial holders waiting for each other can never deadlock, and the
    overshoot is at most the rest of one PUT (at most ``max_tensor``).
 3. Waiting for budget is the daemon's doing, not the peer's: it does not count
    against the peer's read deadline (``_wire``).
@@ -29,6 +33,8 @@ every other client's disk-bound PUT would wait for the read deadline. So:
    waited :data:`PUT_STALL_S` for more budget while its session holds more than its
    share and another session's request does not fit the total: many sessions whose
    PUTs each hold a little and wait for more would otherwise keep the whole budget.
+   When that request's session holds less than its share, PUTs of sessions over
+   their share go after :data:`FAIR_STALL_S` instead (NOTE [ Fair preemption ]).
 
 NOTE [ Answers read from disk ]
 A GET of a disk-tier tensor is streamed: the daemon reads one piece (whole chunks,
@@ -41,8 +47,10 @@ and in total (``limits.get_buffer``):
    took all of it; the buffer is dropped with it (nothing keeps a piece alive
    between reads). A client that does not read its answers therefore holds at most
    one piece per connection, and never more than its session's share.
-2. Pieces are granted in order of asking, except that a request whose *session* is
-   at its share waits without holding up requests of other sessions behind it.
+2. Pieces are granted in order of asking, the requests of sessions holding less
+   than their fair share of the total (``limit // (sessions holding or asking +
+   1)``) first, except that a request whose *session* is at ``session_get_buffer``
+   waits without holding up requests of other sessions behind it.
 3. A piece larger than a limit is granted when nothing else holds that budget (so
    a small limit slows GETs down, never refuses them).
 4. A piece whose send has been waiting for the client to read for
@@ -69,6 +77,20 @@ for when it is not), so a client that reads and writes at its own pace is never
 preempted for a short pause. Holders waiting for the disk, or for the budget itself,
 are not preempted (that wait is the daemon's doing), except a PUT of a session over
 its share (rule 4 above).
+
+NOTE [ Fair preemption ]
+A stall time long enough to spare a slow client (:data:`PUT_STALL_S`) is far longer
+than a piece takes, so a client that holds a budget with stalled requests and comes
+back as soon as it is dropped (or moves a few bytes now and then, never stalled that
+long) would make every other session wait that long per piece. So, when the request
+that cannot be granted is of a session holding less than its fair share, holders of
+sessions holding more than theirs are preempted once stalled :data:`FAIR_STALL_S` (on
+their client, or a PUT waiting for budget): about one piece's time. Everything else
+keeps its own stall time: a session's own PUTs, requests of sessions at or past
+their share, the total for a session past its share, LIST and STATS answers (they
+cannot be built again, so a drop costs the connection). A client that moves its
+bytes at loopback pace is never blocked that long; one that is, while over its share
+and another session is under its, costs itself a retry, not the others a wait.
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ PIECE = MiB  # server/_payload.py PIECE_BYTES
 
 
 @contextlib.contextmanager
-def _half_sent_puts(url: str, sessions: int, per_session: int, size: int) -> Iterator[list[int]]:
+def _trickling_puts(url: str, sessions: int, per_session: int, size: int) -> Iterator[list[int]]:
     """``sessions`` sessions, each with ``per_session`` writers that send almost half
-    of a PUT of ``size`` bytes (16 MiB: 7.5 MiB, which holds 8 pieces of the budget)
-    and then 4 KiB every 100 ms (never stalled long, never done: the rest of their
-    8th piece takes minutes), and when the daemon drops them come back at once and do
-    it again. Yields the count of their drops."""
+    of a PUT of ``size`` bytes (16 MiB: 7.5 MiB) and then 4 KiB every 100 ms (never
+    blocked for PUT_STALL_S, never done: the rest of the piece takes minutes), and
+    when the daemon drops them come back at once and do it again. Yields the count of
+    their drops."""
     meta = tsh.TensorMeta("uint8", (size,), (1,), 0, False, "cpu", False, size).to_dict()
     head = message_head({"op": "put", "id": 2, "meta": meta, "size": size}, size)
     half = head + bytes(size // 2 - size // 32)  # a quarter piece short of 8 pieces
@@ -84,8 +84,8 @@ def _half_sent_puts(url: str, sessions: int, per_session: int, size: int) -> Ite
 def test_a_put_under_its_share_waits_about_a_piece_for_stalled_over_share_puts(
     daemons: DaemonLauncher, tmp_path: Path
 ) -> None:
-    # Four sessions, two trickling writers each, hold the whole 64 MiB budget: 16 MiB a
-    # session, over its share once a fifth session asks (64 MiB // 6). Their peers are
+    # Three sessions, three trickling writers each, hold the whole 64 MiB budget: about
+    # 21 MiB a session, over its share once a fourth session asks (64 MiB // 5). Their peers are
     # never blocked for PUT_STALL_S (a trickle every 100 ms), so the old daemon never
     # dropped them: a victim session's PUT waited for their read timeout. Now a holder
     # of a session over its share blocked for FAIR_STALL_S gives way to a session under
@@ -99,7 +99,7 @@ def test_a_put_under_its_share_waits_about_a_piece_for_stalled_over_share_puts(
     d = daemons.start("--config", str(path))
     x = torch.randn(2 * MiB)  # 8 MiB: 8 pieces, within the victim's share
     puts = 4
-    with _half_sent_puts(d.url, sessions=3, per_session=3, size=16 * MiB) as drops:
+    with _trickling_puts(d.url, sessions=3, per_session=3, size=16 * MiB) as drops:
         wait_until(
             lambda: fetch_stats(d.url)["buffers"]["put"]["used"] >= 60 * MiB,
             30,
