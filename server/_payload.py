@@ -389,10 +389,12 @@ class PayloadBudget:
         # Drop waiters that gave up. Rule 2: the oldest PUT is granted whatever it
         # asks; the others session holding least first (then in order of asking), a
         # session at its share skipped (it waits for its own PUTs) unless no waiting
-        # session holds less, the first that does not fit the total ending the scan.
-        # Rule 4: for each session short of its share, its own PUTs stalled on their
-        # clients may be dropped; for the first request short of the total, any PUT
-        # stalled on its client, and any waiting for budget over its share.
+        # session holds less and the room kept for sessions under their share allows,
+        # the first that does not fit the total ending the scan. Rule 4: for each
+        # session short of its share, its own PUTs stalled on their clients may be
+        # dropped; for the first request short of the total, any PUT stalled on its
+        # client, and any waiting for budget over its share (after FAIR_STALL_S for a
+        # request of a session under its share, NOTE [ Fair preemption ]).
         self._waiters = collections.deque(
             w for w in self._waiters if not w[2].done() and w[0] in self._shares.holders
         )
