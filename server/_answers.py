@@ -83,7 +83,7 @@ async def send_built(
     budget is dropped (ConnectionClosed)."""
     body = build() if estimate is None else None
     need = len(body) if body is not None else estimate or 0
-    hold = await budget.acquire(session, need, stall_s=PUT_STALL_S)
+    hold = await budget.acquire(session, need, stall_s=PUT_STALL_S, fair_stall_s=PUT_STALL_S)
     parts: list[bytes | memoryview] | None = None
     try:
         if body is None:

@@ -36,7 +36,7 @@ from tensorstore_hooks.protocol import (
 
 from ._answers import send_built, send_entry
 from ._conns import Conn
-from ._payload import PUT_STALL_S, Preempted
+from ._payload import FAIR_STALL_S, PUT_STALL_S, Preempted
 from ._services import Services
 from ._tensor_rules import meta_problem
 from ._tiers import Reservation, TierError
@@ -193,8 +193,9 @@ class Handlers:
             except Preempted:  # NOTE [ Preemption ]: its buffer goes, and the connection
                 raise ProtocolError(
                     ErrorCode.BUSY,
-                    f"dropped: this PUT's payload stalled for {PUT_STALL_S:g}s or more while "
-                    "other clients needed the daemon's PUT buffer; send it again",
+                    f"dropped: this PUT's payload stalled for {PUT_STALL_S:g}s or more "
+                    f"({FAIR_STALL_S:g}s while its session was over its share) while other "
+                    "clients needed the daemon's PUT buffer; send it again",
                     fatal=True,
                 ) from None
             if s.ended:

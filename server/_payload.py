@@ -17,9 +17,13 @@ every other client's disk-bound PUT would wait for the read deadline. So:
    holding or asking + 1)``, so that one session (whatever its number of
    connections) never holds more than its part and a session that arrives finds
    room. A session past its share is still granted when no other waiting session
-   holds less: a PUT larger than a share completes without waiting to become the
-   oldest. The *oldest* PUT in progress is always granted, even past the limit or
-   its share: partial holders waiting for each other can never deadlock, and the
+   holds less, and only from the room that the other sessions with a PUT in
+   progress that hold less than their share cannot claim (up to their share): a
+   PUT larger than a share completes without waiting to become the oldest, and the
+   room one preemption made for a PUT within its share stays that PUT's for its
+   next pieces, not taken back by the sessions over theirs between two of them.
+   The *oldest* PUT in progress is always granted, even past the limit or its
+   share: partial holders waiting for each other can never deadlock, and the
    overshoot is at most the rest of one PUT (at most ``max_tensor``).
 3. Waiting for budget is the daemon's doing, not the peer's: it does not count
    against the peer's read deadline (``_wire``).
@@ -29,6 +33,8 @@ every other client's disk-bound PUT would wait for the read deadline. So:
    waited :data:`PUT_STALL_S` for more budget while its session holds more than its
    share and another session's request does not fit the total: many sessions whose
    PUTs each hold a little and wait for more would otherwise keep the whole budget.
+   When that request's session holds less than its share, PUTs of sessions over
+   their share go after :data:`FAIR_STALL_S` instead (NOTE [ Fair preemption ]).
 
 NOTE [ Answers read from disk ]
 A GET of a disk-tier tensor is streamed: the daemon reads one piece (whole chunks,
@@ -41,8 +47,10 @@ and in total (``limits.get_buffer``):
    took all of it; the buffer is dropped with it (nothing keeps a piece alive
    between reads). A client that does not read its answers therefore holds at most
    one piece per connection, and never more than its session's share.
-2. Pieces are granted in order of asking, except that a request whose *session* is
-   at its share waits without holding up requests of other sessions behind it.
+2. Pieces are granted in order of asking, the requests of sessions holding less
+   than their fair share of the total (``limit // (sessions holding or asking +
+   1)``) first, except that a request whose *session* is at ``session_get_buffer``
+   waits without holding up requests of other sessions behind it.
 3. A piece larger than a limit is granted when nothing else holds that budget (so
    a small limit slows GETs down, never refuses them).
 4. A piece whose send has been waiting for the client to read for
@@ -69,6 +77,20 @@ for when it is not), so a client that reads and writes at its own pace is never
 preempted for a short pause. Holders waiting for the disk, or for the budget itself,
 are not preempted (that wait is the daemon's doing), except a PUT of a session over
 its share (rule 4 above).
+
+NOTE [ Fair preemption ]
+A stall time long enough to spare a slow client (:data:`PUT_STALL_S`) is far longer
+than a piece takes, so a client that holds a budget with stalled requests and comes
+back as soon as it is dropped (or moves a few bytes now and then, never stalled that
+long) would make every other session wait that long per piece. So, when the request
+that cannot be granted is of a session holding less than its fair share, holders of
+sessions holding more than theirs are preempted once stalled :data:`FAIR_STALL_S` (on
+their client, or a PUT waiting for budget): about one piece's time. Everything else
+keeps its own stall time: a session's own PUTs, requests of sessions at or past
+their share, the total for a session past its share, LIST and STATS answers (they
+cannot be built again, so a drop costs the connection). A client that moves its
+bytes at loopback pace is never blocked that long; one that is, while over its share
+and another session is under its, costs itself a retry, not the others a wait.
 """
 
 from __future__ import annotations
@@ -82,6 +104,7 @@ from collections.abc import AsyncIterator, Callable
 
 __all__ = [
     "ANSWER_PIECE_BYTES",
+    "FAIR_STALL_S",
     "GET_STALL_S",
     "PIECE_BYTES",
     "PUT_STALL_S",
@@ -101,6 +124,13 @@ GET_STALL_S = 0.02
 """A GET piece blocked on its client this long may be preempted (NOTE [ Preemption ])."""
 PUT_STALL_S = 0.5
 """A PUT blocked on its client this long may be dropped (NOTE [ Preemption ])."""
+FAIR_STALL_S = 0.02
+"""A holder of a session over its fair share, stalled this long (on its client, or
+waiting for budget), may be preempted for a session under its share (NOTE [ Fair
+preemption ]). About one piece's time on loopback (a 1 MiB PUT piece or a 4 MiB GET
+piece moves in a few ms): the longest a request under its share waits per piece for
+holders that do not move their bytes. Any longer and a client that keeps
+reconnecting and refilling the budget sets the pace of everyone else."""
 
 
 class Preempted(Exception):
@@ -124,6 +154,7 @@ class Hold:
     __slots__ = (
         "_wake",
         "blocked_since",
+        "fair_stall_s",
         "held",
         "on_block",
         "order",
@@ -133,10 +164,15 @@ class Hold:
         "waiting_since",
     )
 
-    def __init__(self, session: str, order: int, stall_s: float) -> None:
+    def __init__(
+        self, session: str, order: int, stall_s: float, fair_stall_s: float | None = None
+    ) -> None:
         self.session = session
         self.order = order
         self.stall_s = stall_s
+        self.fair_stall_s = stall_s if fair_stall_s is None else min(stall_s, fair_stall_s)
+        """Its stall time when its session is over its share and a session under its
+        share needs room (NOTE [ Fair preemption ])."""
         self.held = 0
         self.blocked_since: float | None = None
         """When it began to wait on its client (None: it is not)."""
@@ -219,23 +255,28 @@ class _Shares:
             del self.by_session[h.session]
         h.held = 0
 
-    def preempt(self, need: int, among: list[Hold], again: Callable[[], None]) -> None:
+    def preempt(
+        self, need: int, among: list[Hold], again: Callable[[], None], fair_share: int = 0
+    ) -> None:
         """Preempt blocked holders of ``among``, the session holding most first, until
         ``need`` bytes are on their way back. Holders blocked for less than their stall
         time are left alone; ``again`` is called when the soonest of them reaches it
-        (if that much was not found)."""
+        (if that much was not found). ``fair_share``: when not 0, the request is of a
+        session under this share, and holders of sessions over it have their short
+        stall time (NOTE [ Fair preemption ])."""
         now = time.monotonic()
         ready: list[Hold] = []
         soonest: float | None = None
         for h in among:
             if h.preempted or not h.stalled or not h.held:
                 continue
-            left = h.stall_s - h.stalled_for(now)
+            over = fair_share and self.by_session.get(h.session, 0) > fair_share
+            left = (h.fair_stall_s if over else h.stall_s) - h.stalled_for(now)
             if left <= 0:
                 ready.append(h)
             elif soonest is None or left < soonest:
                 soonest = left
-        ready.sort(key=lambda h: (-self.by_session.get(h.session, 0), -h.stalled_for(now)))
+        ready.sort(key=lambda h: (-self.by_session.get(h.session, 0), -h.held, -h.stalled_for(now)))
         freed = sum(h.held for h in among if h.preempted)  # already on their way back
         for h in ready:
             if freed >= need:
@@ -285,14 +326,14 @@ class PayloadBudget:
         return self._shares.used
 
     def open(self, session: str) -> PayloadTicket:
-        t = PayloadTicket(session, next(self._orders), PUT_STALL_S)
+        t = PayloadTicket(session, next(self._orders), PUT_STALL_S, FAIR_STALL_S)
         t.on_block = self._blocked
         self._shares.holders[t] = None
         return t
 
     def _blocked(self, t: Hold) -> None:
-        if self._waiters:  # rule 4: look again once it has stalled long enough
-            self._shares.arm(time.monotonic() + t.stall_s, self._wake)
+        if self._waiters:  # rule 4: look again once it may have stalled long enough
+            self._shares.arm(time.monotonic() + t.fair_stall_s, self._wake)
 
     def _oldest(self) -> Hold | None:
         return next(iter(self._shares.holders), None)
@@ -348,10 +389,12 @@ class PayloadBudget:
         # Drop waiters that gave up. Rule 2: the oldest PUT is granted whatever it
         # asks; the others session holding least first (then in order of asking), a
         # session at its share skipped (it waits for its own PUTs) unless no waiting
-        # session holds less, the first that does not fit the total ending the scan.
-        # Rule 4: for each session short of its share, its own PUTs stalled on their
-        # clients may be dropped; for the first request short of the total, any PUT
-        # stalled on its client, and any waiting for budget over its share.
+        # session holds less and the room kept for sessions under their share allows,
+        # the first that does not fit the total ending the scan. Rule 4: for each
+        # session short of its share, its own PUTs stalled on their clients may be
+        # dropped; for the first request short of the total, any PUT stalled on its
+        # client, and any waiting for budget over its share (after FAIR_STALL_S for a
+        # request of a session under its share, NOTE [ Fair preemption ]).
         self._waiters = collections.deque(
             w for w in self._waiters if not w[2].done() and w[0] in self._shares.holders
         )
@@ -368,7 +411,9 @@ class PayloadBudget:
                 if not self._total_fits(n):
                     short.append((t, self._shares.used + n - self.limit, False))
                     break
-                if not self._share_fits(t, n, share) and not self._holds_least(t, skipped):
+                if not self._share_fits(t, n, share) and not (
+                    self._holds_least(t, skipped) and self._spare_fits(t, n, share)
+                ):
                     short.append((t, held.get(t.session, 0) + n - share, True))
                     skipped.add(t.session)
                     continue
@@ -376,7 +421,10 @@ class PayloadBudget:
             self._shares.grant(t, n)
             fut.set_result(None)
         for t, need, own in short:
-            self._shares.preempt(need, self._droppable(t, own, share), self._wake)
+            # NOTE [ Fair preemption ]: a request of a session under its share does not
+            # wait PUT_STALL_S for holders of sessions over theirs.
+            fair = 0 if own or held.get(t.session, 0) >= share else share
+            self._shares.preempt(need, self._droppable(t, own, share), self._wake, fair)
 
     def _scan_order(
         self, oldest: Hold | None
@@ -401,6 +449,16 @@ class PayloadBudget:
             for w, _, _ in self._waiters
             if w.session != t.session and w.session not in skipped
         )
+
+    def _spare_fits(self, t: PayloadTicket, n: int, share: int) -> bool:
+        """``n`` bytes past ``t``'s share fit beside the room kept for the other
+        sessions with a PUT in progress that hold less than their share (rule 2): a
+        session past its share takes only what they cannot claim, so a PUT within its
+        share is not preempting a piece back at every piece."""
+        held = self._shares.by_session
+        sessions = {h.session for h in self._shares.holders if h.session != t.session}
+        kept = sum(max(0, share - held.get(s, 0)) for s in sessions)
+        return self._shares.used + n + kept <= self.limit
 
     def _droppable(self, t: PayloadTicket, own: bool, share: int) -> list[Hold]:
         """Who may be dropped for ``t`` (rule 4): PUTs stalled on their clients (of its
@@ -463,11 +521,18 @@ class AnswerBudget:
         finally:
             self.release(h)
 
-    async def acquire(self, session: str, n: int, stall_s: float = GET_STALL_S) -> Hold:
+    async def acquire(
+        self,
+        session: str,
+        n: int,
+        stall_s: float = GET_STALL_S,
+        fair_stall_s: float = FAIR_STALL_S,
+    ) -> Hold:
         """Wait for room, then hold ``n`` bytes for ``session``; :meth:`release` it.
         ``stall_s``: how long the holder may be blocked on its client before it may be
-        preempted (rule 4)."""
-        h = Hold(session, next(self._orders), stall_s)
+        preempted (rule 4); ``fair_stall_s``: the same while its session is over its
+        share and a session under its share waits (NOTE [ Fair preemption ])."""
+        h = Hold(session, next(self._orders), stall_s, fair_stall_s)
         h.on_block = self._blocked
         item = (h, n, asyncio.get_running_loop().create_future())
         self._waiters.append(item)
@@ -486,8 +551,8 @@ class AnswerBudget:
         return h
 
     def _blocked(self, h: Hold) -> None:
-        if self._waiters:  # rule 4: look again once it has stalled long enough
-            self._shares.arm(time.monotonic() + h.stall_s, self._wake)
+        if self._waiters:  # rule 4: look again once it may have stalled long enough
+            self._shares.arm(time.monotonic() + h.fair_stall_s, self._wake)
 
     def release(self, h: Hold) -> None:
         """Give back what ``h`` holds. Idempotent."""
@@ -497,20 +562,34 @@ class AnswerBudget:
         self._shares.give_back(h)
         self._wake()
 
+    def _fair_share(self) -> int:
+        """Rule 2: ``limit // (sessions holding or asking + 1)``."""
+        active = set(self._shares.by_session)
+        active.update(h.session for h, _, _ in self._waiters)
+        return max(1, self.limit // (len(active) + 1))
+
+    def _scan_order(self, share: int) -> list[tuple[Hold, int, asyncio.Future[None]]]:
+        """Waiters in granting order (rule 2): those of sessions holding less than
+        ``share`` first, then the others, each group in order of asking."""
+        held = self._shares.by_session
+        return sorted(self._waiters, key=lambda w: held.get(w[0].session, 0) >= share)
+
     def _wake(self) -> None:
-        # Rule 2: in order of asking; a request whose session is at its share is
-        # skipped (it waits for its own session's pieces), one that does not fit the
-        # total stops the scan (first come, first served for the shared part). Rule 4:
-        # whoever waits first may preempt blocked holders: its own session's when it
-        # waits for its share, anyone's (the biggest session first) for the total.
+        # Rule 2: sessions under their fair share first, then in order of asking; a
+        # request whose session is at its session limit is skipped (it waits for its
+        # own session's pieces), one that does not fit the total stops the scan (first
+        # come, first served for the shared part). Rule 4: whoever waits first may
+        # preempt blocked holders: its own session's when it waits for its session
+        # limit, anyone's (the biggest session first) for the total, those of sessions
+        # over their share after FAIR_STALL_S if it is under its share.
+        self._waiters = collections.deque(w for w in self._waiters if not w[2].done())
+        share = self._fair_share()
+        fair = 0
         waiting_sessions: set[str] = set()
         short_share: list[tuple[str, int]] = []  # (session, bytes over its share)
         short_total = 0
-        for item in list(self._waiters):
+        for item in self._scan_order(share):
             h, n, fut = item
-            if fut.done():
-                self._waiters.remove(item)
-                continue
             if h.session in waiting_sessions or not self._session_fits(h.session, n):
                 if h.session not in waiting_sessions:
                     held = self._shares.by_session.get(h.session, 0)
@@ -519,6 +598,7 @@ class AnswerBudget:
                 continue
             if not self._total_fits(n):
                 short_total = self._shares.used + n - self.limit
+                fair = share if self._shares.by_session.get(h.session, 0) < share else 0
                 break
             self._waiters.remove(item)
             self._shares.grant(h, n)
@@ -528,7 +608,7 @@ class AnswerBudget:
         for session, need in short_share:
             self._shares.preempt(need, [x for x in holders if x.session == session], self._wake)
         if short_total > 0:
-            self._shares.preempt(short_total, list(holders), self._wake)
+            self._shares.preempt(short_total, list(holders), self._wake, fair)
 
     def snapshot(self) -> dict[str, int]:
         return {
