@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -24,7 +26,7 @@ from tensorstore_hooks.hooks._compose import block_abort, block_enter, block_exi
 from tensorstore_hooks.hooks._diagnose import after_forward, before_forward
 from tensorstore_hooks.hooks._report import Report
 from tensorstore_hooks.hooks._scope import ModuleScope
-from tensorstore_hooks.pipeline import Pipeline, Timeline
+from tensorstore_hooks.pipeline import Pipeline, PlanMemory, Timeline
 from tensorstore_hooks.runtime import shield_signals
 from tensorstore_hooks.storage import (
     TensorStore,
@@ -33,7 +35,7 @@ from tensorstore_hooks.storage import (
     options_from_config,
 )
 
-__all__ = ["HooksBase", "OffloadHooks", "make_pipeline", "offload"]
+__all__ = ["HooksBase", "OffloadHooks", "call_site", "make_pipeline", "offload", "plan_for"]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -283,7 +285,8 @@ def offload(
     """
     if model is not None:
         _check_model(model, "offload(model=...)")
-    hooks = OffloadHooks(make_pipeline(store, config, overrides))
+    site = ("model", id(model)) if model is not None else call_site()
+    hooks = OffloadHooks(make_pipeline(store, config, overrides, site=site))
     if model is not None:
         hooks.attach(model)
     return hooks
@@ -293,10 +296,15 @@ def make_pipeline(
     store: str | os.PathLike[str] | TensorStore | None,
     config: ConfigSource,
     overrides: Mapping[str, object],
+    *,
+    site: Hashable = None,
 ) -> Pipeline:
     """Resolve the config, open (or adopt) the store and build the pipeline behind the hooks.
 
     Shared by the torch and paddle ``offload()``; arguments as :func:`offload` takes them.
+    ``site``: what identifies the step (the model, or the line that called ``offload()``):
+    with the configuration it keys the budget plan carried from one pipeline to the
+    next (NOTE [ Plan carry-over ]); ``None``: a plan of its own.
     """
     from tensorstore_hooks.config import resolve_config
 
@@ -309,6 +317,37 @@ def make_pipeline(
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
-    pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    plan = None if site is None else plan_for(cfg, site)
+    pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned, plan=plan)
     log.info("%s", pipeline.describe())
     return pipeline
+
+
+_PLANS: OrderedDict[Hashable, PlanMemory] = OrderedDict()
+_PLANS_KEPT = 64  # the configurations and steps of a process; the least recent goes first
+_PLANS_LOCK = threading.Lock()
+
+
+def plan_for(cfg: EffectiveConfig, site: Hashable) -> PlanMemory | None:
+    """The plan memory of ``cfg`` at ``site`` (NOTE [ Plan carry-over ]); ``None`` without a
+    ``device_budget`` (nothing to plan)."""
+    if cfg.policy.device_budget is None:
+        return None
+    key = (repr(cfg.policy), repr(cfg.pipeline), site)
+    with _PLANS_LOCK:
+        plan = _PLANS.pop(key, None) or PlanMemory()
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def call_site() -> tuple[str, str, int]:
+    """The first frame outside this package: the user's line that asked for the hooks."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return ("site", frame.f_code.co_filename, frame.f_lineno)

@@ -400,7 +400,7 @@ def wrap(
                     f"wrap: {where} is already wrapped (by tsh.wrap of a {other}); "
                     "call tsh.unwrap(model) (or hooks.remove()) first"
                 )
-    pipeline = make_pipeline(store, config, overrides)
+    pipeline = make_pipeline(store, config, overrides, site=("model", id(module)))
     # Module paths for ``module`` rules and for hooks.report() (NOTE [ Report ledger ]).
     scope = ModuleScope()
     pipeline.scope = scope

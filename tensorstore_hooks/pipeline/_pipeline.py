@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator
 
 from tensorstore_hooks.config import PipelineSettings, Policy, exact_size
-from tensorstore_hooks.pipeline._budgets import BudgetControl, pinned_idle_cap
+from tensorstore_hooks.pipeline._budgets import BudgetControl, PlanMemory, pinned_idle_cap
 from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._iopool import StorePool, on_io_thread, shutdown_pool
 from tensorstore_hooks.pipeline._prefetch import Prefetcher
@@ -49,7 +49,8 @@ class Pipeline:
     ``policy`` decides per tensor (keep / host / store); ``settings`` is the config's
     ``pipeline:`` section as it is (:class:`~tensorstore_hooks.config._settings.PipelineSettings`);
     ``owns_store``: close ``store`` once the pipeline is closed and nothing is live.
-    Hooks pack and unpack through :attr:`router`.
+    ``plan``: start the device budget's plan from what earlier pipelines learnt and add
+    to it (NOTE [ Plan carry-over ]). Hooks pack and unpack through :attr:`router`.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class Pipeline:
         policy: Policy,
         settings: PipelineSettings,
         owns_store: bool = False,
+        plan: PlanMemory | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -75,7 +77,7 @@ class Pipeline:
         self._close_lock = threading.Lock()
         self.table = table = RecordTable(self._release, stats)
         # Budgets first: host_budget "auto" is derived now (NOTE [ Auto budgets ]).
-        self.budget = budget = BudgetControl.for_pipeline(policy, settings, stats)
+        self.budget = budget = BudgetControl.for_pipeline(policy, settings, stats, plan)
         self.stager = stager = DeviceStager(  # NOTE [ Host tier wiring ]
             table.copies,
             idle_cap=pinned_idle_cap(settings),
