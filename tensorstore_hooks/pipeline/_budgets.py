@@ -194,6 +194,7 @@ __all__ = [
     "derive_windows",
     "headroom_bytes",
     "kept_nothing_warning",
+    "no_room_warning",
     "pinned_idle_cap",
     "plan_keep",
     "scaled_rest",
@@ -544,6 +545,25 @@ def kept_nothing_warning(plan_bytes: int, budget_bytes: int, newest_bytes: int) 
     )
 
 
+def no_room_warning(
+    which: str, share: MemoryShare, reading: MemoryReading, base: int, headroom: int
+) -> str:
+    """An ``auto`` (or percentage) budget that found no room: what it read, and the fix."""
+    effect = (
+        "nothing is kept on the device: everything the rules move is moved"
+        if which == "device"
+        else "there is no host tier"
+    )
+    return (
+        f"tensorstore-hooks: {which}_budget {share} found no room, so it is 0 B and "
+        f"{effect}. It read a limit of {format_bytes(reading.limit_bytes)} ({reading.source}), "
+        f"less the headroom {format_bytes(headroom)} (memory_headroom) and the peak this "
+        f"process reached without saved tensors, {format_bytes(base)}: "
+        f"{format_bytes(max(0, reading.limit_bytes - headroom - base))} left. Free memory "
+        f"before the first step, lower memory_headroom, or give {which}_budget as a size."
+    )
+
+
 def _log_auto(
     which: str, share: MemoryShare, reading: MemoryReading, base: int, headroom: int, figure: int,
     *, info: bool,
@@ -770,7 +790,9 @@ class BudgetControl:
             self._update_budgets()
         elif not self.forwards and isinstance(self._specs["device"], MemoryShare):
             self._first_budget(device)
-        if self._kept_nothing >= KEPT_NOTHING_FORWARDS and "kept" not in self._warned:
+        # An auto budget that found no room already said why (no_room_warning).
+        said = "kept" in self._warned or ("device room" in self._warned and not self.device_budget)
+        if self._kept_nothing >= KEPT_NOTHING_FORWARDS and not said:
             self._warned.add("kept")
             newest = self._traces[0].sizes[-1] if self._traces[0].sizes else 0
             self._warning = kept_nothing_warning(
@@ -903,6 +925,9 @@ class BudgetControl:
         base = self._tracks[which].baseline_bytes
         headroom = headroom_bytes(self._headroom, reading.limit_bytes)
         figure = auto_budget(share, reading, base, self._headroom)
+        if figure == 0 and f"{which} room" not in self._warned:
+            self._warned.add(f"{which} room")
+            self._warning = no_room_warning(which, share, reading, base, headroom)
         last = self._logged.get(which)
         moved = last is None or abs(figure - last) * _LOG_STEP >= max(last, 1)
         _log_auto(which, share, reading, base, headroom, figure, info=moved)

@@ -57,6 +57,7 @@ FULL: dict[str, object] = {
     "policy": {
         "min_bytes": "1KiB",
         "skip_parameters": False,
+        "recompute_casts": False,
         "rules": [RULE],
         "default": "host",
         "device_budget": "auto",
