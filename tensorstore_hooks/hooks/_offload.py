@@ -4,17 +4,44 @@
 to its pipeline's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
 (:mod:`tensorstore_hooks.pipeline._pipeline` wires its units) and the store. :class:`HooksBase`
 is what both ``OffloadHooks`` (PyTorch and Paddle) give a caller over their pipeline.
+
+NOTE [ Idle hooks ]
+Hooks made by ``offload()`` are kept after their block, to read ``stats`` (``with
+tsh.offload() as hooks`` per step, the hooks appended to a list). Kept hooks cost bytes,
+never threads, stores or buffers that grow with the number kept:
+
+1. When no block of the hooks is open and every graph they stored for is freed, the
+   pipeline is idle (``Pipeline.park``): the I/O threads of its own store stop at once
+   (they start again on use) and glibc's mmap threshold is given back (NOTE
+   [ Process-wide effects ]): a plain step beside idle hooks pays nothing. An idle
+   pipeline closes (its own store closes, a temporary one is removed; its host and
+   read buffers go back) as soon as another pipeline is made in the process (the next
+   step's ``offload()``), or when its hooks are collected: however many hooks are kept,
+   at most the newest idle one holds a store. (Not at once: hooks reused every step
+   would pay a store's opening and their first forward's written-through tensors
+   again each step.) ``stats``, ``report()`` and ``store.url`` stay readable.
+2. Entering idle hooks again costs nothing (the threads restart on the first write).
+   Entering hooks whose idle pipeline was closed reopens them: a new pipeline from
+   the same resolved config and store argument (a temporary store is a new
+   directory), counting into the same ``stats``, planning from the same plan (NOTE
+   [ Plan carry-over ]). A block entered while the last step's graphs are still alive
+   keeps the open pipeline.
+3. Not while a timeline is recording (``hooks.trace``), and not for hooks whose owner
+   re-enters them every step and closes them itself (``release_idle = False``: the
+   Lightning callback); ``wrap()`` hooks are entered per module call and
+   close at ``unwrap``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -26,7 +53,7 @@ from tensorstore_hooks.hooks._compose import block_abort, block_enter, block_exi
 from tensorstore_hooks.hooks._diagnose import after_forward, before_forward
 from tensorstore_hooks.hooks._report import Report
 from tensorstore_hooks.hooks._scope import ModuleScope
-from tensorstore_hooks.pipeline import Pipeline, PlanMemory, Timeline
+from tensorstore_hooks.pipeline import OffloadStats, Pipeline, PlanMemory, Timeline
 from tensorstore_hooks.runtime import shield_signals
 from tensorstore_hooks.storage import (
     TensorStore,
@@ -52,6 +79,8 @@ class HooksBase:
     ``settings`` (the config's ``pipeline:`` section, resolved) and ``router`` (the
     :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks).
     """
+
+    _closed_by_user = False
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
@@ -127,6 +156,7 @@ class HooksBase:
         A fallback warning still pending (a write refused after the last hook
         call) is issued here, so a refusal is never silent.
         """
+        self._closed_by_user = True
         self._pipeline.close()
         self._pipeline.emit_warning()
 
@@ -142,8 +172,14 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
     Entering is all or nothing: if it fails, no hooks are left installed.
     """
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    release_idle = True
+    """Close the pipeline when no block is open and every graph is freed; re-entering
+    reopens it (NOTE [ Idle hooks ]). Set ``False`` for hooks re-entered every step
+    and closed by their owner."""
+
+    def __init__(self, pipeline: Pipeline, reopen: Callable[[], Pipeline] | None = None) -> None:
         HooksBase.__init__(self, pipeline)
+        self._reopen = reopen  # NOTE [ Idle hooks ] rule 2; None: hooks made without offload()
         self._scope: ModuleScope | None = None  # made at the first attach()
         self._models: list[torch.nn.Module] = []
         self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
@@ -161,10 +197,8 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
             offload_block_traced(self)
         if self._refused is not None:
             raise ConfigError(self._refused)
-        if self._pipeline.closed:
-            raise RuntimeError(
-                "these OffloadHooks were closed; make new ones with tsh.offload(...)"
-            )
+        if self._closed_by_user or not self._pipeline.unpark():
+            self._reopened()
         shield_signals()  # NOTE [ Signals and finalizers ], NOTE [ Process-wide effects ]
         if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
             return self
@@ -209,6 +243,21 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
         if self._scope is not None:
             self._scope.detach()
             after_forward(self, self.policy, self._scope.visible_paths())
+        if self._reopen is not None and self.release_idle:
+            self._pipeline.park()  # NOTE [ Idle hooks ] rule 1
+
+    def _reopened(self) -> None:
+        """NOTE [ Idle hooks ] rule 2: a new pipeline for hooks closed while idle."""
+        if self._reopen is None or self._closed_by_user:
+            raise RuntimeError(
+                "these OffloadHooks were closed; make new ones with tsh.offload(...)"
+            )
+        pipeline = self._reopen()
+        self._finalizer.detach()
+        HooksBase.__init__(self, pipeline)
+        self.pack_hook, self.unpack_hook = pipeline.router.pack, pipeline.router.unpack
+        if self._scope is not None:
+            pipeline.scope = self._scope
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:
@@ -285,11 +334,28 @@ def offload(
     """
     if model is not None:
         _check_model(model, "offload(model=...)")
+    from tensorstore_hooks.config import resolve_config
+
     site = ("model", id(model)) if model is not None else call_site()
-    hooks = OffloadHooks(make_pipeline(store, config, overrides, site=site))
+    cfg = resolve_config(config, overrides)  # once: a reopening reads no file again
+    hooks = OffloadHooks(make_pipeline(store, cfg, {}, site=site))
+    hooks._reopen = functools.partial(_reopen, store, cfg, site, weakref.ref(hooks))
     if model is not None:
         hooks.attach(model)
     return hooks
+
+
+def _reopen(
+    store: str | os.PathLike[str] | TensorStore | None,
+    cfg: EffectiveConfig,
+    site: Hashable,
+    hooks: weakref.ref[OffloadHooks] | None,
+) -> Pipeline:
+    # Weakly: the hooks' own attribute must not keep the hooks alive (their finalizer).
+    owner = hooks() if hooks is not None else None
+    return make_pipeline(
+        store, cfg, {}, site=site, stats=owner.stats if owner is not None else None
+    )
 
 
 def make_pipeline(
@@ -298,13 +364,15 @@ def make_pipeline(
     overrides: Mapping[str, object],
     *,
     site: Hashable = None,
+    stats: OffloadStats | None = None,
 ) -> Pipeline:
     """Resolve the config, open (or adopt) the store and build the pipeline behind the hooks.
 
     Shared by the torch and paddle ``offload()``; arguments as :func:`offload` takes them.
     ``site``: what identifies the step (the model, or the line that called ``offload()``):
     with the configuration it keys the budget plan carried from one pipeline to the
-    next (NOTE [ Plan carry-over ]); ``None``: a plan of its own.
+    next (NOTE [ Plan carry-over ]); ``None``: a plan of its own. ``stats``: count into
+    these (hooks reopened: NOTE [ Idle hooks ]).
     """
     from tensorstore_hooks.config import resolve_config
 
@@ -318,7 +386,9 @@ def make_pipeline(
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
     plan = None if site is None else plan_for(cfg, site)
-    pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned, plan=plan)
+    pipeline = Pipeline(
+        st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned, plan=plan, stats=stats
+    )
     log.info("%s", pipeline.describe())
     return pipeline
 
