@@ -23,10 +23,16 @@ import tensorstore_hooks as tsh
 MiB = 1 << 20
 
 
+_BEFORE: set[threading.Thread] = set()
+
+
 @pytest.fixture
 def temp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Temporary stores go under ``tmp_path`` (to count them)."""
+    """Temporary stores go under ``tmp_path`` (to count them); I/O threads are counted
+    from here on (earlier tests' pools are not this test's)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
     return tmp_path
 
 
@@ -45,7 +51,10 @@ def _planned(stats: tsh.OffloadStats) -> int:
 
 
 def _io_threads() -> int:
-    return sum(1 for t in threading.enumerate() if t.name.startswith("tsh-io"))
+    """I/O threads started during this test and still running."""
+    return sum(
+        1 for t in threading.enumerate() if t.name.startswith("tsh-io") and t not in _BEFORE
+    )
 
 
 def test_kept_hooks_hold_no_threads_stores_or_buffers(temp_root: Path) -> None:
