@@ -246,6 +246,13 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
         if self._reopen is not None and self.release_idle:
             self._pipeline.park()  # NOTE [ Idle hooks ] rule 1
 
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Timeline]:
+        """As :meth:`HooksBase.trace`; hooks closed while idle reopen first (NOTE [ Idle
+        hooks ] rule 2), so the timeline is that of the pipeline the next block uses."""
+        if self._pipeline.closed and self._reopen is not None and not self._closed_by_user:
+            self._reopened()
+        return super().trace(path)
+
     def _reopened(self) -> None:
         """NOTE [ Idle hooks ] rule 2: a new pipeline for hooks closed while idle."""
         if self._reopen is None or self._closed_by_user:

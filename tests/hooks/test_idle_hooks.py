@@ -186,3 +186,24 @@ def test_an_idle_pipeline_costs_a_plain_step_nothing(temp_root: Path) -> None:
     assert hooks.stats.tensors_offloaded > 0
     model(x).sum().backward()  # the plain step
     assert not mmap_threshold_set() and _io_threads() == 0
+
+
+def test_a_trace_of_hooks_closed_while_idle_records_the_next_block(
+    temp_root: Path, tmp_path: Path
+) -> None:
+    import json
+
+    model, x = _model(), torch.randn(64, 256)
+    hooks = tsh.offload(min_bytes=0)
+    with hooks:
+        loss = model(x).sum()
+    loss.backward()
+    del loss
+    tsh.offload("memory://").close()  # another pipeline: the idle one closes
+    with hooks.trace(tmp_path / "trace.json"):
+        with hooks:
+            loss = model(x).sum()
+        loss.backward()
+        del loss
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {"tsh::pack", "tsh::write"} <= {e["name"] for e in events if e["ph"] == "X"}
