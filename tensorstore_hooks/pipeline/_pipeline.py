@@ -79,7 +79,9 @@ class Pipeline:
         self._closed = False
         self._close_lock = threading.Lock()
         self._parked = False  # NOTE [ Idle hooks ]
-        self._park_lock = threading.Lock()
+        # Re-entrant: a handle's finalizer (_release -> _idle) may run on this thread
+        # inside a locked region, at any allocation the collector picks.
+        self._park_lock = threading.RLock()
         close_idle()  # another pipeline: the idle ones close (NOTE [ Idle hooks ] rule 1)
         self.table = table = RecordTable(self._release, stats)
         # Budgets first: host_budget "auto" is derived now (NOTE [ Auto budgets ]).
@@ -262,7 +264,9 @@ class Pipeline:
             if not self._parked or self.table.live or self._closed:
                 return
             if self.owns_store:  # shared pools stay: other pipelines use them
-                shutdown_pool(self.store)
+                # Without waiting: this may run in a handle's finalizer, where a wait
+                # keeps a Ctrl-C deferred (NOTE [ Signals and finalizers ]).
+                shutdown_pool(self.store, timeout_s=0.0)
             # Nothing moves: glibc gets its dynamic mmap ceiling back, so a plain step
             # beside idle hooks pays nothing (NOTE [ Process-wide effects ], effect 2).
             self._effects.idle()
@@ -296,7 +300,7 @@ class Pipeline:
 
 _IDLE: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 """Pipelines parked with nothing live (NOTE [ Idle hooks ])."""
-_IDLE_LOCK = threading.Lock()
+_IDLE_LOCK = threading.RLock()  # re-entrant, as the park lock is
 
 
 def close_idle() -> None:

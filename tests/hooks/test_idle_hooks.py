@@ -50,11 +50,14 @@ def _planned(stats: tsh.OffloadStats) -> int:
     return route.bytes if route is not None else 0
 
 
-def _io_threads() -> int:
-    """I/O threads started during this test and still running."""
-    return sum(
-        1 for t in threading.enumerate() if t.name.startswith("tsh-io") and t not in _BEFORE
-    )
+def _io_threads(*, settle: bool = True) -> int:
+    """I/O threads started during this test and still running (``settle``: once those
+    told to stop have stopped: an idle pipeline does not wait for them)."""
+    ours = [t for t in threading.enumerate() if t.name.startswith("tsh-io") and t not in _BEFORE]
+    if settle:
+        for t in ours:
+            t.join(5.0)  # returns at once for a thread that stopped; never sleeps longer
+    return sum(1 for t in ours if t.is_alive())
 
 
 def test_kept_hooks_hold_no_threads_stores_or_buffers(temp_root: Path) -> None:
@@ -148,7 +151,7 @@ def test_a_recording_trace_keeps_the_hooks_open(temp_root: Path, tmp_path: Path)
                 loss = model(x).sum()
             loss.backward()
             del loss
-            assert _io_threads() > 0  # the trace owns the pipeline until it ends
+            assert _io_threads(settle=False) > 0  # the trace owns the pipeline until it ends
     assert (tmp_path / "trace.json").stat().st_size > 0
     with hooks:  # the next block's exit idles it
         pass
