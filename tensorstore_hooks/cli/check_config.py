@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorstore_hooks.config import EffectiveConfig
 
 __all__ = ["register", "run"]
 
@@ -16,8 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Validate FILE against the config schema (docs/config.md) and print the "
             "effective config as YAML, defaults filled in and secrets in storage_options "
-            "masked. Exit status 0 if valid; 1 with the error (file:line, field path, "
-            "what is allowed) on stderr otherwise."
+            "masked. Every store URL is checked as open_store would take it, and the "
+            "packages its store needs must be importable (s3:// needs s3fs). Exit status "
+            "0 if valid; 1 with the error (file:line, field path, what is allowed, what to "
+            "install) on stderr otherwise."
         ),
     )
     parser.add_argument("file", metavar="FILE", help="the YAML config file")
@@ -36,8 +42,30 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"check-config: invalid config\n{e}", file=sys.stderr)
         return 1
+    missing = _missing_packages(config)
+    if missing:
+        print(f"check-config: {args.file}: the config is valid, but {missing}", file=sys.stderr)
+        return 1
     sys.stdout.write(dump_config(config, redact=True))
     return 0
+
+
+def _missing_packages(config: EffectiveConfig) -> str | None:
+    """What a store URL of ``config`` needs and this Python lacks (``None``: nothing)."""
+    from tensorstore_hooks.errors import ConfigError
+    from tensorstore_hooks.storage import check_packages
+
+    urls = [("store.url", config.store.url)] + [
+        (f"store.tiers[{i}].url", tier.url) for i, tier in enumerate(config.store.tiers)
+    ]
+    for field, url in urls:
+        if url is None:
+            continue
+        try:
+            check_packages(url)
+        except ConfigError as e:
+            return f"{field} cannot be opened here: {e}"
+    return None
 
 
 def _is_daemon_config(path: str) -> bool:

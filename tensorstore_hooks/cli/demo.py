@@ -21,6 +21,12 @@ them, and a median of two steps can say "0.48x" either way. So:
    side of 1.0 it says which side and by how much (the range); when they straddle 1.0
    it says the spread is too wide to conclude, and how to get a clearer answer.
 3. Fewer than three measured rounds are too few for any verdict; the demo says so.
+4. Each run has a process of its own (``--processes``, the default for torch): the
+   reference never shares an allocator, a heap or a pipeline with the offloaded run,
+   so neither pays for the other (a heap the other run fragmented, its threads, its
+   process-wide settings). The parent steps the two processes in lock-step, one step
+   each per round in alternating order, and compares the SHA-256 of every gradient
+   they send back. ``--same-process`` runs both in this process, as before.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    import torch
+
     from tensorstore_hooks.cli._demo_model import GPTConfig
     from tensorstore_hooks.hooks import OffloadHooks
     from tensorstore_hooks.pipeline import OffloadStats
@@ -116,6 +126,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a Chrome/Perfetto timeline of the offloaded steps' I/O to FILE "
         "(hooks.trace; open in https://ui.perfetto.dev, or render it with "
         "benchmarks/plot_timeline.py)",
+    )
+    parser.add_argument(
+        "--same-process",
+        action="store_true",
+        help="run both models in this process (default for torch: each in a process of "
+        "its own, so neither pays for the other's heap, threads or settings; paddle "
+        "always runs in this process)",
     )
     parser.add_argument(
         "--max-inflight",
@@ -401,6 +418,8 @@ class _Setup:
     trace: str | None
     """Where the timeline goes (``--trace``), or ``None``."""
     n_params: int
+    processes: bool
+    """Each run in a process of its own (rule 4 of NOTE [ Demo verdicts ])."""
 
 
 def _per_run() -> dict[str, list[float]]:
@@ -468,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
     budgets = _DEMO_BUDGETS[args.size]
     prefetch = args.prefetch or budgets[0]
     max_inflight = args.max_inflight or budgets[1]
+    if args.framework == "torch" and not getattr(args, "same_process", False):
+        return _run_in_processes(args, cfg, prefetch, max_inflight)
     pair = _make_pair(args.framework, cfg)
     hooks = pair.offload(args.store, prefetch=prefetch, max_inflight=max_inflight)
     setup = _Setup(
@@ -481,9 +502,147 @@ def run(args: argparse.Namespace) -> int:
         max_inflight=max_inflight,
         trace=args.trace,
         n_params=pair.n_params,
+        processes=False,
     )
     rounds, stats = _train(pair, hooks, setup)
     return _print_report(setup, rounds, stats)
+
+
+# ------------------------------------------------------------- a process per run
+@dataclass(frozen=True, slots=True)
+class _StepResult:
+    """What a run's process sends back for one step (rule 4 of NOTE [ Demo verdicts ])."""
+
+    secs: float
+    mem: float
+    offloaded: tuple[int, int]
+    digests: list[tuple[str, str]]
+    """``(parameter name, SHA-256 of its gradient's bytes)``, in parameter order."""
+
+
+def _run_in_processes(
+    args: argparse.Namespace, cfg: GPTConfig, prefetch: str, max_inflight: str
+) -> int:
+    """Rule 4 of NOTE [ Demo verdicts ]: each run in a process of its own, in lock-step."""
+    import multiprocessing
+
+    # fork where there is one (a second torch import costs seconds): nothing has run a
+    # torch operation or started a thread of ours in this process yet.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    options = (args.size, args.store, prefetch, max_inflight, args.trace)
+    procs, conns = {}, {}
+    for which in ("ref", "off"):
+        parent, child = ctx.Pipe()
+        procs[which] = ctx.Process(  # type: ignore[attr-defined]  # typeshed: BaseContext
+            target=_run_process, args=(child, which, options), daemon=True
+        )
+        procs[which].start()
+        conns[which] = parent
+    try:
+        hello = {which: conns[which].recv() for which in ("ref", "off")}
+        store_url, temporary, n_params = hello["off"]
+        setup = _Setup(
+            framework="torch", size=args.size, cfg=cfg, steps=args.steps,
+            store_url=store_url, temporary=temporary, prefetch=prefetch,
+            max_inflight=max_inflight, trace=args.trace, n_params=n_params, processes=True,
+        )  # fmt: skip
+        rounds = _lockstep(conns, setup)
+        conns["off"].send(("close",))
+        stats: OffloadStats = conns["off"].recv()
+        conns["ref"].send(("close",))
+        conns["ref"].recv()
+    finally:
+        for proc in procs.values():
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return _print_report(setup, rounds, stats)
+
+
+def _lockstep(conns: dict[str, Connection], setup: _Setup) -> _Rounds:
+    """The rounds: one step of each process, alternating which goes first; the
+    gradients compared by digest after each round."""
+    from tqdm import tqdm
+
+    rounds = _Rounds()
+    bar = tqdm(total=2 * setup.steps, desc="demo", unit="step", file=sys.stderr, leave=False)
+    for step in range(setup.steps):
+        order = ("ref", "off") if step % 2 == 0 else ("off", "ref")
+        got: dict[str, _StepResult] = {}
+        for which in order:  # one at a time: the other process waits, idle
+            conns[which].send(("step", step))
+            got[which] = result = conns[which].recv()
+            rounds.secs[which].append(result.secs)
+            rounds.mem[which].append(result.mem)
+            bar.update(1)
+        rounds.offloaded.append(got["off"].offloaded)
+        rounds.compared += setup.n_params
+        rounds.mismatched += [
+            f"step {step}: {name}"
+            for (name, a), (_, b) in zip(got["ref"].digests, got["off"].digests, strict=True)
+            if a != b
+        ]
+        bar.set_postfix(grads="identical" if not rounds.mismatched else "DIFFER")
+    bar.close()
+    return rounds
+
+
+_Options = tuple[str, str | None, str, str, str | None]
+"""What a run's process is made with: size, store, prefetch, max_inflight, trace."""
+
+
+def _run_process(conn: Connection, which: str, options: _Options) -> None:
+    """One run's process: build the model, then step when the parent says so."""
+    from tensorstore_hooks.cli._demo_model import config_for
+
+    size, store, prefetch, max_inflight, trace = options
+    pair = TorchPair(config_for(size))
+    hooks = None
+    if which == "off":
+        hooks = pair.offload(store, prefetch=prefetch, max_inflight=max_inflight)
+    sampler = RssSampler()
+    with contextlib.ExitStack() as stack:
+        if hooks is not None:
+            stack.callback(hooks.close)
+            if trace:
+                stack.enter_context(hooks.trace(trace))
+            conn.send((hooks.store.url, hooks.store.temporary, pair.n_params))
+        else:
+            conn.send(None)
+        while True:
+            command = conn.recv()
+            if command[0] == "close":
+                break
+            conn.send(_process_step(pair, hooks, which, command[1], sampler))
+        if hooks is not None:
+            stack.close()  # the timeline is written, every write has landed
+    sampler.close()
+    conn.send(hooks.stats if hooks is not None else None)
+
+
+def _process_step(
+    pair: TorchPair, hooks: DemoHooks | None, which: str, step: int, sampler: RssSampler
+) -> _StepResult:
+    import hashlib
+
+    rounds = _Rounds()
+    _measure_step(pair, hooks, which, step, sampler, rounds)
+    digests = [
+        (name, hashlib.sha256(_grad_bytes(p.grad)).hexdigest())
+        for name, p in pair.models[which].named_parameters()
+    ]
+    pair.optimizer_step()
+    offloaded = rounds.offloaded[0] if rounds.offloaded else (0, 0)
+    return _StepResult(rounds.secs[which][0], rounds.mem[which][0], offloaded, digests)
+
+
+def _grad_bytes(grad: torch.Tensor | None) -> bytes:
+    import torch
+
+    if grad is None:
+        return b"none"
+    return bytes(grad.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _train(pair: Pair, hooks: DemoHooks, setup: _Setup) -> tuple[_Rounds, OffloadStats]:
@@ -522,18 +681,19 @@ def _train(pair: Pair, hooks: DemoHooks, setup: _Setup) -> tuple[_Rounds, Offloa
 
 
 def _measure_step(
-    pair: Pair, hooks: DemoHooks, which: str, step: int, sampler: RssSampler, rounds: _Rounds
-) -> None:
+    pair: Pair, hooks: DemoHooks | None, which: str, step: int, sampler: RssSampler,
+    rounds: _Rounds,
+) -> None:  # fmt: skip
     """One step of run ``which``: its time and activation memory, and for the offloaded
     run the tensors and bytes it offloaded, appended to ``rounds``."""
-    before = (hooks.stats.tensors_offloaded, hooks.stats.bytes_offloaded)
+    before = (hooks.stats.tensors_offloaded, hooks.stats.bytes_offloaded) if hooks else (0, 0)
     release_free_memory()
     base = sampler.start()
     t0 = time.perf_counter()
     pair.step(which, step, hooks if which == "off" else None)
     rounds.secs[which].append(time.perf_counter() - t0)
     rounds.mem[which].append(sampler.stop() - base)
-    if which == "off":
+    if which == "off" and hooks is not None:
         rounds.offloaded.append(
             (
                 hooks.stats.tensors_offloaded - before[0],
@@ -552,6 +712,13 @@ def _print_report(setup: _Setup, rounds: _Rounds, stats: OffloadStats) -> int:
         f"{cfg.batch}x{cfg.seq} tokens), {setup.steps} rounds, store {setup.store_url}, "
         f"prefetch {setup.prefetch}, max_inflight {setup.max_inflight}"
     )
+    where = (
+        "each run in a process of its own (neither pays for the other's heap, threads or "
+        "settings), stepped in lock-step"
+        if setup.processes
+        else "both runs in this process (--same-process)"
+    )
+    print(f"(measured with {where}; activation memory: peak RSS during a step minus RSS before it)")
     if summary.skip:
         print(
             f"(memory and time: median (min-max) over rounds 2..{setup.steps}, each one step "
@@ -574,6 +741,8 @@ def _print_report(setup: _Setup, rounds: _Rounds, stats: OffloadStats) -> int:
             print(f"  {m}")
         return 1
     how = "torch.equal" if setup.framework == "torch" else "numpy.array_equal"
+    if setup.processes:
+        how = "SHA-256 of each gradient's bytes, from each run's process"
     print(f"gradients: identical ({setup.steps} steps x {setup.n_params} parameters, {how})")
     return 0
 

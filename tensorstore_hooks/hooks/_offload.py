@@ -4,15 +4,44 @@
 to its pipeline's :class:`~tensorstore_hooks.Router`; the work lives in the pipeline
 (:mod:`tensorstore_hooks.pipeline._pipeline` wires its units) and the store. :class:`HooksBase`
 is what both ``OffloadHooks`` (PyTorch and Paddle) give a caller over their pipeline.
+
+NOTE [ Idle hooks ]
+Hooks made by ``offload()`` are kept after their block, to read ``stats`` (``with
+tsh.offload() as hooks`` per step, the hooks appended to a list). Kept hooks cost bytes,
+never threads, stores or buffers that grow with the number kept:
+
+1. When no block of the hooks is open and every graph they stored for is freed, the
+   pipeline is idle (``Pipeline.park``): the I/O threads of its own store stop at once
+   (they start again on use) and glibc's mmap threshold is given back (NOTE
+   [ Process-wide effects ]): a plain step beside idle hooks pays nothing. An idle
+   pipeline closes (its own store closes, a temporary one is removed; its host and
+   read buffers go back) as soon as another pipeline is made in the process (the next
+   step's ``offload()``), or when its hooks are collected: however many hooks are kept,
+   at most the newest idle one holds a store. (Not at once: hooks reused every step
+   would pay a store's opening and their first forward's written-through tensors
+   again each step.) ``stats``, ``report()`` and ``store.url`` stay readable.
+2. Entering idle hooks again costs nothing (the threads restart on the first write).
+   Entering hooks whose idle pipeline was closed reopens them: a new pipeline from
+   the same resolved config and store argument (a temporary store is a new
+   directory), counting into the same ``stats``, planning from the same plan (NOTE
+   [ Plan carry-over ]). A block entered while the last step's graphs are still alive
+   keeps the open pipeline.
+3. Not while a timeline is recording (``hooks.trace``), and not for hooks whose owner
+   re-enters them every step and closes them itself (``release_idle = False``: the
+   Lightning callback); ``wrap()`` hooks are entered per module call and
+   close at ``unwrap``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -24,7 +53,7 @@ from tensorstore_hooks.hooks._compose import block_abort, block_enter, block_exi
 from tensorstore_hooks.hooks._diagnose import after_forward, before_forward
 from tensorstore_hooks.hooks._report import Report
 from tensorstore_hooks.hooks._scope import ModuleScope
-from tensorstore_hooks.pipeline import Pipeline, Timeline
+from tensorstore_hooks.pipeline import OffloadStats, Pipeline, PlanMemory, Timeline
 from tensorstore_hooks.runtime import shield_signals
 from tensorstore_hooks.storage import (
     TensorStore,
@@ -33,7 +62,7 @@ from tensorstore_hooks.storage import (
     options_from_config,
 )
 
-__all__ = ["HooksBase", "OffloadHooks", "make_pipeline", "offload"]
+__all__ = ["HooksBase", "OffloadHooks", "call_site", "make_pipeline", "offload", "plan_for"]
 
 log = logging.getLogger("tensorstore_hooks")
 
@@ -50,6 +79,8 @@ class HooksBase:
     ``settings`` (the config's ``pipeline:`` section, resolved) and ``router`` (the
     :class:`~tensorstore_hooks.Router` that packs and unpacks for these hooks).
     """
+
+    _closed_by_user = False
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
@@ -125,6 +156,7 @@ class HooksBase:
         A fallback warning still pending (a write refused after the last hook
         call) is issued here, so a refusal is never silent.
         """
+        self._closed_by_user = True
         self._pipeline.close()
         self._pipeline.emit_warning()
 
@@ -140,8 +172,14 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
     Entering is all or nothing: if it fails, no hooks are left installed.
     """
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    release_idle = True
+    """Close the pipeline when no block is open and every graph is freed; re-entering
+    reopens it (NOTE [ Idle hooks ]). Set ``False`` for hooks re-entered every step
+    and closed by their owner."""
+
+    def __init__(self, pipeline: Pipeline, reopen: Callable[[], Pipeline] | None = None) -> None:
         HooksBase.__init__(self, pipeline)
+        self._reopen = reopen  # NOTE [ Idle hooks ] rule 2; None: hooks made without offload()
         self._scope: ModuleScope | None = None  # made at the first attach()
         self._models: list[torch.nn.Module] = []
         self._depth = 0  # open ``with`` blocks of this object (nested re-entry)
@@ -159,10 +197,8 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
             offload_block_traced(self)
         if self._refused is not None:
             raise ConfigError(self._refused)
-        if self._pipeline.closed:
-            raise RuntimeError(
-                "these OffloadHooks were closed; make new ones with tsh.offload(...)"
-            )
+        if self._closed_by_user or not self._pipeline.unpark():
+            self._reopened()
         shield_signals()  # NOTE [ Signals and finalizers ], NOTE [ Process-wide effects ]
         if not block_enter():  # NOTE [ Checkpoint composition ]: push nothing
             return self
@@ -207,6 +243,28 @@ class OffloadHooks(HooksBase, torch.autograd.graph.saved_tensors_hooks):
         if self._scope is not None:
             self._scope.detach()
             after_forward(self, self.policy, self._scope.visible_paths())
+        if self._reopen is not None and self.release_idle:
+            self._pipeline.park()  # NOTE [ Idle hooks ] rule 1
+
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[Timeline]:
+        """As :meth:`HooksBase.trace`; hooks closed while idle reopen first (NOTE [ Idle
+        hooks ] rule 2), so the timeline is that of the pipeline the next block uses."""
+        if self._pipeline.closed and self._reopen is not None and not self._closed_by_user:
+            self._reopened()
+        return super().trace(path)
+
+    def _reopened(self) -> None:
+        """NOTE [ Idle hooks ] rule 2: a new pipeline for hooks closed while idle."""
+        if self._reopen is None or self._closed_by_user:
+            raise RuntimeError(
+                "these OffloadHooks were closed; make new ones with tsh.offload(...)"
+            )
+        pipeline = self._reopen()
+        self._finalizer.detach()
+        HooksBase.__init__(self, pipeline)
+        self.pack_hook, self.unpack_hook = pipeline.router.pack, pipeline.router.unpack
+        if self._scope is not None:
+            pipeline.scope = self._scope
 
     # ------------------------------------------------------------- public
     def attach(self, model: torch.nn.Module) -> OffloadHooks:
@@ -283,20 +341,45 @@ def offload(
     """
     if model is not None:
         _check_model(model, "offload(model=...)")
-    hooks = OffloadHooks(make_pipeline(store, config, overrides))
+    from tensorstore_hooks.config import resolve_config
+
+    site = ("model", id(model)) if model is not None else call_site()
+    cfg = resolve_config(config, overrides)  # once: a reopening reads no file again
+    hooks = OffloadHooks(make_pipeline(store, cfg, {}, site=site))
+    hooks._reopen = functools.partial(_reopen, store, cfg, site, weakref.ref(hooks))
     if model is not None:
         hooks.attach(model)
     return hooks
+
+
+def _reopen(
+    store: str | os.PathLike[str] | TensorStore | None,
+    cfg: EffectiveConfig,
+    site: Hashable,
+    hooks: weakref.ref[OffloadHooks] | None,
+) -> Pipeline:
+    # Weakly: the hooks' own attribute must not keep the hooks alive (their finalizer).
+    owner = hooks() if hooks is not None else None
+    return make_pipeline(
+        store, cfg, {}, site=site, stats=owner.stats if owner is not None else None
+    )
 
 
 def make_pipeline(
     store: str | os.PathLike[str] | TensorStore | None,
     config: ConfigSource,
     overrides: Mapping[str, object],
+    *,
+    site: Hashable = None,
+    stats: OffloadStats | None = None,
 ) -> Pipeline:
     """Resolve the config, open (or adopt) the store and build the pipeline behind the hooks.
 
     Shared by the torch and paddle ``offload()``; arguments as :func:`offload` takes them.
+    ``site``: what identifies the step (the model, or the line that called ``offload()``):
+    with the configuration it keys the budget plan carried from one pipeline to the
+    next (NOTE [ Plan carry-over ]); ``None``: a plan of its own. ``stats``: count into
+    these (hooks reopened: NOTE [ Idle hooks ]).
     """
     from tensorstore_hooks.config import resolve_config
 
@@ -309,6 +392,39 @@ def make_pipeline(
         url = store if store is not None else cfg.store.url
         # open_store checks the URL's type too: offload(42) is a ConfigError like open_store(42).
         st, owned = open_store(url, **_store_options(url, cfg.store)), True
-    pipeline = Pipeline(st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned)
+    plan = None if site is None else plan_for(cfg, site)
+    pipeline = Pipeline(
+        st, policy=cfg.policy, settings=cfg.pipeline, owns_store=owned, plan=plan, stats=stats
+    )
     log.info("%s", pipeline.describe())
     return pipeline
+
+
+_PLANS: OrderedDict[Hashable, PlanMemory] = OrderedDict()
+_PLANS_KEPT = 64  # the configurations and steps of a process; the least recent goes first
+_PLANS_LOCK = threading.Lock()
+
+
+def plan_for(cfg: EffectiveConfig, site: Hashable) -> PlanMemory | None:
+    """The plan memory of ``cfg`` at ``site`` (NOTE [ Plan carry-over ]); ``None`` without a
+    ``device_budget`` (nothing to plan)."""
+    if cfg.policy.device_budget is None:
+        return None
+    key = (repr(cfg.policy), repr(cfg.pipeline), site)
+    with _PLANS_LOCK:
+        plan = _PLANS.pop(key, None) or PlanMemory()
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def call_site() -> tuple[str, str, int]:
+    """The first frame outside this package: the user's line that asked for the hooks."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return ("site", frame.f_code.co_filename, frame.f_lineno)

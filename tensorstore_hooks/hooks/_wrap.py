@@ -238,6 +238,31 @@ def exit_module(module: torch.nn.Module) -> None:
             hooks._pipeline.emit_warning()
 
 
+def _refuse_containers(
+    root: torch.nn.Module, names: dict[str, torch.nn.Module], selected: set[str]
+) -> None:
+    """A selected module with no forward of its own (``nn.ModuleList``, ``nn.ModuleDict``)
+    never runs: the model calls its children. Refused, naming them (never silently
+    nothing offloaded)."""
+    for name in sorted(selected):
+        sub = names[name]
+        if type(sub).forward is not torch.nn.Module.forward:
+            continue
+        children = [f"{name}.{child}" if name else child for child, _ in sub.named_children()]
+        shown = ", ".join(children[:4]) + (", ..." if len(children) > 4 else "")
+        fix = (
+            f"select its children instead: modules={(name + '.*') if name else '*'!r} "
+            f"({shown})"
+            if children
+            else "it has no children either: select the modules the model calls"
+        )
+        raise ConfigError(
+            f"wrap({type(root).__name__}, modules=...): {name or 'the module'!r} is a "
+            f"{type(sub).__name__}, whose forward never runs (the model calls its children "
+            f"one by one), so nothing would be offloaded; {fix}"
+        )
+
+
 def _warn_no_selected_ran(wrap: _Wrap) -> None:
     warn_user(
         f"tensorstore-hooks: tsh.wrap({wrap.root_name}, modules=...): none of the selected "
@@ -390,6 +415,7 @@ def wrap(
     names = dict(module.named_modules())
     # NOTE [ Module globs ] rule 3: a selected module inside another adds nothing.
     selected = outermost(select_modules(names, globs, "wrap"))
+    _refuse_containers(module, names, selected)
     with _LOCK:
         for name, sub in names.items():
             found = _entry(sub)
@@ -400,7 +426,7 @@ def wrap(
                     f"wrap: {where} is already wrapped (by tsh.wrap of a {other}); "
                     "call tsh.unwrap(model) (or hooks.remove()) first"
                 )
-    pipeline = make_pipeline(store, config, overrides)
+    pipeline = make_pipeline(store, config, overrides, site=("model", id(module)))
     # Module paths for ``module`` rules and for hooks.report() (NOTE [ Report ledger ]).
     scope = ModuleScope()
     pipeline.scope = scope

@@ -123,6 +123,9 @@ class OffloadCallback(Callback):
             from tensorstore_hooks.hooks import offload
 
             hooks = offload(self.store, config=self.config, model=self.model, **self.options)
+            # Entered every step and closed at on_train_end: keep the pipeline open
+            # between steps (NOTE [ Idle hooks ] rule 3).
+            hooks.release_idle = False
             if any(r.module is not None for r in hooks.policy.rules):
                 hooks.attach(pl_module)
         self.hooks = hooks

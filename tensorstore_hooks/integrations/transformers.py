@@ -23,6 +23,11 @@ console and every ``report_to`` backend; the final log (``train_runtime`` ...) g
 run's totals under ``tsh/total/``; and one summary line goes to the trainer's logger
 at train end. NOTE [ Trainer log order ].
 
+TRL's trainers (``SFTTrainer``, ``GRPOTrainer``, ``DPOTrainer``) subclass ``Trainer``:
+pass the callback in ``callbacks=[...]`` as above (``tests/integrations/test_trl.py``
+trains each exactly as without it). What they run under ``no_grad`` (generation, a
+reference model's log-probabilities) saves nothing and is not offloaded.
+
 NOTE [ Trainer log order ]
 ``Trainer.log`` appends its dict to ``state.log_history`` and then calls every
 callback's ``on_log`` with it, in list order: the ``report_to`` integrations first,

@@ -5,7 +5,12 @@ staging and the host tier, budgets, stats and the timeline.
 
 from __future__ import annotations
 
-from tensorstore_hooks.pipeline._budgets import BUDGET_LABEL, derive_windows, plan_keep
+from tensorstore_hooks.pipeline._budgets import (
+    BUDGET_LABEL,
+    PlanMemory,
+    derive_windows,
+    plan_keep,
+)
 from tensorstore_hooks.pipeline._iopool import READ, WRITE, IOPool
 from tensorstore_hooks.pipeline._ledger import DecisionLedger, Forward
 from tensorstore_hooks.pipeline._pipeline import Pipeline
@@ -29,6 +34,7 @@ __all__ = [
     "OffloadStats",
     "PinnedPool",
     "Pipeline",
+    "PlanMemory",
     "READ",
     "RouteStats",
     "Router",

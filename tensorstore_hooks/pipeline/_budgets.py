@@ -78,6 +78,16 @@ Rules, numbered so code can cite them:
 The budget the plan spends is what the pipeline gives it: ``device_budget`` minus the
 windows that live in the same memory (NOTE [ Windows ]).
 
+NOTE [ Plan carry-over ]
+What a plan learnt lives in a :class:`PlanMemory`, not in the pipeline: a pipeline
+given one starts from its remembered traces, calibration, peaks and derived
+``device_budget``, and leaves what it learns there. ``offload()`` keys one memory per
+configuration and step (the hooks layer says which), so a fresh ``with
+tsh.offload(device_budget=...)`` block per step plans from the second step on, as one
+hooks object reused does. Sharing never lets a forward pass its budget: a remembered
+trace that does not match the new forward is a replan (rule 4), and rule 5 holds
+whatever the prediction.
+
 NOTE [ Windows ]
 A window a user gives (``prefetch=``, ``max_inflight=``, or the YAML field) is used as
 given. A window left out (``None``) is derived, again after every forward (rule 1 of
@@ -177,12 +187,14 @@ __all__ = [
     "REMEMBERED_TRACES",
     "BudgetControl",
     "PeakTrack",
+    "PlanMemory",
     "Trace",
     "Windows",
     "auto_budget",
     "derive_windows",
     "headroom_bytes",
     "kept_nothing_warning",
+    "no_room_warning",
     "pinned_idle_cap",
     "plan_keep",
     "scaled_rest",
@@ -533,6 +545,25 @@ def kept_nothing_warning(plan_bytes: int, budget_bytes: int, newest_bytes: int) 
     )
 
 
+def no_room_warning(
+    which: str, share: MemoryShare, reading: MemoryReading, base: int, headroom: int
+) -> str:
+    """An ``auto`` (or percentage) budget that found no room: what it read, and the fix."""
+    effect = (
+        "nothing is kept on the device: everything the rules move is moved"
+        if which == "device"
+        else "there is no host tier"
+    )
+    return (
+        f"tensorstore-hooks: {which}_budget {share} found no room, so it is 0 B and "
+        f"{effect}. It read a limit of {format_bytes(reading.limit_bytes)} ({reading.source}), "
+        f"less the headroom {format_bytes(headroom)} (memory_headroom) and the peak this "
+        f"process reached without saved tensors, {format_bytes(base)}: "
+        f"{format_bytes(max(0, reading.limit_bytes - headroom - base))} left. Free memory "
+        f"before the first step, lower memory_headroom, or give {which}_budget as a size."
+    )
+
+
 def _log_auto(
     which: str, share: MemoryShare, reading: MemoryReading, base: int, headroom: int, figure: int,
     *, info: bool,
@@ -544,6 +575,22 @@ def _log_auto(
         which, share, format_bytes(figure), share, format_bytes(reading.limit_bytes),
         reading.source, format_bytes(headroom), format_bytes(base),
     )  # fmt: skip
+
+
+@dataclass
+class PlanMemory:
+    """What a plan learnt, carried from one pipeline to the next (NOTE [ Plan carry-over ]).
+
+    Mutated in place by every :class:`BudgetControl` given it (under that control's lock).
+    """
+
+    traces: list[Trace] = field(default_factory=list)
+    errors: deque[float] = field(default_factory=lambda: deque(maxlen=CALIBRATION_FORWARDS))
+    tracks: dict[str, PeakTrack] = field(default_factory=dict)
+    device_budget: int | None = None
+    """The last ``device_budget`` derived from a share (``auto``), bytes."""
+    device: torch.device | None = None
+    forwards: int = 0
 
 
 class BudgetControl:
@@ -569,6 +616,7 @@ class BudgetControl:
         apply: Callable[[Windows], None] | None = None,
         stats: OffloadStats | None = None,
         probe: MemoryProbe | None = None,
+        memory: PlanMemory | None = None,
     ) -> None:
         self._specs: dict[str, int | MemoryShare | None] = {
             "device": device_budget,
@@ -590,6 +638,7 @@ class BudgetControl:
         """Forwards finished (rule 1)."""
         self.replans = 0
         """Forwards whose trace was new (rule 4)."""
+        self._memory: PlanMemory | None = None  # NOTE [ Plan carry-over ]
         self._fwd: _Forward | None = None  # None between forwards
         self._fwd_done = _Forward([], None)  # the last finished one
         self._kept_nothing = 0  # forwards in a row (rule 9)
@@ -607,6 +656,8 @@ class BudgetControl:
         """The device budget in force, bytes (``None``: none, or ``auto`` not derived yet)."""
         self.host_budget: int = host_budget if isinstance(host_budget, int) else 0
         """The host budget in force, bytes."""
+        if memory is not None:
+            self._recall(memory)
         if isinstance(host_budget, MemoryShare):
             self.host_budget = self._derive("host", _CPU, 0) or 0
         self._publish()
@@ -614,11 +665,34 @@ class BudgetControl:
         if apply is not None:
             apply(self.windows)
 
+    def _recall(self, memory: PlanMemory) -> None:
+        """Start from what earlier pipelines learnt (NOTE [ Plan carry-over ])."""
+        self._memory = memory
+        self._traces, self._errors, self._tracks = memory.traces, memory.errors, memory.tracks
+        if self._errors:
+            self._margin = min(MAX_MARGIN, max(1.0, *self._errors))
+        if isinstance(self._specs["device"], MemoryShare) and memory.device_budget is not None:
+            self.device_budget, self._device = memory.device_budget, memory.device
+            self.forwards = memory.forwards  # rule 5 of NOTE [ Auto budgets ] is behind us
+
+    def _remember(self) -> None:
+        memory = self._memory
+        if memory is not None:
+            memory.forwards = self.forwards
+            memory.device = self._device
+            if isinstance(self._specs["device"], MemoryShare):
+                memory.device_budget = self.device_budget
+
     @classmethod
     def for_pipeline(
-        cls, policy: Policy, settings: PipelineSettings, stats: OffloadStats
+        cls,
+        policy: Policy,
+        settings: PipelineSettings,
+        stats: OffloadStats,
+        memory: PlanMemory | None = None,
     ) -> BudgetControl:
-        """The control of a pipeline (then :meth:`connect` its units)."""
+        """The control of a pipeline (then :meth:`connect` its units); ``memory``: start
+        from and add to what earlier pipelines learnt (NOTE [ Plan carry-over ])."""
         return cls(
             device_budget=policy.device_budget,
             host_budget=settings.host_budget,
@@ -626,6 +700,7 @@ class BudgetControl:
             prefetch=settings.prefetch,
             memory_headroom=settings.memory_headroom,
             stats=stats,
+            memory=memory,
         )
 
     def connect(self, writer: _WritesBehind, prefetcher: _ReadsAhead, tier: _Tier | None) -> None:
@@ -715,7 +790,9 @@ class BudgetControl:
             self._update_budgets()
         elif not self.forwards and isinstance(self._specs["device"], MemoryShare):
             self._first_budget(device)
-        if self._kept_nothing >= KEPT_NOTHING_FORWARDS and "kept" not in self._warned:
+        # An auto budget that found no room already said why (no_room_warning).
+        said = "kept" in self._warned or ("device room" in self._warned and not self.device_budget)
+        if self._kept_nothing >= KEPT_NOTHING_FORWARDS and not said:
             self._warned.add("kept")
             newest = self._traces[0].sizes[-1] if self._traces[0].sizes else 0
             self._warning = kept_nothing_warning(
@@ -766,6 +843,7 @@ class BudgetControl:
         self._traces.insert(0, trace)
         del self._traces[REMEMBERED_TRACES:]
         self._set_windows(self._derive_windows())
+        self._remember()
 
     # ---------------------------------------------------------- auto budgets
     def _update_budgets(self) -> None:
@@ -847,6 +925,9 @@ class BudgetControl:
         base = self._tracks[which].baseline_bytes
         headroom = headroom_bytes(self._headroom, reading.limit_bytes)
         figure = auto_budget(share, reading, base, self._headroom)
+        if figure == 0 and f"{which} room" not in self._warned:
+            self._warned.add(f"{which} room")
+            self._warning = no_room_warning(which, share, reading, base, headroom)
         last = self._logged.get(which)
         moved = last is None or abs(figure - last) * _LOG_STEP >= max(last, 1)
         _log_auto(which, share, reading, base, headroom, figure, info=moved)

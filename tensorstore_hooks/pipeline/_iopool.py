@@ -224,14 +224,15 @@ class StorePool:
         return pool
 
 
-def shutdown_pool(store: TensorStore) -> None:
+def shutdown_pool(store: TensorStore, timeout_s: float = 10.0) -> None:
     """Stop ``store``'s pool (its queued tasks run first); the next :func:`pool_for` makes
-    a new one."""
+    a new one. Waits up to ``timeout_s`` for each thread (0: the threads stop on their
+    own, as soon as their queue is done: nothing waits, e.g. in a finalizer)."""
     with _POOLS_LOCK:
         pool = _POOLS.pop(store, None)
     if pool is not None:
         _retire(pool)
-        pool.shutdown()
+        pool.shutdown(timeout_s)
 
 
 def _collected(pool: IOPool) -> None:

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 from tensorstore_hooks.config import PipelineSettings, Policy, exact_size
-from tensorstore_hooks.pipeline._budgets import BudgetControl, pinned_idle_cap
+from tensorstore_hooks.pipeline._budgets import BudgetControl, PlanMemory, pinned_idle_cap
 from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._iopool import StorePool, on_io_thread, shutdown_pool
 from tensorstore_hooks.pipeline._prefetch import Prefetcher
@@ -50,7 +50,9 @@ class Pipeline:
     ``policy`` decides per tensor (keep / host / store); ``settings`` is the config's
     ``pipeline:`` section as it is (:class:`~tensorstore_hooks.config._settings.PipelineSettings`);
     ``owns_store``: close ``store`` once the pipeline is closed and nothing is live.
-    Hooks pack and unpack through :attr:`router`.
+    ``plan``: start the device budget's plan from what earlier pipelines learnt and add
+    to it (NOTE [ Plan carry-over ]); ``stats``: count into these (a pipeline reopened
+    for the same hooks: NOTE [ Idle hooks ]). Hooks pack and unpack through :attr:`router`.
     """
 
     def __init__(
@@ -60,13 +62,15 @@ class Pipeline:
         policy: Policy,
         settings: PipelineSettings,
         owns_store: bool = False,
+        plan: PlanMemory | None = None,
+        stats: OffloadStats | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
         self.settings = settings
         self.owns_store = owns_store
         self._pid = os.getpid()  # NOTE [ Fork safety ]
-        self.stats = stats = OffloadStats()
+        self.stats = stats = stats if stats is not None else OffloadStats()
         # Counters bump ``stats`` directly: a bound method of ours would be a cycle.
         self.heap = HeapReleaser(  # NOTE [ Heap release ]
             settings.release_heap_every, on_release=functools.partial(_count_heap_release, stats)
@@ -74,9 +78,14 @@ class Pipeline:
         io = StorePool(store, settings.writer_threads + 2)
         self._closed = False
         self._close_lock = threading.Lock()
+        self._parked = False  # NOTE [ Idle hooks ]
+        # Re-entrant: a handle's finalizer (_release -> _idle) may run on this thread
+        # inside a locked region, at any allocation the collector picks.
+        self._park_lock = threading.RLock()
+        close_idle()  # another pipeline: the idle ones close (NOTE [ Idle hooks ] rule 1)
         self.table = table = RecordTable(self._release, stats)
         # Budgets first: host_budget "auto" is derived now (NOTE [ Auto budgets ]).
-        self.budget = budget = BudgetControl.for_pipeline(policy, settings, stats)
+        self.budget = budget = BudgetControl.for_pipeline(policy, settings, stats, plan)
         self.stager = stager = DeviceStager(  # NOTE [ Host tier wiring ]
             table.copies,
             idle_cap=pinned_idle_cap(settings),
@@ -197,6 +206,8 @@ class Pipeline:
                 freed.write_running.wait(self.settings.read_deadline_s)
             if freed.last:
                 self._close_now()
+            elif self._parked and self.table.live == 0 and not on_io_thread():
+                self._idle()
         except Exception:  # pragma: no cover - a finalizer must never raise
             log.debug("release failed", exc_info=True)
 
@@ -224,6 +235,52 @@ class Pipeline:
         if self.table.close():
             self._close_now()
 
+    def park(self) -> None:
+        """No block of the hooks is open: idle once nothing is live (NOTE [ Idle hooks ]).
+
+        Idle: the I/O threads of an owned store stop at once (they start again on
+        use) and its process-wide effects are given back; the pipeline closes (its
+        store, its buffers) when another pipeline is made in this process, or when its
+        hooks are collected. A pipeline recording a
+        timeline does not idle (the trace still owns it)."""
+        if self.timeline is not None or foreign(self._pid):
+            return
+        with self._park_lock:
+            self._parked = True
+        if self.table.live == 0:
+            self._idle()
+
+    def unpark(self) -> bool:
+        """A block of the hooks opens: ``False`` if the pipeline was closed while idle
+        (the hooks make a new one); else it stays open until the next :meth:`park`."""
+        with self._park_lock:
+            self._parked = False
+            closed = self._closed
+        with _IDLE_LOCK:
+            _IDLE.discard(self)
+        return not closed
+
+    def _idle(self) -> None:
+        with self._park_lock:
+            if not self._parked or self.table.live or self._closed:
+                return
+            if self.owns_store:  # shared pools stay: other pipelines use them
+                # Without waiting: this may run in a handle's finalizer, where a wait
+                # keeps a Ctrl-C deferred (NOTE [ Signals and finalizers ]).
+                shutdown_pool(self.store, timeout_s=0.0)
+            # Nothing moves: glibc gets its dynamic mmap ceiling back, so a plain step
+            # beside idle hooks pays nothing (NOTE [ Process-wide effects ], effect 2).
+            self._effects.idle()
+        with _IDLE_LOCK:
+            _IDLE.add(self)
+
+    def _close_if_idle(self) -> None:
+        # Under the park lock: a block opening now waits, then finds the pipeline closed.
+        with self._park_lock:
+            if self._parked and self.table.live == 0 and not self._closed:
+                self.close()
+
+
     def _close_now(self) -> None:
         with self._close_lock:
             if self._closed:
@@ -240,6 +297,20 @@ class Pipeline:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+_IDLE: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+"""Pipelines parked with nothing live (NOTE [ Idle hooks ])."""
+_IDLE_LOCK = threading.RLock()  # re-entrant, as the park lock is
+
+
+def close_idle() -> None:
+    """Close every idle pipeline (NOTE [ Idle hooks ] rule 1): a new one is being made."""
+    with _IDLE_LOCK:
+        idle = list(_IDLE)
+        _IDLE.clear()
+    for pipeline in idle:
+        pipeline._close_if_idle()
 
 
 def _wire_direct_io(pipeline: Pipeline, store: TensorStore, owns_store: bool) -> None:

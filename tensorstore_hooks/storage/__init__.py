@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tensorstore_hooks.storage._registry import (
     chain_from_settings,
+    check_packages,
     check_url,
     open_store,
     options_from_config,
@@ -37,6 +38,7 @@ __all__ = [
     "RetryPolicy",
     "TensorStore",
     "chain_from_settings",
+    "check_packages",
     "check_url",
     "classify_store_read",
     "open_store",

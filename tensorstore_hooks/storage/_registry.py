@@ -40,6 +40,7 @@ __all__ = [
     "StoreKind",
     "TierSpec",
     "TierURL",
+    "check_packages",
     "check_url",
     "kind_of",
     "known_schemes",
@@ -250,6 +251,16 @@ def check_url(url: str) -> str:
     """The config validator's check of ``store.url``: :func:`kind_of`, returning ``url``."""
     kind_of(url)
     return url
+
+
+def check_packages(url: str) -> None:
+    """Raise :class:`ConfigError` naming what to install when ``url``'s store needs a
+    package this Python lacks (``s3://`` without s3fs); imports, never any I/O."""
+    kind = kind_of(url)
+    if kind is _FSSPEC_KIND:
+        _check_fsspec_importable(url)
+    else:
+        _resolve(kind)
 
 
 def _unknown_scheme(proto: str) -> str:

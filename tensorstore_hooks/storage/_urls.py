@@ -10,8 +10,9 @@ Rule 1. ``None`` is a fresh temporary local directory. The empty string is refus
         it would otherwise be the current directory.
 Rule 2. A string with neither ``://`` nor ``::`` is a bare local path, unless it
         starts like a URL with too few slashes: ``tsh:/host:7077``, ``file:/x``,
-        ``s3:bucket`` (a known scheme followed by a colon but not ``//``), or any
-        ``word:/...``. Those are refused with the two-slash form shown, never taken
+        ``s3:bucket`` (a known scheme followed by a colon but not ``//``), any
+        ``word:/...``, or a known scheme followed by ``//`` without its colon
+        (``s3//bucket``). Those are refused with the two-slash form shown, never taken
         as a local directory named ``tsh:``.
 Rule 3. ``file://PATH`` is the local path ``PATH`` (``file:///abs`` is ``/abs``);
         ``file://`` with no path is refused (never the current directory).
@@ -23,7 +24,10 @@ Rule 5. The daemon: ``tsh://HOST:PORT`` and ``tsh+tls://HOST:PORT`` (TCP, plain 
         options or ``TSH_TOKEN``), and never chained with ``::``.
 Rule 6. Anything else is an fsspec URL, possibly chained (``simplecache::s3://b/p``);
         the registry checks every link's protocol.
-Schemes are case-insensitive (``S3://`` is ``s3://``).
+Schemes are case-insensitive (``S3://`` is ``s3://``): every link's scheme is taken
+in lower case. A local path (bare or after ``file://``) starting with ``~`` is the
+home directory, expanded as fsspec and the shell do (``~/acts``, ``~user/acts``); one
+that cannot be expanded is refused, never a directory literally named ``~``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ DAEMON_SCHEMES: tuple[str, ...] = ("tsh", "tsh+tls", "tsh+unix")
 
 # "word:" not followed by a second ":" (that is an fsspec chain, "simplecache::s3://").
 _SCHEME_HEAD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!:)(.*)$", re.DOTALL)
+# "s3//bucket/p": a known scheme and two slashes, the colon left out (Rule 2).
+_NO_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)//([^/].*)$", re.DOTALL)
 
 
 class BadURLError(ConfigError):
@@ -96,6 +102,14 @@ def check_not_one_slash(url: str, is_known: Callable[[str], bool]) -> None:
     ``is_known(scheme)`` says whether a scheme names a store kind (the registry's
     answer). Raises :class:`BadURLError` showing the two-slash form.
     """
+    m = _NO_COLON.match(url)
+    if m is not None and is_known(m.group(1).lower()):  # "s3//bucket/p": the colon left out
+        fixed = f"{m.group(1).lower()}://{m.group(2)}"
+        raise BadURLError(
+            url,
+            f"this looks like a URL without its colon; did you mean {fixed!r}? (a local "
+            f"directory named {m.group(1)!r} must be written as ./{url})",
+        )
     m = _SCHEME_HEAD.match(url)
     if m is None:
         return
@@ -129,7 +143,8 @@ def split_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
     if "://" not in s:
         check_not_one_slash(s, lambda scheme: scheme in ("file", "memory"))
     if is_bare_path(s):
-        return "local", s
+        return "local", _home(s, s)
+    s = _lower_schemes(s)
     scheme = scheme_of(s)
     if scheme == "file" and "::" not in s:
         path = s.split("://", 1)[1]
@@ -137,10 +152,34 @@ def split_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
             raise BadURLError(
                 s, "file:// needs a path, e.g. file:///scratch/acts (never the current directory)"
             )
-        return "local", path
+        return "local", _home(path, s)
     if scheme == "memory" and "::" not in s:
         return "memory", s
     return "fsspec", s
+
+
+def _lower_schemes(url: str) -> str:
+    """``S3://b/P`` -> ``s3://b/P``: each link's scheme in lower case, the rest as given."""
+    links = url.split("::")
+    for i, link in enumerate(links):
+        scheme, sep, rest = link.partition("://")
+        links[i] = scheme.lower() + sep + rest if sep else link.lower()
+    return "::".join(links)
+
+
+def _home(path: str, url: str) -> str:
+    """A local path with its leading ``~`` expanded (as fsspec does); refused if it cannot be."""
+    if not path.startswith("~"):
+        return path
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+        raise BadURLError(
+            url,
+            f"cannot expand {path.split('/', 1)[0]!r} (no such user, or HOME is not set); "
+            "give an absolute path, e.g. file:///home/me/acts (a directory literally named "
+            "'~' must be written as ./~)",
+        )
+    return expanded
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,9 @@ def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
     ):
         assert row in proc.stdout
     assert "DIFFER" not in proc.stdout
+    # Each run in a process of its own, and the demo says so (issue 38, item 3).
+    assert "measured with each run in a process of its own" in proc.stdout
+    assert "SHA-256 of each gradient's bytes" in proc.stdout
     # One measured round (round 1 is warm-up): medians, and no verdict from so little.
     assert "step time: 1 measured round: too few to conclude" in proc.stdout
     assert "memory://" not in proc.stdout  # the note is for memory stores only
@@ -61,9 +64,11 @@ def test_demo_tiny_two_steps_gradients_identical(tmp_path: Path) -> None:
 
 
 def test_demo_on_memory_says_where_the_bytes_are() -> None:
-    proc = _cli("demo", "--steps", "1", "--store", "memory://")
+    proc = _cli("demo", "--steps", "1", "--store", "memory://", "--same-process")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "note: memory:// holds the offloaded bytes in this process's RAM" in proc.stdout
+    assert "measured with both runs in this process (--same-process)" in proc.stdout
+    assert "identical (1 steps x" in proc.stdout and "torch.equal" in proc.stdout
 
 
 def test_demo_verdicts_say_when_the_spread_is_too_wide() -> None:
