@@ -9,6 +9,7 @@ Entering the hooks again reopens them.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 from pathlib import Path
@@ -175,20 +176,48 @@ def test_reused_hooks_keep_their_store_between_steps(temp_root: Path) -> None:
     assert _dirs(temp_root) == 0
 
 
+_IDLE_STEP = """
+import threading
+
+import torch
+from torch import nn
+
+import tensorstore_hooks as tsh
+from tensorstore_hooks.runtime._effects import mmap_threshold_set
+
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+x = torch.randn(64, 256)
+with tsh.offload(min_bytes=0) as hooks:
+    loss = model(x).sum()
+    assert mmap_threshold_set(), "not in force while bytes move"
+loss.backward()
+del loss
+assert hooks.stats.tensors_offloaded > 0
+model(x).sum().backward()  # the plain step
+for t in threading.enumerate():
+    if t.name.startswith("tsh-io"):
+        t.join(5.0)  # an idle pipeline does not wait for the threads it told to stop
+assert not mmap_threshold_set(), "the mmap threshold is still in force"
+alive = [t.name for t in threading.enumerate() if t.name.startswith("tsh-io") and t.is_alive()]
+assert not alive, alive
+print("ok")
+"""
+
+
 def test_an_idle_pipeline_costs_a_plain_step_nothing(temp_root: Path) -> None:
     # Issue 38, item 3: with kept hooks idle in the process, a plain step finds no
     # thread of ours, no process-wide setting in force (NOTE [ Process-wide effects ]).
-    from tensorstore_hooks.runtime._effects import mmap_threshold_set
+    # In a fresh process: the mmap threshold is process-wide, and a pipeline another
+    # test left moving in this worker would hold it for its own reasons.
+    import subprocess
+    import sys
 
-    model, x = _model(), torch.randn(64, 256)
-    with tsh.offload(min_bytes=0) as hooks:
-        loss = model(x).sum()
-        assert mmap_threshold_set()  # in force while bytes move
-    loss.backward()
-    del loss
-    assert hooks.stats.tensors_offloaded > 0
-    model(x).sum().backward()  # the plain step
-    assert not mmap_threshold_set() and _io_threads() == 0
+    env = {**os.environ, "TMPDIR": str(temp_root)}
+    done = subprocess.run(
+        [sys.executable, "-c", _IDLE_STEP], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_a_trace_of_hooks_closed_while_idle_records_the_next_block(
