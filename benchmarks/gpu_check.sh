@@ -34,7 +34,7 @@ if [ "${1:-}" = "prepare" ]; then
     mkdir -p .gpu
     cp ../shared/gpu/wheels/*.whl .gpu/ 2>/dev/null || cp /work/shared/gpu/wheels/*.whl .gpu/
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        -d .gpu pytest pluggy iniconfig packaging
+        -d .gpu pytest pluggy iniconfig packaging pygments
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> "$(git rev-parse --git-common-dir)/info/exclude"
     ls .gpu | wc -l | xargs echo "wheels in .gpu/:"
     exit 0
