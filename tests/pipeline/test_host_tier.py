@@ -257,6 +257,39 @@ def test_concurrent_holders_keeping_half_never_exceed_the_cap() -> None:
     assert max(peak) <= 32 * KiB and tier.peak_bytes <= 32 * KiB
 
 
+class Gated(Alloc):
+    """An allocator whose first call waits for ``go`` (a slow ``cudaHostAlloc``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, n: int) -> torch.Tensor:
+        if not self.inside.is_set():  # only the test's first thread calls before it is set
+            self.inside.set()
+            assert self.go.wait(10)
+        return super().__call__(n)
+
+
+def test_slabs_being_allocated_count_against_the_cap() -> None:
+    # Rule 1 while a slab is still being allocated (outside the lock): other requests
+    # see its bytes as spent and never grow the tier past the cap.
+    alloc = Gated()
+    tier = slab_tier(32 * KiB, alloc, slab=16 * KiB)
+    first = threading.Thread(target=lambda: tier.make_room("a", 16 * KiB))
+    first.start()
+    try:
+        assert alloc.inside.wait(10)
+        assert tier.make_room("b", 16 * KiB) == []  # the other 16 KiB of the cap
+        assert tier.make_room("c", 16 * KiB) is None  # none left: rule 4, nothing grows
+    finally:
+        alloc.go.set()
+        first.join(10)
+    assert alloc.calls == [16 * KiB, 16 * KiB]
+    assert tier.used_bytes == 32 * KiB and tier.peak_bytes == 32 * KiB
+
+
 def test_concurrent_slab_holders_never_exceed_the_cap() -> None:
     tier = slab_tier(256 * KiB, Alloc(), slab=64 * KiB)
 
