@@ -4,24 +4,28 @@
 
 ``fn`` must be importable by a fresh interpreter (a module-level function of a module
 under ``tests/``, as ``tests/distributed_worker.py``): each rank is a fresh interpreter
-(the spawn start method), not a fork of the test process. Ranks report back
-through files the caller names in ``args``; a rank that raises fails the launch with
-its traceback (``torch.multiprocessing.ProcessRaisedException``). Every rank still
-alive at the end, on success or failure, is killed and reaped.
+(the spawn start method), not a fork of the test process. A rank joins the group with
+:func:`process_group` and reports back through files the caller names in ``args``; a
+rank that raises fails the launch with its traceback
+(``torch.multiprocessing.ProcessRaisedException``). Every rank still alive at the end,
+on success or failure, is killed and reaped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.daemon_fixtures import free_port
 
-__all__ = ["LAUNCH_TIMEOUT_S", "needs_gloo", "launch_ranks"]
+__all__ = ["LAUNCH_TIMEOUT_S", "launch_ranks", "needs_gloo", "process_group"]
 
 LAUNCH_TIMEOUT_S = 150.0
 """How long a launch may run before the test fails (two ranks on a loaded 2-core CPU)."""
@@ -60,3 +64,22 @@ def launch_ranks(
                 p.kill()
             p.join(5)
             p.close()
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world: int, port: int, *, timeout_s: float = 30.0) -> Iterator[None]:
+    """Inside a rank: join the gloo group of :func:`launch_ranks` (``timeout_s``: how
+    long a collective waits for the other ranks) and leave it at the end. Each rank
+    runs torch on one thread: the ranks share a small machine's cores."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
