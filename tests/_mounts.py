@@ -46,18 +46,26 @@ def unmount(path: Path, *, lazy: bool = True, check: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` (``mount -o size=``: ``"12m"``) mounted at ``path``, which is
-    made if missing; unmounted at the end."""
+def _mounted(argv: Sequence[str], path: Path, what: str, refused: str) -> Iterator[Path]:
+    """Run the mount command ``argv`` (skip, saying ``refused``, where it fails); yield
+    ``path``; unmount it at the end."""
     path.mkdir(parents=True, exist_ok=True)
-    argv = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
-    r = _run(argv, "a tmpfs")
+    r = _run(argv, what)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+        pytest.skip(f"{refused}: {r.stderr.strip()}")
     try:
         yield path
     finally:
         unmount(path)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``: ``"12m"``) mounted at ``path``, which is
+    made if missing; unmounted at the end."""
+    argv = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
+    with _mounted(argv, path, "a tmpfs", "cannot mount a tmpfs (needs root or CAP_SYS_ADMIN)"):
+        yield path
 
 
 @contextlib.contextmanager
@@ -78,14 +86,9 @@ def loop_ext4(
     made = _run(["mkfs.ext4", "-q", "-F", *reserve, str(image)], "a loop-mounted ext4")
     if made.returncode != 0:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
-    path.mkdir(parents=True, exist_ok=True)
-    r = _run(["mount", "-o", "loop", str(image), str(path)], "a loop-mounted ext4")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a loop device (needs root): {r.stderr.strip()}")
-    try:
+    argv = ["mount", "-o", "loop", str(image), str(path)]
+    with _mounted(argv, path, "a loop-mounted ext4", "cannot mount a loop device (needs root)"):
         yield path
-    finally:
-        unmount(path)
 
 
 def read_only(path: Path) -> None:
