@@ -1,6 +1,6 @@
 """Filesystems a test mounts for itself: a small tmpfs, a small ext4 on a loop device,
 and a read-only bind mount over a directory (full disks, ENOSPC under ``O_DIRECT``, a
-root that turns read-only while in use).
+root that turns read-only while in use); and a directory where ``O_DIRECT`` works.
 
 Mounting needs root (or CAP_SYS_ADMIN) on Linux. Where it is refused, or a tool it
 needs is missing, the test is skipped with the reason (a skip is never counted as a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["loop_ext4", "read_only", "tmpfs", "unmount", "writable_again"]
+__all__ = ["direct_io_dir", "loop_ext4", "read_only", "tmpfs", "unmount", "writable_again"]
 
 TIMEOUT_S = 60.0
 """The longest a ``mount``, ``umount`` or ``mkfs.ext4`` call may take."""
@@ -107,3 +107,15 @@ def read_only(path: Path) -> None:
 def writable_again(path: Path) -> None:
     """Undo :func:`read_only` (raises if the bind mount cannot be removed)."""
     unmount(path, lazy=False, check=True)
+
+
+def direct_io_dir(path: Path) -> Path:
+    """Make the directory ``path`` and return it where ``O_DIRECT`` works there; skip
+    the test, saying why, where it does not (tmpfs before Linux 6.6, overlayfs, ...)."""
+    from tensorstore_hooks.storage.io import probe_direct_io
+
+    path.mkdir(parents=True)
+    ok, why = probe_direct_io(str(path))
+    if not ok:
+        pytest.skip(f"no direct I/O under {path.parent}: {why}")
+    return path

@@ -35,7 +35,7 @@ from tensorstore_hooks.storage.io import probe_direct_io
 from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer, address_of
 from tensorstore_hooks.storage.zarr._docs import namespace_doc, root_doc
 from tensorstore_hooks.testing import assert_same_tensor
-from tests._mounts import loop_ext4
+from tests._mounts import direct_io_dir, loop_ext4
 from tests.storage.test_zarr_layout import _journal_entries, _plain_zarr_payload
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -44,12 +44,7 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.fixture
 def direct_root(tmp_path: Path) -> Path:
     """A directory where O_DIRECT works (skips, saying why, where it does not)."""
-    root = tmp_path / "root"
-    root.mkdir()
-    ok, why = probe_direct_io(str(root))
-    if not ok:
-        pytest.skip(f"no direct I/O under {tmp_path}: {why}")
-    return root
+    return direct_io_dir(tmp_path / "root")
 
 
 @pytest.fixture
