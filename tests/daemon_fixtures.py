@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests._mounts import tmpfs
+
 __all__ = [
     "CLI",
     "SERVE",
@@ -35,35 +37,13 @@ __all__ = [
     "send_frame",
     "rss",
     "shared_daemon",
-    "tmpfs",
+    "tmpfs",  # re-exported from tests._mounts for the daemon tests that mount one
     "wait_until",
 ]
 
 CLI = [sys.executable, "-m", "tensorstore_hooks.cli"]
 SERVE = [*CLI, "serve"]
 START_TIMEOUT_S = 60.0
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (skips the test if mounting is refused:
-    it needs root or CAP_SYS_ADMIN); unmounted at the end."""
-    path.mkdir()
-    try:
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command on this machine: this case needs it")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 def rss(pid: int) -> int:

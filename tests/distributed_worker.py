@@ -11,7 +11,6 @@ group has a short timeout as a last resort.
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import traceback
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tensorstore_hooks as tsh
+from tests._ddp import process_group
 
 __all__ = ["CHECKS", "run_rank"]
 
@@ -316,27 +316,19 @@ CHECKS: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {
 
 def run_rank(rank: int, world: int, port: int, work: str, options: dict[str, Any]) -> None:
     """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
-    torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )
     results: dict[str, str] = {}
-    try:
-        for name, check in CHECKS.items():
-            if name not in options["checks"]:
-                continue
-            try:
-                check(rank, Path(work), options)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            # Line the ranks up again before the next check, whatever happened.
-            dist.barrier()
-    finally:
-        out = Path(work) / f"rank{rank}.json"
-        out.write_text(json.dumps({"pid": os.getpid(), "results": results}))
-        dist.destroy_process_group()
+    with process_group(rank, world, port, timeout_s=30):
+        try:
+            for name, check in CHECKS.items():
+                if name not in options["checks"]:
+                    continue
+                try:
+                    check(rank, Path(work), options)
+                    results[name] = "ok"
+                except Exception:
+                    results[name] = traceback.format_exc()
+                # Line the ranks up again before the next check, whatever happened.
+                dist.barrier()
+        finally:
+            out = Path(work) / f"rank{rank}.json"
+            out.write_text(json.dumps({"pid": os.getpid(), "results": results}))

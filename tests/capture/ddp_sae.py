@@ -8,7 +8,6 @@ group's short timeout bounds a hang (a rank with one step more than the other).
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import tensorstore_hooks as tsh
+from tests._ddp import process_group
 
 __all__ = ["SAE", "run_rank"]
 
@@ -38,15 +38,7 @@ class SAE(nn.Module):
 
 def run_rank(rank: int, world: int, port: int, root: str, out: str, epochs: int) -> None:
     """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=45),
-    )
-    try:
+    with process_group(rank, world, port, timeout_s=45):
         ds = tsh.CaptureDataset(root, "0/output", batch_size=64, seed=0, shuffle_bytes="8KiB")
         loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         torch.manual_seed(0)
@@ -70,5 +62,3 @@ def run_rank(rank: int, world: int, port: int, root: str, out: str, epochs: int)
         Path(out, f"rank{rank}.json").write_text(
             json.dumps({"epochs": seen, "len": len(ds), "losses": losses})
         )
-    finally:
-        dist.destroy_process_group()

@@ -1,39 +1,26 @@
 """A sparse autoencoder trained from a capture under two-rank DDP (gloo, CPU) with
 persistent DataLoader workers (issue 35's figure): two epochs, every row exactly once
 per epoch, a different order each epoch, and the loop ends. Bounded: the launch is
-killed after :data:`LAUNCH_TIMEOUT_S`."""
+killed after ``tests._ddp.LAUNCH_TIMEOUT_S``."""
 
 from __future__ import annotations
 
 import json
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import tensorstore_hooks as tsh
+from tests._ddp import launch_ranks, needs_gloo
 from tests.capture import ddp_sae
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(),
-    reason="needs torch.distributed with the gloo backend",
-)
+pytestmark = needs_gloo
 
 WORLD = 2
 EPOCHS = 2
-LAUNCH_TIMEOUT_S = 150.0
 ROWS = {0: 900, 1: 101}  # rows each training rank captured: chunks of unequal sizes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _capture(root: Path, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -62,24 +49,9 @@ def test_a_sae_trains_two_epochs_under_ddp_with_persistent_workers(
     rows = _capture(tmp_path / "root", monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
-    ctx = mp.start_processes(
-        ddp_sae.run_rank,
-        args=(WORLD, _free_port(), str(tmp_path / "root"), str(out), EPOCHS),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
+    launch_ranks(
+        ddp_sae.run_rank, str(tmp_path / "root"), str(out), EPOCHS, world=WORLD, what="the DDP loop"
     )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the DDP loop did not end within {LAUNCH_TIMEOUT_S:.0f}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-            p.close()
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     lengths = {r["len"] for r in ranks}
     assert len(lengths) == 1  # len(ds) agrees on every rank

@@ -22,6 +22,7 @@ from torch import nn
 import tensorstore_hooks as tsh
 from tensorstore_hooks.cli.inspect import inspect_root
 from tensorstore_hooks.storage.io import LocalIO, probe_direct_io
+from tests._mounts import loop_ext4
 
 WIDTH = 16  # 64 B rows of float32
 
@@ -371,25 +372,10 @@ def test_direct_io_off_goes_through_the_page_cache(direct_root: Path) -> None:
 
 @pytest.fixture()
 def small_ext4(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB ext4 filesystem mounted on a loop device (skips without root)."""
-    image, mount = tmp_path / "fs.img", tmp_path / "mnt"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(4 << 20)
-    made = subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, timeout=60
-    )
-    if made.returncode != 0:
-        pytest.skip(f"mkfs.ext4 failed: {made.stderr.decode().strip()}")
-    r = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, timeout=60
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a loop device (needs root): {r.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=60)
+    """A 4 MiB ext4 filesystem mounted on a loop device, no blocks kept for root
+    (skips without root)."""
+    with loop_ext4(tmp_path / "mnt", tmp_path / "fs.img", 4 << 20, reserved_percent=0) as mnt:
+        yield mnt
 
 
 def test_a_full_disk_under_direct_io_loses_no_visible_row(small_ext4: Path) -> None:

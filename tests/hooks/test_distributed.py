@@ -3,60 +3,30 @@
 One launch of two processes (``torch.multiprocessing``, spawn) runs every check in
 ``tests/distributed_worker.py``; each check here reads both ranks' verdicts. Ranks
 rendezvous on 127.0.0.1 at a free port; the launch is killed if it outlives
-:data:`LAUNCH_TIMEOUT_S`.
+``tests._ddp.LAUNCH_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import json
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests import distributed_worker
+from tests._ddp import launch_ranks, needs_gloo
 from tests.s3_fixtures import *  # noqa: F403 - the fixtures
 from tests.s3_fixtures import S3Server
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(),
-    reason="needs torch.distributed with the gloo backend",
-)
+pytestmark = needs_gloo
 
 WORLD = 2
-LAUNCH_TIMEOUT_S = 150.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(work: Path, options: dict[str, Any]) -> dict[str, list[str]]:
     """Run the ranks; return ``{check: [verdict of rank 0, verdict of rank 1]}``."""
-    ctx = mp.start_processes(
-        distributed_worker.run_rank,
-        args=(WORLD, _free_port(), str(work), options),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks did not finish within {LAUNCH_TIMEOUT_S:.0f}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-            p.close()
+    launch_ranks(distributed_worker.run_rank, str(work), options, world=WORLD)
     verdicts: dict[str, list[str]] = {}
     for rank in range(WORLD):
         results = json.loads((work / f"rank{rank}.json").read_text())["results"]

@@ -268,7 +268,7 @@ def test_life_of_a_saved_tensor_names_what_exists() -> None:
     import re
 
     from tensorstore_hooks.pipeline import _staging
-    from tensorstore_hooks.pipeline._host_tier import HostTier
+    from tensorstore_hooks.pipeline._host_tier import SlabTier
 
     doc = (PACKAGE.parent / "docs" / "life-of-a-saved-tensor.md").read_text()
     hops = re.findall(r"^## (\d+)\. ", doc, re.M)
@@ -289,7 +289,7 @@ def test_life_of_a_saved_tensor_names_what_exists() -> None:
         "WriteBehind": pipeline.writer,
         "Prefetcher": pipeline.prefetcher,
         "DeviceStager": pipeline.stager,
-        "HostTier": HostTier,
+        "SlabTier": SlabTier,
         "TensorStore": tsh.TensorStore,
         "_staging": _staging,
         "copies": pipeline.table.copies,

@@ -12,15 +12,12 @@ tmpfs and need root; without it they are skipped (never counted as passed), and
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import resource
 import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ import torch
 
 from tensorstore_hooks import KeyNotFoundError, QuotaExceededError
 from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
+from tests._mounts import read_only, tmpfs, unmount, writable_again
 from tests.daemon_fixtures import Daemon, DaemonLauncher, daemons, free_port, raw_heads, wait_until
 
 __all__ = ["daemons"]  # the fixture, re-exported for pytest
@@ -42,50 +40,6 @@ def _tensor(i: int, nbytes: int = MiB) -> torch.Tensor:
 
 def _warnings(d: Daemon) -> list[str]:
     return [line for line in d.log().splitlines() if "cannot take writes" in line]
-
-
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (skips the test if mounting is refused)."""
-    path.mkdir()
-    try:
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command on this machine: the tmpfs cases need it")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
-
-
-def _mount(*args: str) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:
-        pytest.skip("no mount command on this machine: this case needs it")
-
-
-def _read_only(path: Path) -> None:
-    """Make ``path`` read-only for every new open (a read-only bind mount over it; files
-    the daemon already holds open stay writable, as they would on a real remount)."""
-    r = _mount("--bind", str(path), str(path))
-    if r.returncode != 0:
-        pytest.skip(f"cannot bind-mount (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-    r = _mount("-o", "remount,bind,ro", str(path))
-    if r.returncode != 0:
-        subprocess.run(["umount", str(path)], capture_output=True, timeout=30)
-        pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
-
-
-def _writable_again(path: Path) -> None:
-    subprocess.run(["umount", str(path)], check=True, capture_output=True, timeout=30)
 
 
 # ------------------------------------------------ finding 1: a spill not journaled
@@ -196,7 +150,7 @@ def test_file_size_limit_answers_quota_exceeded(daemons: DaemonLauncher, tmp_pat
 
 
 def test_full_tmpfs_answers_quota_exceeded(daemons: DaemonLauncher, tmp_path: Path) -> None:
-    with _tmpfs(tmp_path / "mnt", "12m") as mnt:
+    with tmpfs(tmp_path / "mnt", "12m") as mnt:
         d = daemons.start("--memory-quota", "0", "--root", str(mnt / "root"),
                           "--disk-quota", "1GiB")  # fmt: skip
         try:
@@ -239,18 +193,18 @@ def test_read_only_root_while_serving(daemons: DaemonLauncher, tmp_path: Path) -
     d = daemons.start(*args)
     store = DaemonStore(d.url, reconnect_deadline_s=60)
     before = {store.put(t): t for t in (_tensor(i, 256 * KiB) for i in range(4))}
-    _read_only(root)
+    read_only(root)
     mounted = True
     try:
         with pytest.raises(QuotaExceededError, match="Read-only file system"):
             store.put(_tensor(9, 256 * KiB))
         for key, t in before.items():  # reads go on
             assert torch.equal(store.get(key), t)
-        _writable_again(root)
+        writable_again(root)
         mounted = False
     finally:
         if mounted:
-            subprocess.run(["umount", str(root)], capture_output=True, timeout=30)
+            unmount(root, lazy=False)
     t = _tensor(10, 256 * KiB)
     after: dict[str, torch.Tensor] = {}
 

@@ -35,6 +35,7 @@ from tensorstore_hooks.storage.io import probe_direct_io
 from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, AlignedBuffer, address_of
 from tensorstore_hooks.storage.zarr._docs import namespace_doc, root_doc
 from tensorstore_hooks.testing import assert_same_tensor
+from tests._mounts import direct_io_dir, loop_ext4
 from tests.storage.test_zarr_layout import _journal_entries, _plain_zarr_payload
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -43,12 +44,7 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.fixture
 def direct_root(tmp_path: Path) -> Path:
     """A directory where O_DIRECT works (skips, saying why, where it does not)."""
-    root = tmp_path / "root"
-    root.mkdir()
-    ok, why = probe_direct_io(str(root))
-    if not ok:
-        pytest.skip(f"no direct I/O under {tmp_path}: {why}")
-    return root
+    return direct_io_dir(tmp_path / "root")
 
 
 @pytest.fixture
@@ -545,37 +541,11 @@ def test_offloaded_bytes_leave_the_page_cache(direct_root: Path, tmp_path: Path)
 
 
 # ------------------------------------------------------------ faults and crashes
-def _mount_small_ext4(where: Path, image: Path, size_mib: int) -> str | None:
-    """Mount a fresh ext4 image at ``where`` through a loop device; why not, or None."""
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        return "needs root on Linux (mkfs.ext4 + mount -o loop)"
-    if shutil.which("mkfs.ext4") is None:
-        return "mkfs.ext4 is not installed"
-    with open(image, "wb") as f:
-        f.truncate(size_mib * MiB)
-    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, timeout=60)
-    if made.returncode != 0:
-        return f"mkfs.ext4 failed: {made.stderr.decode(errors='replace').strip()}"
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(where)], capture_output=True, timeout=60
-    )
-    if done.returncode != 0:
-        return f"mount -o loop is not allowed here: {done.stderr.decode(errors='replace').strip()}"
-    return None
-
-
 @pytest.fixture
 def small_ext4(tmp_path: Path) -> Iterator[Path]:
     """A 24 MiB ext4 filesystem (O_DIRECT works on it; tmpfs would not test it)."""
-    mnt = tmp_path / "ext4"
-    why = _mount_small_ext4(mnt, tmp_path / "ext4.img", 24)
-    if why is not None:
-        pytest.skip(why)
-    try:
+    with loop_ext4(tmp_path / "ext4", tmp_path / "ext4.img", 24 * MiB) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=60)
 
 
 def test_a_full_disk_is_never_acknowledged_with_direct_io(small_ext4: Path) -> None:

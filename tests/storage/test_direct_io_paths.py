@@ -17,9 +17,9 @@ import tensorstore_hooks as tsh
 from tensorstore_hooks import ZarrStore
 from tensorstore_hooks._codec import encode
 from tensorstore_hooks.storage.daemon._client import DaemonStore, fetch_stats
-from tensorstore_hooks.storage.io import probe_direct_io
 from tensorstore_hooks.storage.io._aligned import BLOCK_BYTES, address_of
 from tensorstore_hooks.storage.zarr._store import DEFAULT_BUFFER_POOL_BYTES
+from tests._mounts import direct_io_dir
 from tests.daemon_fixtures import DaemonLauncher, daemons
 
 __all__ = ["daemons"]  # the fixture, re-exported for pytest
@@ -30,12 +30,7 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.fixture
 def direct_root(tmp_path: Path) -> Path:
     """A directory where O_DIRECT works (skips, saying why, where it does not)."""
-    root = tmp_path / "root"
-    root.mkdir()
-    ok, why = probe_direct_io(str(root))
-    if not ok:
-        pytest.skip(f"no direct I/O under {tmp_path}: {why}")
-    return root
+    return direct_io_dir(tmp_path / "root")
 
 
 def _payload_at(n: int, lead: int, seed: int) -> np.ndarray:

@@ -109,17 +109,9 @@ class TestS3Conformance(StoreConformance):
         s.close()
 
 
-class TestS3ChunkIO(ChunkIOConformance):
-    """The ChunkIO contract on S3: FsspecIO over s3fs, a fresh prefix per test."""
-
-    @pytest.fixture
-    def io(self, conformance_url: str, s3_server: S3Server) -> Iterator[ChunkIO]:
-        url = f"{conformance_url}-io-{next(_PREFIXES)}"
-        io = make_io(url, s3_server.storage_options)
-        assert isinstance(io, FsspecIO)
-        yield io
-        io.remove_tree("")
-        io.close()
+class _FsspecIOConformance(ChunkIOConformance):
+    """The ChunkIO contract on an FsspecIO (S3 here, SeaweedFS in test_seaweedfs.py);
+    a subclass gives the ``io`` fixture. Raw bytes go through the io's own fs."""
 
     def set_raw(self, io: ChunkIO, path: str, data: bytes) -> None:
         assert isinstance(io, FsspecIO)
@@ -130,6 +122,19 @@ class TestS3ChunkIO(ChunkIOConformance):
         full = f"{io.root}/{path}"
         io.fs.invalidate_cache()
         return bytes(io.fs.cat_file(full)) if io.fs.isfile(full) else None
+
+
+class TestS3ChunkIO(_FsspecIOConformance):
+    """The ChunkIO contract on S3: FsspecIO over s3fs, a fresh prefix per test."""
+
+    @pytest.fixture
+    def io(self, conformance_url: str, s3_server: S3Server) -> Iterator[ChunkIO]:
+        url = f"{conformance_url}-io-{next(_PREFIXES)}"
+        io = make_io(url, s3_server.storage_options)
+        assert isinstance(io, FsspecIO)
+        yield io
+        io.remove_tree("")
+        io.close()
 
 
 _PREFIXES = itertools.count()

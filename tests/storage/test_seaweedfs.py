@@ -31,13 +31,13 @@ from tensorstore_hooks import StoreUnavailableError, TensorStore
 from tensorstore_hooks.cli import main as cli_main
 from tensorstore_hooks.storage.io import ChunkIO, FsspecIO
 from tensorstore_hooks.storage.zarr._store import make_io
-from tensorstore_hooks.testing import ChunkIOConformance, StoreConformance
+from tensorstore_hooks.testing import StoreConformance
 from tests.config.test_configs_train import CONFIGS, _train
 from tests.hooks.test_equivalence import MODELS, check_equivalent
 from tests.s3_fixtures import *  # noqa: F403 - the fixtures
 from tests.s3_fixtures import SEAWEED_BUCKET
 from tests.seaweedfs import SeaweedFS
-from tests.storage.test_s3 import _Net, _step
+from tests.storage.test_s3 import _FsspecIOConformance, _Net, _step
 
 _IDS = itertools.count()
 
@@ -84,7 +84,7 @@ class TestSeaweedFSConformance(StoreConformance):
         assert len(shared_store) == 0
 
 
-class TestSeaweedFSChunkIO(ChunkIOConformance):
+class TestSeaweedFSChunkIO(_FsspecIOConformance):
     """The ChunkIO contract on SeaweedFS: FsspecIO over s3fs."""
 
     @pytest.fixture
@@ -94,16 +94,6 @@ class TestSeaweedFSChunkIO(ChunkIOConformance):
         yield io
         io.remove_tree("")
         io.close()
-
-    def set_raw(self, io: ChunkIO, path: str, data: bytes) -> None:
-        assert isinstance(io, FsspecIO)
-        io.fs.pipe_file(f"{io.root}/{path}", data)
-
-    def get_raw(self, io: ChunkIO, path: str) -> bytes | None:
-        assert isinstance(io, FsspecIO)
-        full = f"{io.root}/{path}"
-        io.fs.invalidate_cache()
-        return bytes(io.fs.cat_file(full)) if io.fs.isfile(full) else None
 
 
 @pytest.fixture(scope="class")

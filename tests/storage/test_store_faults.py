@@ -43,41 +43,17 @@ from tensorstore_hooks import (
     ZarrStore,
 )
 from tensorstore_hooks.testing import assert_same_tensor
+from tests._mounts import tmpfs
 
 # ----------------------------------------------------------------- fixtures
-
-
-def _try_mount(where: Path, size: str) -> str | None:
-    """Mount a tmpfs at ``where``; returns why not, or None on success."""
-    if not sys.platform.startswith("linux"):
-        return "tmpfs mounts are Linux only"
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"cannot run mount: {e}"
-    if done.returncode != 0:
-        return f"mount -t tmpfs is not allowed here: {done.stderr.strip()}"
-    return None
 
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 20 MiB tmpfs mounted for this test (skips, saying why, where mount is refused;
     the ``*_rlimit`` tests cover the same behaviour without a mount)."""
-    mnt = tmp_path / "small-fs"
-    why = _try_mount(mnt, "20m")
-    if why is not None:
-        pytest.skip(why)
-    try:
+    with tmpfs(tmp_path / "small-fs", "20m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def _free(path: Path) -> int:

@@ -10,6 +10,7 @@ import pytest
 import tensorstore_hooks as tsh
 from tensorstore_hooks import TensorStore, ZarrStore
 from tensorstore_hooks.testing import StoreConformance
+from tests._mounts import direct_io_dir
 
 
 class TestBarePath(StoreConformance):
@@ -52,17 +53,6 @@ class TestSmallChunksZstd(StoreConformance):
 
 
 # ------------------------------------------------------ NOTE [ Direct I/O ]
-def _direct_root(tmp_path: Path) -> Path:
-    from tensorstore_hooks.storage.io import probe_direct_io
-
-    root = tmp_path / "root"
-    root.mkdir()
-    ok, why = probe_direct_io(str(root))
-    if not ok:
-        pytest.skip(f"no direct I/O under {tmp_path}: {why}")
-    return root
-
-
 class TestDirectIOOn(StoreConformance):
     """Every chunk, whatever its size class, through O_DIRECT (the size floor below
     which chunks stay buffered is lowered to the smallest class for this suite)."""
@@ -72,7 +62,8 @@ class TestDirectIOOn(StoreConformance):
         from tensorstore_hooks.storage.zarr import _chunkcodec
 
         monkeypatch.setattr(_chunkcodec, "DIRECT_MIN_CHUNK_BYTES", 4096)
-        s = tsh.open_store(str(_direct_root(tmp_path)), direct_io="on", chunk_bytes="1MiB")
+        root = direct_io_dir(tmp_path / "root")
+        s = tsh.open_store(str(root), direct_io="on", chunk_bytes="1MiB")
         assert isinstance(s, ZarrStore) and s.direct_io.enabled
         yield s
         s.close()
@@ -83,7 +74,7 @@ class TestDirectIODefaults(StoreConformance):
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[TensorStore]:
-        s = tsh.open_store(str(_direct_root(tmp_path)), direct_io="on")
+        s = tsh.open_store(str(direct_io_dir(tmp_path / "root")), direct_io="on")
         assert isinstance(s, ZarrStore) and s.direct_io.enabled
         yield s
         s.close()
