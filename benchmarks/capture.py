@@ -427,19 +427,25 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def charge_in_n(summary: dict[str, Any]) -> str | None:
-    """Each mode's container charge at each N side by side, and the largest over the
-    smallest: tsh's is flat in N when its writes leave no page cache behind (NOTE
-    [ Capture writes ]); the tutorial's grows with what it holds."""
+    """Each mode's container charge at each N side by side, what it adds to ``none``'s
+    (the forward's own) at the same N, and the largest over the smallest: tsh's is
+    flat in N when its writes leave no page cache behind (NOTE [ Capture writes ]);
+    the tutorial's grows with what it holds."""
     by_mode: dict[str, dict[int, float]] = {}
     for key, s in summary.items():
         mode, n = key.split("@")
         if s["cgroup_peak_mib"] is not None:
             by_mode.setdefault(mode, {})[int(n)] = s["cgroup_peak_mib"]
+    base = by_mode.get("none", {})
     lines = []
     for mode, charges in by_mode.items():
         if len(charges) < 2:
             continue
-        shown = ", ".join(f"N={n}: {mib:.0f} MiB" for n, mib in sorted(charges.items()))
+        shown = ", ".join(
+            f"N={n}: {mib:.0f} MiB"
+            + (f" ({mib - base[n]:+.0f} over none)" if mode != "none" and n in base else "")
+            for n, mib in sorted(charges.items())
+        )
         ratio = max(charges.values()) / max(1.0, min(charges.values()))
         lines.append(f"{mode} container charge by N: {shown} (largest / smallest: {ratio:.2f}x)")
     return "\n".join(lines) or None
