@@ -209,6 +209,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             "stall_s": s.stall_s,
             "bytes_written": s.bytes_written,
             "failed_writes": s.failed_writes,
+            "chunks_written": s.chunks_written,
+            "chunks_direct": s.chunks_direct,
         }
     for h in handles:
         h.remove()
@@ -418,25 +420,46 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{r['raw_gbps']:.2f} GB/s: {r['ratio']:.2f}x (CPU {r['dataset_cpu_s']:.2f} s "
                 f"against {r['raw_cpu_s']:.2f} s)"
             )
-    flat = charge_in_n(result["summary"])
-    if flat:
-        lines.append(flat)
+    for extra in (charge_in_n(result["summary"]), direct_share(result["runs"])):
+        if extra:
+            lines.append(extra)
     return "\n".join(lines)
 
 
 def charge_in_n(summary: dict[str, Any]) -> str | None:
-    """tsh's container charge at each N, and the largest over the smallest: flat in N
-    means the capture's writes leave no page cache behind (NOTE [ Capture writes ])."""
-    charges = {
-        int(key.split("@")[1]): s["cgroup_peak_mib"]
-        for key, s in summary.items()
-        if key.startswith("tsh@") and s["cgroup_peak_mib"] is not None
-    }
-    if len(charges) < 2:
-        return None
-    shown = ", ".join(f"N={n}: {mib:.0f} MiB" for n, mib in sorted(charges.items()))
-    ratio = max(charges.values()) / max(1.0, min(charges.values()))
-    return f"tsh container charge by N: {shown} (largest / smallest: {ratio:.2f}x)"
+    """Each mode's container charge at each N side by side, what it adds to ``none``'s
+    (the forward's own) at the same N, and the largest over the smallest: tsh's is
+    flat in N when its writes leave no page cache behind (NOTE [ Capture writes ]);
+    the tutorial's grows with what it holds."""
+    by_mode: dict[str, dict[int, float]] = {}
+    for key, s in summary.items():
+        mode, n = key.split("@")
+        if s["cgroup_peak_mib"] is not None:
+            by_mode.setdefault(mode, {})[int(n)] = s["cgroup_peak_mib"]
+    base = by_mode.get("none", {})
+    lines = []
+    for mode, charges in by_mode.items():
+        if len(charges) < 2:
+            continue
+        shown = ", ".join(
+            f"N={n}: {mib:.0f} MiB"
+            + (f" ({mib - base[n]:+.0f} over none)" if mode != "none" and n in base else "")
+            for n, mib in sorted(charges.items())
+        )
+        ratio = max(charges.values()) / max(1.0, min(charges.values()))
+        lines.append(f"{mode} container charge by N: {shown} (largest / smallest: {ratio:.2f}x)")
+    return "\n".join(lines) or None
+
+
+def direct_share(runs: list[dict[str, Any]]) -> str | None:
+    """How many of tsh's chunks went through O_DIRECT, per N (the charge is flat only
+    where they do)."""
+    parts = [
+        f"N={r['n']}: {r['tsh']['chunks_direct']}/{r['tsh']['chunks_written']}"
+        for r in runs
+        if "tsh" in r and "chunks_direct" in r["tsh"]
+    ]
+    return f"tsh chunks written with O_DIRECT: {', '.join(parts)}" if parts else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,10 +21,19 @@ NOTE [ Capture reads ]
    a rename is a new file), and the least recently used maps go beyond ``map_bytes``.
    Mapped pages are page cache: RSS counts them as shared file pages, and the kernel
    reclaims them under pressure as any page cache (the map then reads them again).
-4. A batch is one pooled buffer (it returns to the pool when the last tensor made from
-   it dies), filled by one ``numpy.take`` per chunk of the window, each row copied
-   once, straight from the chunk's buffer (no intermediate shuffled copy), on reader
-   threads ahead of the consumer (the copy releases the GIL).
+4. A window's pieces are read by one task each, all queued at once (their reads overlap
+   one another and the copies of the pieces read before them); meanwhile the consumer's
+   thread deals the window's order out to batches (a batch's rows in window order, so
+   the rows one piece gives a batch are one run of it). Once its piece is read and
+   checked, the task copies each of its rows once, straight from the chunk's buffer or
+   map into its place in a batch (one ``numpy.take`` per batch it feeds: no shuffled
+   intermediate copy), and drops the chunk. A batch is one pooled buffer (it returns to
+   the pool when the last tensor made from it dies) and is served once every task of
+   the windows it spans is done.
+5. So a process holds, from its pool, the batches of the ``read_ahead + 1`` windows
+   being filled, one chunk per reader thread, and the batches the consumer still holds;
+   :attr:`CaptureDataset.pool_bytes` is that bound for a consumer that drops each batch
+   after its step.
 """
 
 from __future__ import annotations
@@ -42,10 +51,12 @@ from tensorstore_hooks.errors import IntegrityError
 from tensorstore_hooks.storage.io import BufferPool, ChunkIO, LocalIO
 from tensorstore_hooks.storage.zarr import crc
 
-__all__ = ["ChunkReader", "MapCache", "gather"]
+__all__ = ["ChunkReader", "MapCache", "Scatter", "scatter"]
 
 _Index = npt.NDArray[np.int64]
 _Bytes = npt.NDArray[np.uint8]
+Scatter = tuple[_Bytes, _Index]
+"""Where a piece's rows go: ``(out, rows)``, ``out[i] = piece[rows[i]]`` (rule 4)."""
 
 
 class MapCache:
@@ -142,14 +153,10 @@ class ChunkReader:
         return data[:size]
 
 
-def gather(out: _Bytes, chunks: list[_Bytes], starts: _Index, rows: _Index) -> None:
-    """Copy the window rows ``rows`` (ascending) into ``out`` (rule 3): ``chunks`` are
-    the window's pieces as rows of bytes, ``starts`` the window row each begins at (and
-    the end). ``numpy.take`` copies on the calling thread alone (torch's
-    ``index_select`` would start its intra-op threads, which then compete with the
-    other reader threads for the same cores)."""
-    bounds = np.searchsorted(rows, starts)
-    for j, chunk in enumerate(chunks):
-        lo, hi = int(bounds[j]), int(bounds[j + 1])
-        if lo < hi:
-            np.take(chunk, rows[lo:hi] - starts[j], axis=0, out=out[lo:hi], mode="clip")
+def scatter(piece: _Bytes, parts: list[Scatter]) -> None:
+    """Copy rows of ``piece`` (rows of bytes) into batches (rule 4): ``out[i] =
+    piece[rows[i]]`` for each ``(out, rows)``. ``numpy.take`` copies on the calling
+    thread alone, without the GIL (torch's ``index_select`` would start its intra-op
+    threads, which then compete with the other reader threads for the same cores)."""
+    for out, rows in parts:
+        np.take(piece, rows, axis=0, out=out, mode="clip")

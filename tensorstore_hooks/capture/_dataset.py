@@ -23,10 +23,11 @@ reader must neither spin, nor allocate what it claims, nor recurse without end.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -36,19 +37,18 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tensorstore_hooks._units import parse_bytes
 from tensorstore_hooks._warn import warn_user
-from tensorstore_hooks.capture._chunks import ChunkReader, MapCache, gather
+from tensorstore_hooks.capture._chunks import ChunkReader, MapCache, Scatter, scatter
 from tensorstore_hooks.capture._layout import CAPTURE_DIR, ArrayInfo, scan_arrays
 from tensorstore_hooks.capture._plan import EVEN_MODES, Piece, Plan
 from tensorstore_hooks.capture._source import CaptureRoot, CaptureSource, StorageOptions
 from tensorstore_hooks.errors import ConfigError, IntegrityError
 from tensorstore_hooks.pipeline import READ, IOPool
-from tensorstore_hooks.storage.io import BufferPool, ChunkIO, LocalIO
+from tensorstore_hooks.storage.io import BufferPool, ChunkIO, LocalIO, round_up
 
 __all__ = ["MAX_CHUNK_BYTES", "CaptureDataset"]
 
 _RANK_GROUP = re.compile(r"^rank\d+/")
-_GATHER = READ  # batches of the window being served go first,
-_FETCH = READ + 1  # then the windows read ahead
+_FETCH = READ  # a window's pieces, read and scattered into its batches
 MAX_CHUNK_BYTES = 4 << 30
 """The largest chunk payload a document may claim (NOTE [ Capture metadata bounds ])."""
 
@@ -58,28 +58,30 @@ _Bytes = npt.NDArray[np.uint8]
 """Rows of bytes: a chunk's rows, a batch's (shape ``(rows, row_bytes)``)."""
 
 
-class _Window:
-    """The pieces of one window, read: rows of bytes numbered across them in order."""
-
-    def __init__(self, chunks: list[_Bytes]) -> None:
-        self.chunks = chunks
-        self.starts: _Index = np.cumsum([0, *(len(c) for c in chunks)], dtype=np.int64)
-        self.rows = int(self.starts[-1])
-
-
 class _Batch:
-    """A batch being filled from one or more windows (NOTE [ Capture reads ] rule 3)."""
+    """A batch being filled from one or more windows (NOTE [ Capture reads ] rule 4)."""
 
     def __init__(self, data: _Bytes) -> None:
         self.data = data
         """``(batch_size, row_bytes)`` uint8 over a pooled buffer."""
         self.fill = 0
         self.parts: list[Future[None]] = []
+        """The tasks of the windows whose rows it holds (each fills part of it)."""
 
     def wait(self) -> _Bytes:
         for part in self.parts:
             part.result()
         return self.data[: self.fill]
+
+
+class _Deal:
+    """Where one window's rows go, made on the consumer's thread while the window is
+    read: ``batches`` it completes, ``parts[j]`` what piece ``j`` fills (rule 4)."""
+
+    def __init__(self, pieces: int) -> None:
+        self.batches: list[_Batch] = []
+        self.touched: list[_Batch] = []
+        self.parts: list[list[Scatter]] = [[] for _ in range(pieces)]
 
 
 class CaptureDataset(IterableDataset[torch.Tensor]):
@@ -202,12 +204,24 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         return self.plan.pieces(order, starts, lo, hi)
 
     def _buffers(self) -> BufferPool:
-        """This process's pool of chunk and batch buffers (NOTE [ Capture reads ])."""
+        """This process's pool of chunk and batch buffers (NOTE [ Capture reads ] rule 5)."""
         if self._pool is None or self._pool[0] != os.getpid():
-            batch = self.batch_size * self.arrays[0].row_bytes // self._fold[0]
-            idle = (self.read_ahead + 2) * self.shuffle_bytes + (self.threads + 3) * batch
-            self._pool = (os.getpid(), BufferPool(idle))
+            self._pool = (os.getpid(), BufferPool(self.pool_bytes))
         return self._pool[1]
+
+    @property
+    def pool_bytes(self) -> int:
+        """The most bytes this process's buffer pool holds while an epoch is read and
+        its batches are dropped as they are used (NOTE [ Capture reads ] rule 5): the
+        batches of ``read_ahead + 1`` windows being filled, ``threads`` chunks being
+        read, and ``2 + threads`` batches between the reader and the consumer. It is
+        also the idle limit (what stays for the next epoch)."""
+        batch = round_up(self.batch_size * self.arrays[0].row_bytes // self._fold[0], mmap.PAGESIZE)
+        chunk = round_up(max(a.chunk_bytes for a in self.arrays) + 5, mmap.PAGESIZE)
+        window = self.shuffle_bytes + chunk  # a window ends past shuffle_bytes by < a piece
+        per_window = (window // batch + 2) * batch  # its batches, the open one included
+        held = (self.threads + 2) * batch  # served, not yet dropped
+        return (self.read_ahead + 1) * per_window + self.threads * chunk + held
 
     def _mapped(self, io: ChunkIO) -> MapCache | None:
         """This process's maps of chunk files (NOTE [ Capture reads ] rule 3): for a local
@@ -262,55 +276,80 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
         windows: list[list[Piece]],
         shuffled: tuple[int, int] | None,
     ) -> Iterator[torch.Tensor]:
-        """Yield the batches of ``windows``: read ``read_ahead`` windows ahead, each
-        dealt out in its permutation (``shuffled``: ``(epoch, shard)``; ``None``: in
-        order), gathered on the pool's threads ahead of the consumer."""
-        fetching: deque[list[Future[_Bytes]]] = deque()
-        ready: deque[_Batch] = deque()
+        """Yield the batches of ``windows`` (NOTE [ Capture reads ] rule 4): each window is
+        started ``read_ahead`` windows ahead of the one served; its order
+        (``shuffled``: ``(epoch, shard)``; ``None``: in order) is dealt out here while
+        its pieces are read, and each piece's task scatters its rows into the batches."""
+        started: deque[list[_Batch]] = deque()  # per started window, the batches it ends
         open_batch: list[_Batch] = []  # the batch being filled, across windows
         nxt = 0
-        for w in range(len(windows)):
-            while nxt < len(windows) and len(fetching) <= self.read_ahead:
-                fetching.append([pool.submit(_FETCH, self._read, reader, p) for p in windows[nxt]])
+        for _ in range(len(windows)):
+            while nxt < len(windows) and len(started) <= self.read_ahead:
+                order_of = self._order_of(shuffled, nxt)
+                started.append(self._start(pool, reader, windows[nxt], order_of, open_batch))
                 nxt += 1
-            window = _Window([fut.result() for fut in fetching.popleft()])
-            order = self._order(window.rows, shuffled, w)
-            for full in self._deal(pool, window, order, open_batch):
-                ready.append(full)
-                while len(ready) > self.threads:
-                    yield self._shaped(ready.popleft().wait())
-            del window  # its buffers go back to the pool once the gathers are done
-        ready.extend(b for b in open_batch if b.fill)
-        while ready:
-            yield self._shaped(ready.popleft().wait())
+            for batch in started.popleft():
+                yield self._shaped(batch.wait())
+        for batch in open_batch:
+            yield self._shaped(batch.wait())
 
-    def _deal(
-        self, pool: IOPool, window: _Window, order: _Index, open_batch: list[_Batch]
-    ) -> Iterator[_Batch]:
-        """Deal ``window``'s rows in ``order`` to batches: the open one first (a batch
-        spans windows), then new ones; each part is gathered on the pool. Yields each
-        batch once all its parts are submitted."""
+    def _start(
+        self,
+        pool: IOPool,
+        reader: ChunkReader,
+        pieces: list[Piece],
+        order_of: Callable[[int], _Index],
+        open_batch: list[_Batch],
+    ) -> list[_Batch]:
+        """Start reading one window and deal its rows out; returns the batches it ends.
+
+        The pieces' tasks are queued first (their reads start at once) and wait for the
+        deal, which this thread makes meanwhile; a deal that fails reaches them too."""
+        deal: Future[_Deal] = Future()
+        tasks = [pool.submit(_FETCH, self._fill, reader, p, j, deal) for j, p in enumerate(pieces)]
+        try:
+            starts: _Index = np.cumsum([0, *(p.rows for p in pieces)], dtype=np.int64)
+            made = self._deal(order_of(int(starts[-1])), starts, open_batch)
+        except BaseException as e:
+            deal.set_exception(e)
+            raise
+        for batch in made.touched:
+            batch.parts.extend(tasks)
+        deal.set_result(made)
+        return made.batches
+
+    def _deal(self, order: _Index, starts: _Index, open_batch: list[_Batch]) -> _Deal:
+        """Deal a window's rows in ``order`` to batches: the open one first (a batch spans
+        windows), then new ones. A batch's rows are in window order (rule 4), so the rows
+        each piece gives it are one run of it."""
+        made = _Deal(len(starts) - 1)
+        rows_in = int(starts[-1])
         pos = 0
-        while pos < window.rows:
+        while pos < rows_in:
             if not open_batch:
                 open_batch.append(_Batch(self._new_batch()))
             batch = open_batch[0]
-            take = min(self.batch_size - batch.fill, window.rows - pos)
-            rows = np.sort(order[pos : pos + take])  # rule 4: rows in window order
+            take = min(self.batch_size - batch.fill, rows_in - pos)
+            rows = np.sort(order[pos : pos + take])
+            bounds = np.searchsorted(rows, starts)
             out = batch.data[batch.fill : batch.fill + take]
-            batch.parts.append(
-                pool.submit(_GATHER, gather, out, window.chunks, window.starts, rows)
-            )
+            for j in range(len(starts) - 1):
+                lo, hi = int(bounds[j]), int(bounds[j + 1])
+                if lo < hi:
+                    made.parts[j].append((out[lo:hi], rows[lo:hi] - starts[j]))
+            made.touched.append(batch)
             batch.fill += take
             pos += take
             if batch.fill == self.batch_size:
                 open_batch.clear()
-                yield batch
+                made.batches.append(batch)
+        return made
 
-    def _read(self, reader: ChunkReader, piece: Piece) -> _Bytes:
-        """Reader thread: the rows of ``piece`` (a view of its chunk's pooled buffer)."""
-        rows = reader.read(self.arrays[piece.array], piece.index, self._fold[piece.array])
-        return rows[piece.lo : piece.hi]
+    def _fill(self, reader: ChunkReader, piece: Piece, j: int, deal: Future[_Deal]) -> None:
+        """Reader thread: read piece ``j`` of a window (checked: NOTE [ Capture reads ]
+        rule 2), then copy its rows into the batches the deal gives them."""
+        chunk = reader.read(self.arrays[piece.array], piece.index, self._fold[piece.array])
+        scatter(chunk[piece.lo : piece.hi], deal.result().parts[j])
 
     def _new_batch(self) -> _Bytes:
         row_bytes = self.arrays[0].row_bytes // self._fold[0]
@@ -320,11 +359,14 @@ class CaptureDataset(IterableDataset[torch.Tensor]):
     def _shaped(self, data: _Bytes) -> torch.Tensor:
         return torch.from_numpy(data).view(self.dtype).view(len(data), *self.row_shape)
 
-    def _order(self, n: int, shuffled: tuple[int, int] | None, window: int) -> _Index:
+    def _order_of(
+        self, shuffled: tuple[int, int] | None, window: int
+    ) -> Callable[[int], _Index]:
+        """How window ``window`` orders its ``n`` rows: NOTE [ Capture epochs ] rule 4."""
         if not self.shuffle or shuffled is None:
-            return np.arange(n, dtype=np.int64)
+            return lambda n: np.arange(n, dtype=np.int64)
         epoch, shard = shuffled
-        return np.random.default_rng([self.seed, epoch, shard, window]).permutation(n)
+        return lambda n: np.random.default_rng([self.seed, epoch, shard, window]).permutation(n)
 
     def __repr__(self) -> str:
         return (
