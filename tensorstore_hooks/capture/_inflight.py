@@ -4,7 +4,26 @@
 the tasks submitted to it (``flush`` waits for none to be left), and hands out chunk
 buffers from two :class:`~tensorstore_hooks.pipeline._staging.PinnedPool`\\ s (pinned ones for
 accelerator tensors, page-aligned pageable ones for CPU tensors) within ``max_inflight`` bytes
-(rule 2 of NOTE [ Capture writes ] in ``capture/_writer.py``).
+(rule 2 of NOTE [ Capture writes ] in ``capture/_writer.py``), and bounds the device bytes
+its copies to host still read (:class:`CopyWindow`).
+
+NOTE [ Capture copy window ]
+A hook's private device copy of its rows (rule 1 of NOTE [ Capture writes ]) must stay
+alive until its copy to host has read it; copies may lag the kernels ~16x, and the
+settle tasks that used to drop them queue behind chunk writes on the I/O threads. So,
+as the pipeline's NOTE [ Copy window ] (``pipeline/_device.py``) does, per device:
+
+1. Every copy to host a hook starts is counted, with its device bytes, until it is
+   seen complete: each hook drops the tensors of the copies whose events completed
+   (a query, on the hook's thread; hooks never run inside a graph capture, rule 10
+   of NOTE [ Stream ordering ]).
+2. Beyond the window (``copy_window``, default ``max_inflight``) the oldest copies are
+   waited for by the device's current stream (``wait_current``: on the device, never
+   a host block on the training thread) and their tensors dropped at once: the
+   kernels that would reuse that memory are queued later on that stream, so they run
+   after the copy has read it. The newest copy always runs, even alone over it.
+3. The chunk buffer's own settle (before its write) waits for the events, not the
+   tensors: dropping a tensor never lets a buffer be written before its bytes landed.
 """
 
 from __future__ import annotations
@@ -12,6 +31,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -22,10 +42,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     from typing_extensions import TypeVarTuple, Unpack
 
-from tensorstore_hooks.pipeline import WRITE, IOPool, PinnedPool
+from tensorstore_hooks.pipeline import WRITE, CopyEvent, DeviceOps, IOPool, PinnedPool
 from tensorstore_hooks.storage.io import aligned_empty
 
-__all__ = ["Inflight"]
+__all__ = ["CopyWindow", "Inflight"]
 
 Ts = TypeVarTuple("Ts")
 
@@ -48,6 +68,8 @@ class Inflight:
         self._tasks = 0  # tasks submitted and not finished
         self.peak_bytes = 0
         """The most buffer bytes in use at once."""
+        self.copies = CopyWindow(max_inflight)
+        """Device bytes of copies to host still running (NOTE [ Capture copy window ])."""
 
     # ------------------------------------------------------------------ tasks
     def submit(self, fn: Callable[[Unpack[Ts]], object], *args: Unpack[Ts]) -> None:
@@ -71,6 +93,7 @@ class Inflight:
         with self._cond:
             while self._tasks:
                 self._cond.wait()
+        self.copies.reap()  # the settles ran: their copies completed
 
     # ------------------------------------------------------------------ buffers
     def take(
@@ -111,8 +134,63 @@ class Inflight:
     def close(self) -> None:
         """Stop the I/O threads (after their queued tasks) and drop idle buffers."""
         self.pool.shutdown()
+        self.copies.reap()
         self._pinned.clear()
         self._pageable.clear()
+
+
+class CopyWindow:
+    """Copies to host still reading device memory, per device, within ``window`` bytes
+    (NOTE [ Capture copy window ]). Thread-safe."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        """Device bytes whose copy to host may still run, per device (rule 2)."""
+        self._copying: dict[torch.device, deque[tuple[torch.Tensor, CopyEvent]]] = {}
+        self._bytes: dict[torch.device, int] = {}
+        self._lock = threading.Lock()
+        self.peak_bytes = 0
+        """The most device bytes counted on one device at once (after the bound)."""
+        self.waits = 0
+        """Copies the bound had a current stream wait for (rule 2)."""
+
+    def held_bytes(self, device: torch.device) -> int:
+        """Device bytes on ``device`` whose copy to host is not yet seen complete."""
+        with self._lock:
+            return self._bytes.get(device, 0)
+
+    def add(self, t: torch.Tensor, event: CopyEvent, ops: DeviceOps) -> None:
+        """``t`` is being copied to host until ``event``: count it, drop the tensors of
+        completed copies (rule 1) and bound the rest (rule 2), on the hook's thread."""
+        device = t.device
+        self.reap()
+        waits: list[CopyEvent] = []
+        with self._lock:
+            queue = self._copying.setdefault(device, deque())
+            queue.append((t, event))
+            held = self._bytes.get(device, 0) + _nbytes(t)
+            while len(queue) > 1 and held > self.window:
+                old, old_event = queue.popleft()
+                held -= _nbytes(old)
+                waits.append(old_event)
+            self._bytes[device] = held
+            self.peak_bytes = max(self.peak_bytes, held)
+            self.waits += len(waits)
+        for old_event in waits:  # later kernels on the device run after these copies
+            ops.wait_current(device, old_event)
+
+    def reap(self) -> None:
+        """Drop the tensors of copies whose events completed, oldest first per device."""
+        with self._lock:
+            for device, queue in self._copying.items():
+                while queue and queue[0][1].query():
+                    old, _ = queue.popleft()
+                    self._bytes[device] -= _nbytes(old)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Device bytes a hook's rows hold (a contiguous range of its private copy)."""
+    return t.numel() * t.element_size()
 
 
 def _pageable(nbytes: int) -> torch.Tensor:
