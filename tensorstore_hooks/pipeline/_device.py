@@ -190,12 +190,22 @@ class DeviceStager:
 
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device`` (rule 10 of NOTE [ Stream
-        ordering ]: nothing may query or wait on an event then)."""
-        if not self.accelerated(device) or not self.ops.capturing(device):
+        ordering ]: nothing may query or wait on an event then). A capture on the
+        current device while ``device`` is another (finding L) leaves ``device``'s
+        tensors free to move, but makes every thread :meth:`quiet` too: CUDA's global
+        capture mode forbids event queries whatever the device."""
+        if not self.accelerated(device):
+            return False
+        ops = self.ops
+        if ops.capturing(device):
+            seen = device
+        elif device.index is not None and ops.capturing(current := torch.device(device.type)):
+            seen = current  # the current device (index None) captures: quiet, not kept
+        else:
             return False
         with self._captures_lock:
-            self._captures.add(self.ops.capture_stream(device))
-        return True
+            self._captures.add(ops.capture_stream(seen))
+        return seen is device
 
     def quiet(self) -> bool:
         """Whether a graph capture pack saw is still running: no thread may query or
