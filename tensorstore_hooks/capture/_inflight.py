@@ -24,6 +24,11 @@ as the pipeline's NOTE [ Copy window ] (``pipeline/_device.py``) does, per devic
    after the copy has read it. The newest copy always runs, even alone over it.
 3. The chunk buffer's own settle (before its write) waits for the events, not the
    tensors: dropping a tensor never lets a buffer be written before its bytes landed.
+4. A hook that finds a CUDA graph being captured refuses (rule 10 of NOTE [ Stream
+   ordering ]) and says so here (:meth:`Inflight.note_capture`): until that capture has
+   ended, no task starts on the I/O threads, so no settle waits on an event meanwhile
+   (CUDA's global capture mode forbids it on every thread: it would invalidate the
+   user's graph).
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class Inflight:
         """The most buffer bytes in use at once."""
         self.copies = CopyWindow(max_inflight)
         """Device bytes of copies to host still running (NOTE [ Capture copy window ])."""
+        self._captures: dict[object, Callable[[object], bool]] = {}  # stream -> still capturing?
+        self.capture_waits = 0
+        """Tasks that waited for a graph capture to end before they ran (rule 4)."""
 
     # ------------------------------------------------------------------ tasks
     def submit(self, fn: Callable[[Unpack[Ts]], object], *args: Unpack[Ts]) -> None:
@@ -77,11 +85,33 @@ class Inflight:
         with self._cond:
             self._tasks += 1
         try:
-            fut: Future[object] = self.pool.submit(WRITE, fn, *args)
+            fut: Future[object] = self.pool.submit(WRITE, self._after_capture, fn, args)
         except BaseException:
             self._done()
             raise
         fut.add_done_callback(self._done)
+
+    def note_capture(self, stream: object, still: Callable[[object], bool]) -> None:
+        """A hook saw ``stream`` capturing a graph; ``still(stream)`` says whether it
+        still is (legal to ask during a capture): tasks wait until it is not (rule 4)."""
+        with self._cond:
+            self._captures[stream] = still
+
+    def _after_capture(
+        self, fn: Callable[[Unpack[Ts]], object], args: tuple[Unpack[Ts]]
+    ) -> object:
+        """Run ``fn(*args)`` once no capture a hook saw is running (rule 4)."""
+        waited = False
+        while self._captures:  # the common case: one read
+            with self._cond:
+                self._captures = {s: f for s, f in self._captures.items() if f(s)}
+                if not self._captures:
+                    break
+                if not waited:
+                    waited = True
+                    self.capture_waits += 1
+            time.sleep(0.001)
+        return fn(*args)
 
     def _done(self, _fut: object = None) -> None:
         with self._cond:

@@ -346,6 +346,8 @@ class CaptureWriter:
             return
         accelerated = bool(self.ops.accelerated(t.device))
         if accelerated and self.ops.capturing(t.device):
+            # NOTE [ Capture copy window ] rule 4: no I/O task waits on an event meanwhile
+            self.inflight.note_capture(self.ops.capture_stream(t.device), self.ops.stream_capturing)
             raise _graph_capture_error(name)  # rule 10 of NOTE [ Stream ordering ]
         src = t
         if accelerated:
