@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import zarr
 
@@ -69,3 +70,24 @@ def test_capture_copies_at_1x_lag_are_dropped_as_they_complete(tmp_path: Path) -
     most, _, blocks, _ = lagging_capture(tmp_path, 1)
     assert most <= 2 * CALL_BYTES, most
     assert blocks == []
+
+
+@pytest.mark.cuda
+def test_cuda_capture_copies_stay_within_the_window(tmp_path: Path) -> None:
+    """64 hook calls of 16 MiB with a 64 MiB window on a GPU: the device bytes capture's
+    copies to host hold never pass the window; every row lands intact."""
+    mib = 1 << 20
+    model = torch.nn.Sequential(torch.nn.Identity())
+    cap = tsh.capture(
+        model, str(tmp_path), modules=["0"], what=("output",), max_inflight="256MiB"
+    )
+    cap._writer.inflight.copies.window = 64 * mib
+    inputs = []
+    with cap:
+        for _ in range(64):
+            x = torch.randn(4, mib, device="cuda")
+            inputs.append(x.cpu())
+            model(x)
+    assert cap._writer.inflight.copies.peak_bytes <= 64 * mib
+    arr = zarr.open_array(str(tmp_path / "capture" / "0" / "output"), mode="r")
+    assert torch.equal(torch.from_numpy(arr[:]), torch.cat(inputs))
