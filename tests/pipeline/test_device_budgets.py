@@ -14,7 +14,7 @@ import torch
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks._units import MemoryShare
-from tensorstore_hooks.pipeline._budgets import BudgetControl
+from tensorstore_hooks.pipeline._budgets import BudgetControl, Windows
 from tensorstore_hooks.runtime import MemoryReading
 from tests.fake_accelerator import CpuAsAccelerator
 from tests.fake_cuda import FakeCuda, Timing, devices_accepted, on_device, torch_function_on
@@ -128,6 +128,23 @@ def test_L_a_device_plan_starts_and_ends_its_forwards_with_the_others() -> None:
     other = budget._plan_of(CUDA1)
     assert [t.sizes for t in other.traces] == [(10 * KiB, 20 * KiB, 30 * KiB, 40 * KiB)]
     assert not budget.backward_started()  # the same backward: nothing more ended
+
+
+def test_L_the_windows_in_force_are_the_smallest_any_device_derived() -> None:
+    """cuda:0 saves 1 MiB tensors, cuda:1 16 KiB ones: cuda:1's plan subtracted a
+    32 KiB read-ahead window from its budget, so the one window in force is 32 KiB (its
+    own), not the 2 MiB the interleaved trace gave both before."""
+    applied: list[Windows] = []
+    budget = BudgetControl(
+        device_budget=1 << 30, max_inflight=None, prefetch=None, apply=applied.append
+    )
+    for _ in range(4):
+        budget.keep("store", 1 << 20, device=CUDA0)
+        budget.keep("store", T_BYTES, device=CUDA1)
+    budget.backward_started()
+    assert (applied[-1].prefetch, applied[-1].max_inflight) == (2 * T_BYTES, 2 * T_BYTES)
+    assert budget.windows.prefetch == 2 << 20  # cuda:0's own
+    assert budget._plan_of(CUDA1).windows.prefetch == 2 * T_BYTES
 
 
 @pytest.mark.parametrize("lag", [1, 16])
