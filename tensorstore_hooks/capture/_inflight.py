@@ -24,7 +24,8 @@ as the pipeline's NOTE [ Copy window ] (``pipeline/_device.py``) does, per devic
    after the copy has read it. The newest copy always runs, even alone over it.
 3. The chunk buffer's own settle (before its write) waits for the events, not the
    tensors: dropping a tensor never lets a buffer be written before its bytes landed.
-4. A hook that finds a CUDA graph being captured refuses (rule 10 of NOTE [ Stream
+4. A hook that finds a CUDA graph being captured, on its tensor's device or on the
+   current device (:func:`capture_stream`), refuses (rule 10 of NOTE [ Stream
    ordering ]) and says so here (:meth:`Inflight.note_capture`): until that capture has
    ended, no task starts on the I/O threads, so no settle waits on an event meanwhile
    (CUDA's global capture mode forbids it on every thread: it would invalidate the
@@ -50,7 +51,7 @@ else:  # pragma: no cover - Python 3.10
 from tensorstore_hooks.pipeline import WRITE, CopyEvent, DeviceOps, IOPool, PinnedPool
 from tensorstore_hooks.storage.io import aligned_empty
 
-__all__ = ["CopyWindow", "Inflight"]
+__all__ = ["CopyWindow", "Inflight", "capture_stream"]
 
 Ts = TypeVarTuple("Ts")
 
@@ -216,6 +217,19 @@ class CopyWindow:
                 while queue and queue[0][1].query():
                     old, _ = queue.popleft()
                     self._bytes[device] -= _nbytes(old)
+
+
+def capture_stream(ops: DeviceOps, device: torch.device) -> object | None:
+    """The stream capturing a CUDA graph that a hook on ``device`` must respect (rule 4):
+    ``device``'s current stream, or the current device's (CUDA's global capture mode
+    forbids event queries whatever the device); ``None``: none captures."""
+    if ops.capturing(device):
+        return ops.capture_stream(device)
+    if device.index is not None:
+        current = torch.device(device.type)  # no index: the current device
+        if ops.capturing(current):
+            return ops.capture_stream(current)
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from tensorstore_hooks.capture._docs import write_document
-from tensorstore_hooks.capture._inflight import Inflight
+from tensorstore_hooks.capture._inflight import Inflight, capture_stream
 from tensorstore_hooks.capture._layout import (
     _MARK,
     CAPTURE_FORMAT,
@@ -345,9 +345,9 @@ class CaptureWriter:
         if rows == 0:
             return
         accelerated = bool(self.ops.accelerated(t.device))
-        if accelerated and self.ops.capturing(t.device):
+        if accelerated and (capturing := capture_stream(self.ops, t.device)) is not None:
             # NOTE [ Capture copy window ] rule 4: no I/O task waits on an event meanwhile
-            self.inflight.note_capture(self.ops.capture_stream(t.device), self.ops.stream_capturing)
+            self.inflight.note_capture(capturing, self.ops.stream_capturing)
             raise _graph_capture_error(name)  # rule 10 of NOTE [ Stream ordering ]
         src = t
         if accelerated:

@@ -73,3 +73,21 @@ def test_J_without_the_wait_the_capture_is_invalidated(
     with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"):
         _capture_after_appends(tmp_path, graphs)
     assert graphs[0].invalidated is not None and "synchronize" in graphs[0].invalidated
+
+
+def test_L_a_capture_on_the_current_device_refuses_another_devices_rows(tmp_path: Path) -> None:
+    """A graph captured on cuda:1 (the current device then) while a hook sees a cuda:0
+    tensor: refused with the fix too. Before, the hook asked cuda:0 alone, copied the
+    rows and queried events during the capture (global mode: invalid)."""
+    from tests.fake_cuda import FakeCuda, devices_accepted, on_device
+
+    fake = FakeCuda(devices=2, polls=1000)
+    ops = CpuAsAccelerator(fake=fake)
+    model = torch.nn.Sequential(torch.nn.Identity())
+    cap = tsh.capture(model, str(tmp_path), modules=["0"], what=("output",))
+    cap._writer.ops = ops
+    with devices_accepted(), cap, fake.capture(device=1) as graph:
+        with pytest.raises(RuntimeError, match="CUDA graph is being"):
+            model(on_device(torch.randn(4, 256), 0))
+    assert graph.invalidated is None
+    assert not any("during capture" in line for line in fake.log)
