@@ -86,8 +86,12 @@ def test_L_a_capture_on_the_current_device_refuses_another_devices_rows(tmp_path
     model = torch.nn.Sequential(torch.nn.Identity())
     cap = tsh.capture(model, str(tmp_path), modules=["0"], what=("output",))
     cap._writer.ops = ops
-    with devices_accepted(), cap, fake.capture(device=1) as graph:
-        with pytest.raises(RuntimeError, match="CUDA graph is being"):
-            model(on_device(torch.randn(4, 256), 0))
+    with (
+        devices_accepted(),
+        cap,
+        fake.capture(device=1) as graph,
+        pytest.raises(RuntimeError, match="CUDA graph is being"),
+    ):
+        model(on_device(torch.randn(4, 256), 0))
     assert graph.invalidated is None
     assert not any("during capture" in line for line in fake.log)
