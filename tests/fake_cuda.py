@@ -30,8 +30,24 @@ the way a GPU would, so gradients come out wrong (NaN) rather than by luck right
 * Rule 6: ``copy(dst, src)`` across conj/neg bits does torch's fix-up
   (``conj_physical_``/``neg_``) on a host destination *before* the bytes land
   (pytorch#146286), on a device destination after them, in stream order.
-* Rule 10: while :meth:`capture` is active, ``query``, ``synchronize`` and blocking
-  copies raise, from any thread, as CUDA's global capture mode does.
+* Rule 10, graph capture (:meth:`capture`, ``torch.cuda.graph``): while a capture is
+  active, ``query``, ``synchronize`` and blocking copies raise, from any thread, as
+  CUDA's global capture mode does, and *invalidate the capture*: leaving it then raises
+  (``cudaErrorStreamCaptureInvalidated``), so an error a thread swallowed still fails
+  the capture. Work the capturing thread queues meanwhile (asynchronous copies,
+  :meth:`kernel`) is recorded into the :class:`FakeGraph`, not run: a copy's destination
+  keeps its NaN until :meth:`FakeGraph.replay` runs it.
+* Several devices (``devices=n``, finding L): each device has its own default stream
+  and, per thread, its own current stream (:meth:`use_stream` sets the current stream of
+  the stream's device, and makes that device current for its duration, as
+  ``torch.cuda.stream`` does); :meth:`set_device` / :meth:`device` pick the current
+  device. Streams and events belong to a device: recording an event on another
+  device's stream raises, as CUDA does; a copy between two devices raises (the library
+  never makes one); a copy of one device's tensor inside another device's stream
+  context is reported (it would run on its own device's current stream, unordered with
+  the waits made on the stream the code meant). A tensor says where it is through
+  :func:`on_device` (an :class:`OnDevice` view whose ``device`` is ``cuda:k``); plain
+  CPU tensors are on device 0. :meth:`live_bytes` counts per device too.
 * Per-stream pools (finding G): memory :meth:`allocated_for` a stream goes back to that
   stream's pool when freed; every other stream that used it (made it, or read it in a
   copy) must have been ``record_stream``-ed on it, or the freed block may be handed to a
@@ -62,17 +78,104 @@ import contextlib
 import itertools
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tensorstore_hooks._codec import span_of
 
-__all__ = ["FakeCuda", "FakeEvent", "FakeStream", "Timing"]
+__all__ = [
+    "FakeCuda",
+    "FakeEvent",
+    "FakeGraph",
+    "FakeStream",
+    "OnDevice",
+    "Timing",
+    "devices_accepted",
+    "on_device",
+    "torch_function_on",
+]
 
 PINNED, PAGEABLE, DEVICE = "pinned", "pageable", "device"
+_CPU = torch.device("cpu")
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on ``cuda:k`` (several fake devices): ``device``
+    answers ``cuda:k``, and what torch makes from it says the same device."""
+
+    _fake_device: ClassVar[torch.device] = _CPU
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return self.__dict__.get("_fake_device", _CPU)
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., object],
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        device = next((a.device for a in args if isinstance(a, OnDevice)), None)
+        if device is not None and device.type != "cpu":
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, OnDevice) and "_fake_device" not in t.__dict__:
+                    t.__dict__["_fake_device"] = device
+        return out
+
+
+@contextlib.contextmanager
+def devices_accepted() -> Iterator[None]:
+    """While active, the library stores :class:`OnDevice` tensors as plain ones (its
+    ``unsupported_reason`` refuses tensor subclasses, rightly for real ones): every
+    module of ``tensorstore_hooks`` that imported it sees a wrapper."""
+    import sys
+
+    from tensorstore_hooks import _codec
+
+    real = _codec.unsupported_reason
+
+    def reason(t: torch.Tensor) -> str | None:
+        return real(t.as_subclass(torch.Tensor) if isinstance(t, OnDevice) else t)
+
+    patched = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("tensorstore_hooks") and getattr(m, "unsupported_reason", None) is real
+    ]
+    for m in patched:
+        m.unsupported_reason = reason  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.unsupported_reason = real  # type: ignore[attr-defined]
+
+
+def torch_function_on(hook: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
+    """``hook`` (a saved-tensor pack hook) run with torch functions on: autograd calls it
+    inside the op's ``__torch_function__``, where torch turns subclass dispatch off, so
+    the views the library makes there would forget that an :class:`OnDevice` tensor is
+    on ``cuda:k`` (set ``hooks.pack_hook = torch_function_on(hooks.pack_hook)``)."""
+
+    def run(t: torch.Tensor) -> object:
+        with torch._C._EnableTorchFunction():
+            return hook(t)
+
+    return run
+
+
+def on_device(t: torch.Tensor, index: int) -> torch.Tensor:
+    """``t`` (a view of it, in the autograd graph) as a tensor of ``cuda:index``."""
+    out = t.as_subclass(OnDevice)
+    out.__dict__["_fake_device"] = torch.device("cuda", index)
+    return out
 
 
 @dataclass(frozen=True)
@@ -96,7 +199,9 @@ class Timing:
 class FakeStream:
     """A stream: a FIFO of queued work, a stamp per operation, what it waited for."""
 
-    def __init__(self, name: str, side: bool) -> None:
+    def __init__(self, name: str, side: bool, device: int = 0) -> None:
+        self.device = device
+        """The device index it belongs to."""
         self.busy_s = 0.0  # simulated time its queued work ends (timed fakes)
         self.name = name
         self.side = side
@@ -116,6 +221,7 @@ class FakeEvent:
         self._fake = fake
         self.name = f"event{n}"
         self.stream: FakeStream | None = None
+        self.device: int | None = None  # set by its first record, as CUDA's
         self.stamp = 0
         self.seen: dict[FakeStream, int] = {}
         self.polls_left = 0
@@ -129,6 +235,30 @@ class FakeEvent:
 
     def __repr__(self) -> str:
         return self.name
+
+
+class FakeGraph:
+    """What a :meth:`FakeCuda.capture` recorded: run by :meth:`replay`."""
+
+    def __init__(self, fake: FakeCuda, stream: FakeStream) -> None:
+        self._fake = fake
+        self.stream = stream
+        """The capturing stream."""
+        self.ops: list[_Copy | None] = []
+        """Recorded copies, and kernels (``None``), in order."""
+        self.invalidated: str | None = None
+        """The illegal call that invalidated the capture (``None``: none)."""
+        self.replays = 0
+        self.joined: set[FakeStream] = set()
+        """Streams that waited on the capture's work: captured too (CUDA's fork/join)."""
+
+    def captures(self, stream: FakeStream) -> bool:
+        """Whether work queued on ``stream`` now is recorded into this graph."""
+        return stream is self.stream or stream in self.joined
+
+    def replay(self) -> None:
+        """Run the recorded work (then: every recorded copy has landed)."""
+        self._fake._replay(self)
 
 
 @dataclass(eq=False)
@@ -296,8 +426,15 @@ class FakeCuda:
     runs (0: streams run as soon as work is queued)."""
 
     def __init__(
-        self, *, polls: int = 0, stream_pool: int = 0, timing: Timing | None = None
+        self,
+        *,
+        polls: int = 0,
+        stream_pool: int = 0,
+        timing: Timing | None = None,
+        devices: int = 1,
     ) -> None:
+        self.devices = devices
+        """Device indices there are: ``0 .. devices - 1``."""
         self.polls = polls
         self.timing = timing
         """Simulated rates (``None``: untimed, events answer by ``polls``)."""
@@ -305,7 +442,9 @@ class FakeCuda:
         """The compute clock: simulated seconds of kernels run (and waits)."""
         self.peak_bytes = 0
         """The most device memory :meth:`live_bytes` counted at once."""
-        self._made: list[tuple[StorageWeakRef, int]] = []  # tensors produced on the device
+        self._made: list[tuple[StorageWeakRef, int, int]] = []  # produced: (ref, bytes, device)
+        self.peak_by_device: Counter[int] = Counter()
+        """The most device memory :meth:`live_bytes` counted at once, per device index."""
         self.stream_pool = stream_pool
         """Streams per device :meth:`new_stream` cycles through (0: a new one each time)."""
         self._pools: dict[str, list[FakeStream]] = {}
@@ -320,7 +459,13 @@ class FakeCuda:
         self._tls = threading.local()
         self._ids = itertools.count(1)
         self._all_streams: list[FakeStream] = []
-        self.default = self._stream("default", side=False)
+        self._defaults = [
+            self._stream("default" if i == 0 else f"default:{i}", side=False, device=i)
+            for i in range(devices)
+        ]
+        self.default = self._defaults[0]
+        """Device 0's default stream."""
+        self._graph: FakeGraph | None = None
         self._memory: dict[int, _Memory] = {}
         self._capturing: set[int] = set()
         self._capturing_streams: set[FakeStream] = set()
@@ -339,9 +484,42 @@ class FakeCuda:
         self._owned: list[_Memory] = []  # memory allocated_for a stream: checked when freed
 
     # ----------------------------------------------------------- test helpers
-    def user_stream(self, name: str) -> FakeStream:
-        """A compute stream of the user's (``torch.cuda.Stream()`` in a model)."""
-        return self._stream(name, side=False)
+    def user_stream(self, name: str, device: int | None = None) -> FakeStream:
+        """A compute stream of the user's (``torch.cuda.Stream()`` in a model), on
+        ``device`` (default: the current device)."""
+        return self._stream(name, side=False, device=self._ordinal(device))
+
+    # ----------------------------------------------------------- devices
+    def current_device(self) -> int:
+        """The calling thread's current device index (``torch.cuda.current_device``)."""
+        return int(getattr(self._tls, "device", 0))
+
+    def set_device(self, index: int) -> None:
+        """``torch.cuda.set_device(index)`` on the calling thread."""
+        self._tls.device = self._ordinal(index)
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        """``with torch.cuda.device(index)``: current device for the block."""
+        before = self.current_device()
+        self.set_device(index)
+        try:
+            yield
+        finally:
+            self._tls.device = before
+
+    def _ordinal(self, index: int | None) -> int:
+        if index is None:
+            return self.current_device()
+        if not 0 <= index < self.devices:
+            raise RuntimeError(f"CUDA error: invalid device ordinal ({index} of {self.devices})")
+        return index
+
+    def index(self, device: torch.device) -> int:
+        """The fake device index of ``device`` (``cpu``: device 0, as plain tensors are)."""
+        if device.type == "cpu":
+            return 0
+        return self._ordinal(device.index)
 
     def produced(self, t: torch.Tensor) -> None:
         """``t`` was just made by work on the current stream (a kernel's output)."""
@@ -350,10 +528,10 @@ class FakeCuda:
             known = self._known(t)
             if known is not None and known.kind == DEVICE and known.stream is stream:
                 return  # another view of memory made earlier: made then, not now
-            self.kernel()
+            self.kernel(stream)
             if known is None:
                 storage = t.untyped_storage()
-                self._made.append((StorageWeakRef(storage), storage.nbytes()))
+                self._made.append((StorageWeakRef(storage), storage.nbytes(), stream.device))
                 self.live_bytes()
             stream.stamp += 1
             if known is not None and known.alloc_stream is not None:
@@ -364,19 +542,37 @@ class FakeCuda:
                 StorageWeakRef(t.untyped_storage()), DEVICE, stream, stream.stamp
             )
 
-    def kernel(self) -> None:
-        """One kernel ran on the compute stream: the clock advances (timed fakes)."""
+    def kernel(self, stream: FakeStream | None = None) -> None:
+        """One kernel ran on ``stream`` (default: the current device's current stream):
+        the clock advances (timed fakes); on a stream capturing a graph it is recorded
+        into the graph instead (rule 10)."""
+        graph = self._graph
+        if graph is not None:
+            if stream is None:
+                stream = self.current_stream(torch.device("cuda", self.current_device()))
+            if graph.captures(stream):
+                graph.ops.append(None)
+                return
         if self.timing is not None:
             self.now_s += self.timing.compute_s
 
-    def live_bytes(self) -> int:
+    def live_bytes(self, device: int | None = None) -> int:
         """Device memory now: produced tensors and allocations still referenced (and
-        freed blocks the allocator may not hand out yet); updates :attr:`peak_bytes`."""
+        freed blocks the allocator may not hand out yet); updates :attr:`peak_bytes`
+        and :attr:`peak_by_device`. ``device``: only that device's (its produced tensors
+        and live allocations)."""
         with self._lock:
-            self._made = [(w, n) for w, n in self._made if not w.expired()]
-            out = sum(n for _, n in self._made) + self.device_bytes()
+            self._made = [m for m in self._made if not m[0].expired()]
+            out = sum(n for _, n, _ in self._made) + self.device_bytes()
             self.peak_bytes = max(self.peak_bytes, out)
-            return out
+            per: Counter[int] = Counter()
+            for _, n, d in self._made:
+                per[d] += n
+            for mem, n in self._device:
+                per[mem.stream.device if mem.stream is not None else 0] += n
+            for d, n in per.items():
+                self.peak_by_device[d] = max(self.peak_by_device[d], n)
+            return out if device is None else per[device]
 
     def allocated_for(self, t: torch.Tensor, stream: FakeStream) -> None:
         """``t``'s memory came from ``stream``'s pool (allocated while it was current):
@@ -407,19 +603,50 @@ class FakeCuda:
             return DEVICE if mem is None else mem.kind
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """Graph capture on this thread (``torch.cuda.graph``), in global mode."""
+    def capture(self, device: int | None = None) -> Iterator[FakeGraph]:
+        """Graph capture on this thread's current stream of ``device`` (default: the
+        current device), in global mode (``torch.cuda.graph``): yields the graph work is
+        recorded into; that device is current meanwhile, as ``torch.cuda.graph``'s stream
+        context makes it. Leaving it raises if an illegal call invalidated it (rule 10)."""
         me = threading.get_ident()
-        stream = self.current_stream(torch.device("cpu"))
-        self._capturing.add(me)
-        self._capturing_streams.add(stream)
+        index = self._ordinal(device)
+        stream = self.current_stream(torch.device("cuda", index))
+        before = self.current_device()
+        self._tls.device = index
+        with self._lock:
+            graph = self._graph = FakeGraph(self, stream)
+            self._capturing.add(me)
+            self._capturing_streams.add(stream)
         self._note("begin capture")
         try:
-            yield
+            yield graph
         finally:
-            self._capturing.discard(me)
-            self._capturing_streams.discard(stream)
+            with self._lock:
+                self._capturing.discard(me)
+                self._capturing_streams.discard(stream)
+                self._graph = None
+            self._tls.device = before
             self._note("end capture")
+        if graph.invalidated is not None:
+            raise RuntimeError(
+                "CUDA error: operation not permitted when stream is capturing "
+                f"(cudaErrorStreamCaptureInvalidated: {graph.invalidated})"
+            )
+
+    def _replay(self, graph: FakeGraph) -> None:
+        with self._lock:
+            if graph.invalidated is not None:
+                raise RuntimeError(f"replay of an invalidated graph ({graph.invalidated})")
+            self._note(f"replay {len(graph.ops)} ops")
+            graph.replays += 1
+            for op in graph.ops:
+                if op is None:
+                    if self.timing is not None:
+                        self.now_s += self.timing.compute_s
+                    continue
+                if op.src is not None and op.snapshot is not None:
+                    op.snapshot = op.src.clone()  # a replay reads the memory as it is now
+                op.run(self)
 
     def run_all(self) -> None:
         """Let every queued copy land (the device catches up)."""
@@ -452,14 +679,22 @@ class FakeCuda:
     # ------------------------------------------------------------- Runtime
     @staticmethod
     def accelerated(device: torch.device) -> bool:
-        return device.type == "cpu"
+        return device.type in ("cpu", "cuda")
 
     def capturing(self, device: torch.device) -> bool:
-        return threading.get_ident() in self._capturing
+        return (
+            threading.get_ident() in self._capturing
+            and self.current_stream(device) in self._capturing_streams
+        )
+
+    def capture_stream(self, device: torch.device) -> FakeStream:
+        return self.current_stream(device)
 
     def current_stream(self, device: torch.device) -> FakeStream:
-        stack: list[FakeStream] = getattr(self._tls, "stack", [])
-        return stack[-1] if stack else self.default
+        index = self.index(device)
+        stacks: dict[int, list[FakeStream]] = getattr(self._tls, "stacks", {})
+        stack = stacks.get(index)
+        return stack[-1] if stack else self._defaults[index]
 
     def stream_capturing(self, stream: object) -> bool:
         return stream in self._capturing_streams
@@ -468,7 +703,7 @@ class FakeCuda:
         if self.stream_pool:
             stream = self._from_pool(device)
         else:
-            stream = self._stream(f"copy{next(self._ids)}", side=True)
+            stream = self._stream(f"copy{next(self._ids)}", side=True, device=self.index(device))
         self._note(f"new_stream -> {stream}")
         return stream
 
@@ -480,19 +715,27 @@ class FakeCuda:
             self._pool_next[key] += 1
             size = max(self.stream_pool, 1)
             if len(pool) < size:
-                pool.append(self._stream(f"pool{key}#{len(pool)}", side=True))
+                index = self.index(device) if device is not None else 0
+                pool.append(self._stream(f"pool{key}#{len(pool)}", side=True, device=index))
             return pool[n % size]
 
     @contextlib.contextmanager
     def use_stream(self, stream: object) -> Iterator[None]:
         assert isinstance(stream, FakeStream)
-        stack: list[FakeStream] = self._tls.__dict__.setdefault("stack", [])
+        stacks: dict[int, list[FakeStream]] = self._tls.__dict__.setdefault("stacks", {})
+        contexts: list[FakeStream] = self._tls.__dict__.setdefault("contexts", [])
+        stack = stacks.setdefault(stream.device, [])
         stack.append(stream)
+        contexts.append(stream)
+        before = self.current_device()
+        self._tls.device = stream.device  # torch.cuda.stream makes its device current
         self._note(f"enter {stream}")
         try:
             yield
         finally:
             stack.pop()
+            contexts.pop()
+            self._tls.device = before
             self._note(f"exit {stream}")
 
     def new_event(self) -> FakeEvent:
@@ -503,6 +746,12 @@ class FakeCuda:
     def record(self, event: object, stream: object) -> None:
         assert isinstance(event, FakeEvent) and isinstance(stream, FakeStream)
         with self._lock:
+            if event.device is not None and event.device != stream.device:
+                raise RuntimeError(
+                    f"Event device cuda:{event.device} does not match recording stream's "
+                    f"device cuda:{stream.device}"
+                )
+            event.device = stream.device
             event.stream, event.stamp = stream, stream.stamp
             event.seen = dict(stream.seen)
             event.polls_left = self.polls
@@ -519,6 +768,10 @@ class FakeCuda:
             for s, stamp in [*event.seen.items(), (source, event.stamp)]:
                 if stream.seen.get(s, 0) < stamp:
                     stream.seen[s] = stamp
+            graph = self._graph
+            if graph is not None and graph.captures(source) and not graph.captures(stream):
+                graph.joined.add(stream)  # work queued there now joins the capture
+                return
             if source is stream:
                 return
             if stream.side:
@@ -544,6 +797,8 @@ class FakeCuda:
                 )
             stream.stamp += 1
             t = torch.empty(numel, dtype=dtype)
+            if device.type == "cuda":  # several devices: it says where it is
+                t = on_device(t, stream.device)
             _poison(t)
             nbytes = -(-max(numel * t.element_size(), 1) // 512) * 512
             self._memory[_ptr(t)] = _Memory(
@@ -611,6 +866,9 @@ class FakeCuda:
     def _check_capture(self, what: str) -> None:
         if self._capturing:
             self._note(f"{what} during capture")
+            graph = self._graph
+            if graph is not None and graph.invalidated is None:
+                graph.invalidated = what
             raise RuntimeError(
                 f"CUDA error: operation not permitted when stream is capturing ({what})"
             )
@@ -663,8 +921,8 @@ class FakeCuda:
             self._run(stream, None)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
-        stream = self.current_stream(dst.device)
         src_kind, dst_kind = self.kind(src), self.kind(dst)
+        stream = self._copy_stream(dst, src, src_kind, dst_kind)
         self._copies += 1
         name = f"copy#{self._copies}"
         nbytes = src.numel() * src.element_size()
@@ -708,6 +966,11 @@ class FakeCuda:
             op.snapshot = None if op.writers else psrc.clone()
         else:
             op.snapshot = psrc.clone()  # pageable: copied out when queued
+        graph = self._graph
+        if non_blocking and graph is not None and graph.captures(stream):
+            graph.ops.append(op)  # recorded into the graph: runs on replay (rule 10)
+            self._note(f"{name} recorded into the graph")
+            return
         stream.queue.append(op)
         self._time(stream, nbytes, src_kind, dst_kind)
         if not non_blocking:
@@ -718,6 +981,38 @@ class FakeCuda:
             self._flush(stream)
         else:
             self._run(stream, None)  # eager compute uses the result right away
+
+    def _copy_stream(
+        self, dst: torch.Tensor, src: torch.Tensor, src_kind: str, dst_kind: str
+    ) -> FakeStream:
+        """The stream a copy runs on: its device tensor's device's current stream."""
+        pairs = ((dst, dst_kind), (src, src_kind))
+        devices = [self._device_of(t) for t, k in pairs if k == DEVICE]
+        if len(set(devices)) > 1:
+            raise RuntimeError(
+                f"the fake refuses a copy between cuda:{devices[1]} and cuda:{devices[0]} "
+                "(the library never copies between devices)"
+            )
+        index = devices[0] if devices else self.current_device()
+        contexts: list[FakeStream] = getattr(self._tls, "contexts", [])
+        if contexts and contexts[-1].device != index:
+            self._violate(
+                f"a copy of a cuda:{index} tensor inside {contexts[-1]}'s context (cuda:"
+                f"{contexts[-1].device}): it runs on cuda:{index}'s current stream, unordered "
+                "with the waits made on the stream meant"
+            )
+        return self.current_stream(torch.device("cuda", index))
+
+    def _device_of(self, t: torch.Tensor) -> int:
+        """The device index of device tensor ``t``: where it says it is, or (a view made
+        inside a saved-tensor hook, where torch drops the subclass) where its memory was
+        made or allocated."""
+        if isinstance(t, OnDevice):
+            return self.index(t.device)
+        mem = self._known(t)
+        if mem is not None and mem.stream is not None:
+            return mem.stream.device
+        return self.index(t.device)
 
     def _time(self, stream: FakeStream, nbytes: int, src_kind: str, dst_kind: str) -> None:
         """Timed fakes: when the copy just queued on ``stream`` ends."""
@@ -776,9 +1071,9 @@ class FakeCuda:
                         "completed)"
                     )
 
-    def _stream(self, name: str, side: bool) -> FakeStream:
+    def _stream(self, name: str, side: bool, device: int = 0) -> FakeStream:
         with self._lock:
-            stream = FakeStream(name, side)
+            stream = FakeStream(name, side, device)
             self._all_streams.append(stream)
             return stream
 

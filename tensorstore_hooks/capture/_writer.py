@@ -15,8 +15,9 @@ NOTE [ Capture writes ]
    whatever the model does to the tensor afterwards. An accelerator tensor is first
    copied (and cast) into a private tensor on its device, then copied into the pinned
    buffer on the copy stream; the device tensor is referenced only until that copy's
-   event completes (a settle task on an I/O thread waits for it): nothing stays on the
-   device.
+   event is seen complete, and copies still running hold at most a window of device
+   bytes (NOTE [ Capture copy window ] in ``capture/_inflight.py``); a settle task on
+   an I/O thread waits for the buffer's copies before its write.
 2. A full chunk buffer is written by an I/O thread as one chunk object, then given
    back to the pool. Where the root takes ``O_DIRECT`` (``direct_io``, NOTE [ Direct
    I/O ] in ``storage/io/_local.py``) a chunk the writer owns (a full chunk, or a tail
@@ -69,7 +70,7 @@ import numpy as np
 import torch
 
 from tensorstore_hooks.capture._docs import write_document
-from tensorstore_hooks.capture._inflight import Inflight
+from tensorstore_hooks.capture._inflight import Inflight, capture_stream
 from tensorstore_hooks.capture._layout import (
     _MARK,
     CAPTURE_FORMAT,
@@ -183,7 +184,7 @@ class _Chunk:
         self.buf = buf
         self.pinned = pinned
         self.rows = 0
-        self.copies: list[tuple[torch.Tensor, CopyEvent]] = []  # device copies under way
+        self.copies: list[CopyEvent] = []  # copies into it under way (their tensors: Inflight)
         self.lock = threading.Lock()
         self.used = time.monotonic()
 
@@ -191,7 +192,7 @@ class _Chunk:
         """Wait for the device copies into this buffer, then drop their device tensors."""
         with self.lock:
             while self.copies:
-                self.copies[-1][1].synchronize()
+                self.copies[-1].synchronize()
                 self.copies.pop()
 
 
@@ -344,7 +345,9 @@ class CaptureWriter:
         if rows == 0:
             return
         accelerated = bool(self.ops.accelerated(t.device))
-        if accelerated and self.ops.capturing(t.device):
+        if accelerated and (capturing := capture_stream(self.ops, t.device)) is not None:
+            # NOTE [ Capture copy window ] rule 4: no I/O task waits on an event meanwhile
+            self.inflight.note_capture(capturing, self.ops.stream_capturing)
             raise _graph_capture_error(name)  # rule 10 of NOTE [ Stream ordering ]
         src = t
         if accelerated:
@@ -388,8 +391,9 @@ class CaptureWriter:
         if accelerated:
             _, event = self.ops.to_host(rows, dst)
             if event is not None:
+                self.inflight.copies.add(rows, event, self.ops)  # NOTE [ Capture copy window ]
                 with tail.lock:
-                    tail.copies.append((rows, event))
+                    tail.copies.append(event)
             return
         with torch.no_grad():
             dst.view(spec.dtype).view(rows.shape).copy_(rows)

@@ -78,6 +78,26 @@ Rules, numbered so code can cite them:
 The budget the plan spends is what the pipeline gives it: ``device_budget`` minus the
 windows that live in the same memory (NOTE [ Windows ]).
 
+NOTE [ Budgets per device ]
+Several devices in one process (a model split over ``cuda:0`` and ``cuda:1``, CPU
+layers beside GPU ones) each have their own memory, so each has its own budget:
+
+1. Each device whose tensors count gets a plan of its own: its forwards, traces,
+   calibration, kept bytes, ``auto`` figure and high-water mark (read from *its*
+   memory), under the rules above, whatever the other devices' tensors do. Tensors
+   of the devices interleave in one forward; a device's plan sees only its own.
+   ``device_budget`` (bytes or a share) applies to each device.
+2. A forward (rule 1 of NOTE [ Device budget plan ]) starts on each device at its
+   first pack after an unpack, and every unpack ends every device's forward.
+3. The write-behind's and the prefetcher's windows are one per pipeline: the windows
+   in force are the smallest any device's plan derived (0 where none has a window
+   yet), so every device's plan, having subtracted its own, stays within its budget.
+   The copy window (NOTE [ Copy window ] in ``_device.py``) bounds each device's copies
+   separately.
+4. ``stats.effective_device_budget`` is the first device's figure (the device the
+   first counting tensor was on); :meth:`BudgetControl.device_budgets` has all.
+   What a plan learnt carries over per device (:class:`PlanMemory`).
+
 NOTE [ Plan carry-over ]
 What a plan learnt lives in a :class:`PlanMemory`, not in the pipeline: a pipeline
 given one starts from its remembered traces, calibration, peaks and derived
@@ -163,7 +183,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -591,6 +611,8 @@ class PlanMemory:
     """The last ``device_budget`` derived from a share (``auto``), bytes."""
     device: torch.device | None = None
     forwards: int = 0
+    devices: dict[str, PlanMemory] = field(default_factory=dict)
+    """What the plans of the other devices learnt, by device (NOTE [ Budgets per device ])."""
 
 
 class BudgetControl:
@@ -650,6 +672,7 @@ class BudgetControl:
         self._tier_used = 0  # the host tier's bytes at the last backward's start
         self._derive_due = False
         self._logged: dict[str, int] = {}
+        self._others: dict[torch.device, BudgetControl] = {}  # NOTE [ Budgets per device ]
         self.device_budget: int | None = (
             device_budget if not isinstance(device_budget, MemoryShare) else None
         )
@@ -662,13 +685,14 @@ class BudgetControl:
             self.host_budget = self._derive("host", _CPU, 0) or 0
         self._publish()
         self.windows = self._derive_windows()
-        if apply is not None:
-            apply(self.windows)
+        self._push()
 
     def _recall(self, memory: PlanMemory) -> None:
         """Start from what earlier pipelines learnt (NOTE [ Plan carry-over ])."""
         self._memory = memory
         self._traces, self._errors, self._tracks = memory.traces, memory.errors, memory.tracks
+        if memory.device is not None:  # the first device's plan is this one (NOTE [ Budgets
+            self._device = memory.device  # per device ] rule 4)
         if self._errors:
             self._margin = min(MAX_MARGIN, max(1.0, *self._errors))
         if isinstance(self._specs["device"], MemoryShare) and memory.device_budget is not None:
@@ -714,7 +738,7 @@ class BudgetControl:
         with self._lock:
             self._apply = apply
             self._tier = tier
-            apply(self.windows)
+            self._push()
 
     @property
     def derives(self) -> bool:
@@ -733,6 +757,9 @@ class BudgetControl:
         ``device``: where the tensor lives. Only ``store`` and ``host`` tensors count
         (rule 2 of NOTE [ Device budget plan ]); any call starts a forward (rule 1).
         """
+        first = self._device
+        if first is not None and device != first:  # NOTE [ Budgets per device ]
+            return self._plan_of(device).keep(action, nbytes, device=device)
         with self._lock:
             fwd = self._fwd if self._fwd is not None else self._begin_forward(device)
             keep = self._decide(fwd, nbytes, device) if action in _MOVES else False
@@ -803,15 +830,67 @@ class BudgetControl:
 
     # ------------------------------------------------------------- unpacking
     def backward_started(self) -> bool:
-        """An unpack ran. ``True`` when it ended a forward (the first unpack of a backward)."""
-        if self._fwd is None:  # the common case: one attribute read per unpack
+        """An unpack ran. ``True`` when it ended a forward (the first unpack of a backward)
+        on any device (rule 2 of NOTE [ Budgets per device ])."""
+        if self._fwd is None and not self._others:  # the common case: two reads per unpack
             return False
+        ended = False
+        for other in list(self._others.values()):
+            ended |= other.backward_started()
         with self._lock:
             fwd, self._fwd = self._fwd, None
             if fwd is None:
-                return False
+                return ended
             self._end_forward(fwd)
             return True
+
+    # ------------------------------------------------------------ per device
+    def _plan_of(self, device: torch.device) -> BudgetControl:
+        """The plan of ``device``, made at its first counting tensor (NOTE [ Budgets per
+        device ] rule 1): the same settings, its own memory and figures."""
+        plan = self._others.get(device)
+        if plan is not None:
+            return plan
+        with self._lock:
+            plan = self._others.get(device)
+            if plan is None:
+                memory = self._memory
+                plan = BudgetControl(
+                    device_budget=self._specs["device"],
+                    host_budget=self.host_budget,  # the host's: derived here only
+                    max_inflight=self._user_inflight,
+                    prefetch=self._user_prefetch,
+                    memory_headroom=self._headroom,
+                    probe=self._probe,
+                    memory=None if memory is None else memory.devices.setdefault(
+                        str(device), PlanMemory()
+                    ),
+                )
+                plan._device = device
+                plan._warned = self._warned  # each warning once per pipeline
+                plan._apply = lambda _windows: self._push()
+                self._others = {**self._others, device: plan}  # read without the lock
+        self._push()
+        return plan
+
+    def device_budgets(self) -> dict[torch.device, int | None]:
+        """The device budget in force on each device seen so far (bytes; ``None``: none)."""
+        out: dict[torch.device, int | None] = {}
+        if self._device is not None:
+            out[self._device] = self.device_budget
+        for device, plan in self._others.items():
+            out[device] = plan.device_budget
+        return out
+
+    def kept_bytes(self) -> dict[torch.device, int]:
+        """Bytes the plan of each device keeps in its running forward (or kept in its
+        last one, between forwards)."""
+        out: dict[torch.device, int] = {}
+        for device, plan in [(self._device, self), *self._others.items()]:
+            if device is not None:
+                fwd = plan._fwd if plan._fwd is not None else plan._fwd_done
+                out[device] = fwd.kept
+        return out
 
     def _end_forward(self, fwd: _Forward) -> None:
         self.forwards += 1
@@ -961,5 +1040,28 @@ class BudgetControl:
     def _set_windows(self, windows: Windows) -> None:
         if windows != self.windows:
             self.windows = windows
-            if self._apply is not None:
-                self._apply(windows)
+            self._push()
+
+    def _push(self) -> None:
+        """Apply the windows in force: this plan's, or with several devices the smallest
+        any plan derived (rule 3 of NOTE [ Budgets per device ])."""
+        apply = self._apply
+        if apply is None:
+            return
+        others = self._others
+        if not others:
+            apply(self.windows)
+            return
+        plans = [self.windows, *(p.windows for p in others.values())]
+        apply(
+            Windows(
+                max_inflight=_least(w.max_inflight for w in plans),
+                prefetch=_least(w.prefetch for w in plans),
+                plan_budget=self.windows.plan_budget,
+            )
+        )
+
+
+def _least(sizes: Iterable[int]) -> int:
+    """The smallest window that is not 0 (0: none is open yet)."""
+    return min((n for n in sizes if n > 0), default=0)

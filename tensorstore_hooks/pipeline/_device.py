@@ -152,6 +152,7 @@ class DeviceStager:
         # or waits on an event, on any thread (rule 10 of NOTE [ Stream ordering ]).
         self._captures: set[object] = set()
         self._captures_lock = threading.Lock()
+        self._single: dict[str, bool] = {}  # device kind -> only one such device
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self._stats is not None:
@@ -190,12 +191,34 @@ class DeviceStager:
 
     def capturing(self, device: torch.device) -> bool:
         """Whether a graph is being captured on ``device`` (rule 10 of NOTE [ Stream
-        ordering ]: nothing may query or wait on an event then)."""
-        if not self.accelerated(device) or not self.ops.capturing(device):
+        ordering ]: nothing may query or wait on an event then). A capture on the
+        current device while ``device`` is another (finding L) leaves ``device``'s
+        tensors free to move, but makes every thread :meth:`quiet` too: CUDA's global
+        capture mode forbids event queries whatever the device."""
+        if not self.accelerated(device):
+            return False
+        ops = self.ops
+        if ops.capturing(device):
+            seen = device
+        elif (
+            device.index is not None
+            and not self._one_device(device.type)
+            and ops.capturing(current := torch.device(device.type))
+        ):
+            seen = current  # the current device (index None) captures: quiet, not kept
+        else:
             return False
         with self._captures_lock:
-            self._captures.add(self.ops.capture_stream(device))
-        return True
+            self._captures.add(ops.capture_stream(seen))
+        return seen is device
+
+    def _one_device(self, kind: str) -> bool:
+        """Whether the process has a single device of ``kind`` (then the current device
+        is the tensor's: no second capture check at pack). Asked once per kind."""
+        one = self._single.get(kind)
+        if one is None:
+            one = self._single[kind] = kind == "cuda" and torch.cuda.device_count() == 1
+        return one
 
     def quiet(self) -> bool:
         """Whether a graph capture pack saw is still running: no thread may query or
