@@ -15,6 +15,7 @@ from tensorstore_hooks.storage.io._aligned import (
     BLOCK_BYTES,
     PAGE_BYTES,
     POOL_MIN_BYTES,
+    REUSE_SLACK,
     AlignedBuffer,
     BufferPool,
     address_of,
@@ -62,6 +63,46 @@ def test_acquire_reuses_exact_capacities_within_the_idle_limit() -> None:
     assert stats.held_bytes == stats.in_use_bytes + stats.idle_bytes
     pool.release(b)
     assert pool.stats.in_use_bytes == 0
+
+
+def test_a_request_without_an_exact_match_reuses_the_smallest_idle_buffer_that_fits() -> None:
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    bufs = {n: pool.acquire(n * MiB) for n in (2, 3, 5)}
+    for b in bufs.values():
+        pool.release(b)
+    got = pool.acquire(2 * MiB + 1)  # no exact match: the 3 MiB one (2 MiB is too small)
+    assert got is bufs[3] and got.capacity == 3 * MiB
+    assert pool.stats.in_use_bytes == 3 * MiB and pool.stats.idle_bytes == 7 * MiB
+    # Over REUSE_SLACK times the request: a new buffer, not the 5 MiB one.
+    small = pool.acquire(MiB)
+    assert small not in bufs.values() and 5 * MiB > REUSE_SLACK * MiB
+    pool.release(got)
+    pool.release(small)
+    assert pool.stats.in_use_bytes == 0
+    assert pool.stats.held_bytes == pool.stats.idle_bytes == 11 * MiB
+    # Another origin never serves: a direct read's region must start where it asked.
+    other = pool.acquire(3 * MiB, front=BLOCK_BYTES)
+    assert other.front == BLOCK_BYTES and other not in bufs.values()
+
+
+def test_dynamic_padding_sizes_do_not_fill_the_idle_pool() -> None:
+    # A loop whose read sizes change a little every step (dynamic padding, +-30%):
+    # after the first steps the pool serves them from what it holds, and what it holds
+    # stays near one step's need instead of growing to the idle limit with last steps'
+    # sizes that never come back.
+    pool = BufferPool(idle_limit_bytes=256 * MiB)
+    rng = np.random.default_rng(0)
+    step_need = []
+    for _ in range(20):
+        scale = rng.uniform(0.8, 1.2)
+        loans = [pool.lend(int(scale * n * MiB)) for n in (4, 4, 8, 8, 16)]
+        step_need.append(sum(round_up(a.nbytes, PAGE_BYTES) for a, _ in loans))
+        del loans
+        gc.collect()
+    stats = pool.stats
+    assert stats.in_use_bytes == 0
+    assert stats.held_bytes <= 3 * max(step_need), (stats, max(step_need))
+    assert stats.allocations <= 25, stats  # of 100 loans
 
 
 def test_idle_buffers_beyond_the_limit_are_unmapped_oldest_first() -> None:

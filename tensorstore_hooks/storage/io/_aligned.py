@@ -31,10 +31,18 @@ returned tensor's storage (no copy). Rules:
    ``weakref.finalize`` on a ctypes array that exports the memory: every ndarray,
    view and tensor made from the lent array keeps that exporter alive, so the
    buffer returns only when nothing can reach its bytes any more.
-4. Idle buffers are kept by exact capacity and origin (a training loop asks for the
-   same sizes every step: after the first step nothing is allocated), at most
-   ``idle_limit_bytes`` of them; beyond that the least recently returned are
-   unmapped. Lent and acquired buffers are not bounded here: whoever holds them
+4. Idle buffers are kept by capacity and origin, at most ``idle_limit_bytes`` of
+   them; beyond that the least recently returned are unmapped. A request takes an
+   idle buffer of its exact capacity, else the smallest idle one of the same origin
+   up to :data:`REUSE_SLACK` times as large (a fixed-shape loop asks for the same
+   sizes every step: after the first step nothing is allocated; under dynamic
+   padding every step's sizes differ a little, and exact matches alone would fill
+   the idle pool with last steps' sizes that never come back, held for nothing).
+   For the same reason a request that nothing idle serves first unmaps the idle
+   buffers that sat idle through more requests than the pool has buffers: a loop
+   that still needed them would have taken each of them again by then (a
+   fixed-shape loop, served from the pool after its first step, never gets here).
+   Lent and acquired buffers are not bounded here: whoever holds them
    bounds them (the pipeline's windows). :attr:`BufferPool.stats` says what is
    held, idle and lent, so a caller can count it in its budgets.
 """
@@ -58,6 +66,7 @@ __all__ = [
     "HUGE_BYTES",
     "PAGE_BYTES",
     "POOL_MIN_BYTES",
+    "REUSE_SLACK",
     "AlignedBuffer",
     "BufferPool",
     "PoolStats",
@@ -74,6 +83,11 @@ HUGE_BYTES = 2 << 20
 """Buffers at least this large are advised to use transparent huge pages (rule 1)."""
 POOL_MIN_BYTES = 256 << 10
 """Smaller buffers come from the C heap and are not pooled (rule 2)."""
+
+REUSE_SLACK = 1.5
+"""An idle buffer up to this many times the requested capacity serves a request that
+has no exact match (rule 4): the spare tail it lends is memory the buffer already
+held, and at most a third of it."""
 
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -168,31 +182,81 @@ class BufferPool:
         self._allocations = 0
         self._reuses = 0
         self._closed = False
+        self._requests = 0  # acquisitions so far: the clock idle buffers age by
+        self._count = 0  # buffers mapped and not yet dropped (idle + in use)
+        self._returned: dict[int, int] = {}  # id -> self._requests when it came back
 
     # ------------------------------------------------------------ acquiring
     def acquire(self, nbytes: int, front: int = 0) -> AlignedBuffer:
-        """A buffer of ``round_up(nbytes, PAGE_BYTES)`` bytes whose origin is at
-        ``front`` (rule 1); give it back with :meth:`release`. Its contents are
-        whatever it last held."""
+        """A buffer of at least ``round_up(nbytes, PAGE_BYTES)`` bytes (an idle one of
+        up to :data:`REUSE_SLACK` times that, rule 4) whose origin is at ``front``
+        (rule 1); give it back with :meth:`release`. Its contents are whatever it
+        last held."""
         capacity = round_up(max(nbytes, 1), PAGE_BYTES)
         with self._lock:
-            bucket = self._idle.get((capacity, front))
-            if bucket:
-                buf = bucket.pop()
-                del self._lru[id(buf)]
-                self._idle_bytes -= capacity
+            self._requests += 1
+            buf = self._take_idle(capacity, front)
+            if buf is not None:
                 self._reuses += 1
-                self._in_use_bytes += capacity
+                self._in_use_bytes += buf.capacity
                 return buf
+            stale = self._drop_stale()
             self._allocations += 1
+            self._count += 1
             self._in_use_bytes += capacity
             self._peak = max(self._peak, self._in_use_bytes + self._idle_bytes)
+        del stale  # unmapped as the last references go, outside the lock
         try:
             return AlignedBuffer(capacity, front)
         except BaseException:
             with self._lock:
                 self._in_use_bytes -= capacity
+                self._count -= 1
             raise
+
+    def _take_idle(self, capacity: int, front: int) -> AlignedBuffer | None:
+        """Under the lock: the idle buffer a request of ``capacity`` bytes at
+        ``front`` takes (rule 4), unlinked from the idle set, or ``None``."""
+        key = (capacity, front)
+        if not self._idle.get(key):
+            limit = int(capacity * REUSE_SLACK)
+            fits = [
+                c for (c, f), b in self._idle.items() if f == front and capacity < c <= limit and b
+            ]
+            if not fits:
+                return None
+            key = (min(fits), front)
+        bucket = self._idle[key]
+        buf = bucket.pop()
+        if not bucket:
+            del self._idle[key]
+        del self._lru[id(buf)]
+        del self._returned[id(buf)]
+        self._idle_bytes -= buf.capacity
+        return buf
+
+    def _drop_stale(self) -> list[AlignedBuffer]:
+        """Under the lock, on a request nothing idle serves: unlink the idle buffers
+        that sat idle through more requests than the pool has buffers (rule 4): a
+        loop that needed them would have taken them again by now, so they hold sizes
+        the loop no longer asks for."""
+        out = []
+        horizon = self._requests - self._count
+        while self._lru and self._returned[next(iter(self._lru))] < horizon:
+            out.append(self._unlink_oldest())
+        return out
+
+    def _unlink_oldest(self) -> AlignedBuffer:
+        """Under the lock: unlink the least recently returned idle buffer."""
+        _, buf = self._lru.popitem(last=False)
+        del self._returned[id(buf)]
+        key = (buf.capacity, buf.front)
+        self._idle[key].remove(buf)
+        if not self._idle[key]:
+            del self._idle[key]
+        self._idle_bytes -= buf.capacity
+        self._count -= 1
+        return buf
 
     def release(self, buf: AlignedBuffer) -> None:
         """Give back a buffer from :meth:`acquire`."""
@@ -201,9 +265,11 @@ class BufferPool:
             self._in_use_bytes -= buf.capacity
             if self._closed or buf.capacity > self.idle_limit_bytes:
                 dropped.append(buf)
+                self._count -= 1
             else:
                 self._idle.setdefault((buf.capacity, buf.front), []).append(buf)
                 self._lru[id(buf)] = buf
+                self._returned[id(buf)] = self._requests
                 self._idle_bytes += buf.capacity
                 dropped = self._trim()
         del dropped  # unmapped as the last references go, outside the lock
@@ -212,13 +278,7 @@ class BufferPool:
         """Under the lock: unlink the least recently returned idle buffers over the limit."""
         out = []
         while self._idle_bytes > self.idle_limit_bytes and self._lru:
-            _, buf = self._lru.popitem(last=False)
-            key = (buf.capacity, buf.front)
-            self._idle[key].remove(buf)
-            if not self._idle[key]:
-                del self._idle[key]
-            self._idle_bytes -= buf.capacity
-            out.append(buf)
+            out.append(self._unlink_oldest())
         return out
 
     # ---------------------------------------------------------------- lending
@@ -278,6 +338,8 @@ class BufferPool:
         """Unmap every idle buffer; buffers in use are unmapped when they come back."""
         with self._lock:
             self._closed = True
+            self._count -= len(self._lru)
             self._lru.clear()
+            self._returned.clear()
             self._idle.clear()
             self._idle_bytes = 0
