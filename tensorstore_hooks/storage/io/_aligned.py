@@ -241,7 +241,7 @@ class BufferPool:
         loop that needed them would have taken them again by now, so they hold sizes
         the loop no longer asks for."""
         out = []
-        horizon = self._requests - self._count
+        horizon = self._requests - 2 * self._count
         while self._lru and self._returned[next(iter(self._lru))] < horizon:
             out.append(self._unlink_oldest())
         return out
