@@ -94,9 +94,11 @@ HUGE_BYTES = 2 << 20
 POOL_MIN_BYTES = 256 << 10
 """Smaller buffers come from the C heap and are not pooled (rule 2)."""
 
-PARK_AFTER_S = 0.05
+PARK_AFTER_S = 0.5
 """:meth:`BufferPool.park` leaves idle buffers that came back more recently than this
-(rule 5): a store alternating puts and gets reuses them at once."""
+(rule 5): a store alternating puts and gets (milliseconds apart) takes them again
+before they would be parked; a forward's later writes park the ones its first
+write found too recent (a step lasts seconds)."""
 
 REUSE_SLACK = 1.5
 """An idle buffer up to this many times the requested capacity serves a request that
