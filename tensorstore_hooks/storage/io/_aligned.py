@@ -34,14 +34,11 @@ returned tensor's storage (no copy). Rules:
 4. Idle buffers are kept by capacity and origin, at most ``idle_limit_bytes`` of
    them; beyond that the least recently returned are unmapped. A request takes an
    idle buffer of its exact capacity, else the smallest idle one of the same origin
-   up to :data:`REUSE_SLACK` times as large (a fixed-shape loop asks for the same
-   sizes every step: after the first step nothing is allocated; under dynamic
-   padding every step's sizes differ a little, and exact matches alone would fill
-   the idle pool with last steps' sizes that never come back, held for nothing).
-   For the same reason a request that nothing idle serves first unmaps the idle
-   buffers that sat idle through more requests than the pool has buffers: a loop
-   that still needed them would have taken each of them again by then (a
-   fixed-shape loop, served from the pool after its first step, never gets here).
+   up to :data:`REUSE_SLACK` times as large, unless buffers of its very size exist
+   (a fixed-shape loop asks for the same sizes every step: each gets buffers of its
+   own, and after the first step nothing is allocated; under dynamic padding
+   every step's sizes differ a little, and exact matches alone would fill the idle
+   pool with last steps' sizes that never come back, held for nothing).
    Lent and acquired buffers are not bounded here: whoever holds them
    bounds them (the pipeline's windows). :attr:`BufferPool.stats` says what is
    held, idle and lent, so a caller can count it in its budgets.
@@ -207,9 +204,7 @@ class BufferPool:
         self._allocations = 0
         self._reuses = 0
         self._closed = False
-        self._requests = 0  # acquisitions so far: the clock idle buffers age by
-        self._count = 0  # buffers mapped and not yet dropped (idle + in use)
-        self._returned: dict[int, int] = {}  # id -> self._requests when it came back
+        self._mapped: dict[tuple[int, int], int] = {}  # buffers that exist, per size
         self._parked: set[int] = set()  # ids of idle buffers whose pages were handed back
         self._lent = False  # idle buffers may still hold pages park() would take
         self._since: dict[int, float] = {}  # id -> monotonic time it came back
@@ -222,31 +217,39 @@ class BufferPool:
         last held."""
         capacity = round_up(max(nbytes, 1), PAGE_BYTES)
         with self._lock:
-            self._requests += 1
             buf = self._take_idle(capacity, front)
             if buf is not None:
                 self._reuses += 1
                 self._in_use_bytes += buf.capacity
                 return buf
-            stale = self._drop_stale()
             self._allocations += 1
-            self._count += 1
+            self._count_mapped(capacity, front, 1)
             self._in_use_bytes += capacity
             self._peak = max(self._peak, self._in_use_bytes + self._idle_bytes)
-        del stale  # unmapped as the last references go, outside the lock
         try:
             return AlignedBuffer(capacity, front)
         except BaseException:
             with self._lock:
                 self._in_use_bytes -= capacity
-                self._count -= 1
+                self._count_mapped(capacity, front, -1)
             raise
+
+    def _count_mapped(self, capacity: int, front: int, n: int) -> None:
+        """Under the lock: ``n`` more (or fewer) buffers of this size exist."""
+        key = (capacity, front)
+        left = self._mapped.get(key, 0) + n
+        if left:
+            self._mapped[key] = left
+        else:
+            self._mapped.pop(key, None)
 
     def _take_idle(self, capacity: int, front: int) -> AlignedBuffer | None:
         """Under the lock: the idle buffer a request of ``capacity`` bytes at
         ``front`` takes (rule 4), unlinked from the idle set, or ``None``."""
         key = (capacity, front)
         if not self._idle.get(key):
+            if self._mapped.get(key):  # buffers of this very size exist: map one more
+                return None
             limit = int(capacity * REUSE_SLACK)
             fits = [
                 c for (c, f), b in self._idle.items() if f == front and capacity < c <= limit and b
@@ -259,27 +262,14 @@ class BufferPool:
         if not bucket:
             del self._idle[key]
         del self._lru[id(buf)]
-        del self._returned[id(buf)]
         del self._since[id(buf)]
         self._parked.discard(id(buf))
         self._idle_bytes -= buf.capacity
         return buf
 
-    def _drop_stale(self) -> list[AlignedBuffer]:
-        """Under the lock, on a request nothing idle serves: unlink the idle buffers
-        that sat idle through more requests than the pool has buffers (rule 4): a
-        loop that needed them would have taken them again by now, so they hold sizes
-        the loop no longer asks for."""
-        out = []
-        horizon = self._requests - 2 * self._count
-        while self._lru and self._returned[next(iter(self._lru))] < horizon:
-            out.append(self._unlink_oldest())
-        return out
-
     def _unlink_oldest(self) -> AlignedBuffer:
         """Under the lock: unlink the least recently returned idle buffer."""
         _, buf = self._lru.popitem(last=False)
-        del self._returned[id(buf)]
         del self._since[id(buf)]
         self._parked.discard(id(buf))
         key = (buf.capacity, buf.front)
@@ -287,7 +277,7 @@ class BufferPool:
         if not self._idle[key]:
             del self._idle[key]
         self._idle_bytes -= buf.capacity
-        self._count -= 1
+        self._count_mapped(buf.capacity, buf.front, -1)
         return buf
 
     def release(self, buf: AlignedBuffer) -> None:
@@ -297,11 +287,10 @@ class BufferPool:
             self._in_use_bytes -= buf.capacity
             if self._closed or buf.capacity > self.idle_limit_bytes:
                 dropped.append(buf)
-                self._count -= 1
+                self._count_mapped(buf.capacity, buf.front, -1)
             else:
                 self._idle.setdefault((buf.capacity, buf.front), []).append(buf)
                 self._lru[id(buf)] = buf
-                self._returned[id(buf)] = self._requests
                 self._since[id(buf)] = time.monotonic()
                 self._idle_bytes += buf.capacity
                 dropped = self._trim()
@@ -398,9 +387,9 @@ class BufferPool:
         """Unmap every idle buffer; buffers in use are unmapped when they come back."""
         with self._lock:
             self._closed = True
-            self._count -= len(self._lru)
+            for buf in self._lru.values():
+                self._count_mapped(buf.capacity, buf.front, -1)
             self._lru.clear()
-            self._returned.clear()
             self._since.clear()
             self._parked.clear()
             self._idle.clear()
