@@ -404,6 +404,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         # (A deep copy: per_rule, a dict, changes in place.)
         stats_before = hooks.stats.snapshot() if hooks is not None else None
         cpu_before = library_thread_cpu_s()
+        usage_before = resource.getrusage(resource.RUSAGE_SELF)
         renice_library_threads(args.io_nice)
         step_rss_before = sampler.rss()
         t_start = sampler.now()
@@ -430,6 +431,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             "rss_before": step_rss_before - base,
         }
         entry["lib_cpu_s"] = library_thread_cpu_s() - cpu_before
+        entry.update(_process_usage(usage_before))
         if hooks is not None:
             assert stats_before is not None
             entry["stats"] = _stats_delta(stats_before, hooks.stats)
@@ -497,6 +499,19 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "grad_mismatches": mismatches,
         "chain_stats": chain_stats,
         "lengths": [int(t.shape[1]) for t, _ in batches],
+    }
+
+
+def _process_usage(before: resource.struct_rusage) -> dict[str, float]:
+    """The whole process's CPU (user and system, every thread) and minor page faults
+    since ``before``: figures a loaded machine does not inflate the way it does wall
+    time, so a mode's extra CPU (page faults of memory the heap gave back, the I/O
+    threads) shows against ``none``'s even when step times are noisy."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "user_s": now.ru_utime - before.ru_utime,
+        "sys_s": now.ru_stime - before.ru_stime,
+        "minflt": float(now.ru_minflt - before.ru_minflt),
     }
 
 
@@ -833,6 +848,11 @@ def _worker_env(args: argparse.Namespace, mode: str = "none") -> dict[str, str]:
         # 32 MiB after the first large free and serves activations from a heap that
         # fragments and does not shrink within a step.
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    if args.thp:
+        # Every mode alike (none included): torch's CPU allocator advises transparent
+        # huge pages for allocations of 2 MiB and more, so a buffer the heap gave back
+        # costs one fault per 2 MiB when it is touched again, not one per 4 KiB.
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     return env
 
 
@@ -1012,6 +1032,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "chain_budget": args.chain_budget,
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "io_nice": args.io_nice,
+        "thp": args.thp,
         "cgroup": {"version": support.version, "parent": support.parent, "reason": support.reason},
         "memory_limit": args.memory_limit,
         "dynamic": args.dynamic,
@@ -1149,6 +1170,9 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], *, gpu: bool) -> dic
             "container_ratios": container_ratio,
             "lib_cpu_s": statistics.median(s.get("lib_cpu_s", 0.0) for s in steps),
         }
+        for key in ("user_s", "sys_s", "minflt"):
+            if all(key in s for s in steps):
+                entry[key] = statistics.median(s[key] for s in steps)
         for key in ("fwd_device_bytes", "bytes_to_host", "bytes_to_device", "pcie_s"):
             figures = [s[key] for s in steps if s.get(key) is not None]
             if figures:  # CUDA runs (the byte figures of the module docstring)
@@ -1264,7 +1288,27 @@ def format_table(result: dict[str, Any]) -> str:
         )
     if gpu:
         lines += ["", _byte_table(result["summary"])]
+    lines += _cpu_lines(result["summary"])
     return "\n".join(lines)
+
+
+def _cpu_lines(summary: dict[str, Any]) -> list[str]:
+    """Per mode: the process's CPU and minor page faults a measured step (median),
+    against ``none``'s: the load-independent side of the step time."""
+    ref = summary.get("none", {})
+    out: list[str] = []
+    for mode, e in summary.items():
+        if "user_s" not in e:
+            continue
+        cpu = e["user_s"] + e["sys_s"]
+        vs = ""
+        if "user_s" in ref and mode != "none" and ref["user_s"] + ref["sys_s"] > 0:
+            vs = f" ({cpu / (ref['user_s'] + ref['sys_s']):.2f}x none's)"
+        out.append(
+            f"{mode}: process CPU {cpu:.2f}s a step{vs} (user {e['user_s']:.2f}s, system "
+            f"{e['sys_s']:.2f}s), {e['minflt'] / 1e3:.0f}k minor page faults"
+        )
+    return ["", *out] if out else []
 
 
 def _byte_table(summary: dict[str, Any]) -> str:
@@ -1678,6 +1722,10 @@ def run_llama_worker(args: argparse.Namespace) -> dict[str, Any]:
     ref = Path(args.ref_grads)
     grads = _Grads(ref.with_name(ref.stem + ("-trainer" if trainer else "") + ref.suffix), names)
     sequences = llama_sequences(args)
+    if "tsh" in base:
+        # Imported before the baseline, as the design's model's worker does: the
+        # library's code (about 20 MiB of RSS) is not activation memory.
+        import tensorstore_hooks  # noqa: F401
     group = _worker_group()
     sampler = RssSampler(group=group)
     ru_before = ru_maxrss_bytes()
@@ -1987,6 +2035,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the benchmark), e.g. buffer_pool_bytes=256MiB (repeatable)",
     )
     p.add_argument(
+        "--thp",
+        action="store_true",
+        help="lever: run every worker (none included) with THP_MEM_ALLOC_ENABLE=1, so "
+        "torch's CPU allocations of 2 MiB and more use transparent huge pages (page "
+        "faults of memory the heap gave back cost 1/512 as many faults)",
+    )
+    p.add_argument(
         "--io-nice",
         type=int,
         metavar="N",
@@ -2044,6 +2099,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tsh.offload options: {result['tsh_options']}")
     if args.malloc_mmap_threshold is not None:
         print(f"workers ran with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
+    if args.thp:
+        print("workers ran with THP_MEM_ALLOC_ENABLE=1 (every mode)")
     cg = result["cgroup"]
     if cg["version"] is None:
         print(f"container figures: unavailable ({cg['reason']})")

@@ -5,16 +5,19 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tensorstore_hooks.storage.io import _aligned
 from tensorstore_hooks.storage.io._aligned import (
     BLOCK_BYTES,
     PAGE_BYTES,
     POOL_MIN_BYTES,
+    REUSE_SLACK,
     AlignedBuffer,
     BufferPool,
     address_of,
@@ -62,6 +65,47 @@ def test_acquire_reuses_exact_capacities_within_the_idle_limit() -> None:
     assert stats.held_bytes == stats.in_use_bytes + stats.idle_bytes
     pool.release(b)
     assert pool.stats.in_use_bytes == 0
+
+
+def test_a_request_without_an_exact_match_reuses_the_smallest_idle_buffer_that_fits() -> None:
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    bufs = {n: pool.acquire(n * MiB) for n in (2, 3, 5)}
+    for b in bufs.values():
+        pool.release(b)
+    got = pool.acquire(2 * MiB + 1)  # no exact match: the 3 MiB one (2 MiB is too small)
+    assert got is bufs[3] and got.capacity == 3 * MiB
+    assert pool.stats.in_use_bytes == 3 * MiB and pool.stats.idle_bytes == 7 * MiB
+    # Over REUSE_SLACK times the request: a new buffer, not the 5 MiB one.
+    small = pool.acquire(MiB)
+    assert small not in bufs.values() and 5 * MiB > REUSE_SLACK * MiB
+    pool.release(got)
+    pool.release(small)
+    assert pool.stats.in_use_bytes == 0
+    assert pool.stats.held_bytes == pool.stats.idle_bytes == 11 * MiB
+    # Another origin never serves: a direct read's region must start where it asked.
+    other = pool.acquire(3 * MiB, front=BLOCK_BYTES)
+    assert other.front == BLOCK_BYTES and other not in bufs.values()
+
+
+def test_dynamic_padding_sizes_do_not_fill_the_idle_pool() -> None:
+    # A loop whose read sizes change a little every step (dynamic padding, +-30%):
+    # after the first steps the pool serves them from what it holds, and what it holds
+    # stays near one step's need instead of growing to the idle limit with last steps'
+    # sizes that never come back.
+    pool = BufferPool(idle_limit_bytes=256 * MiB)
+    rng = np.random.default_rng(0)
+    step_need = []
+    for _ in range(20):
+        scale = rng.uniform(0.8, 1.2)
+        loans = [pool.lend(int(scale * n * MiB)) for n in (4, 4, 8, 8, 16)]
+        step_need.append(sum(round_up(a.nbytes, PAGE_BYTES) for a, _ in loans))
+        del loans
+        gc.collect()
+    stats = pool.stats
+    assert stats.in_use_bytes == 0
+    # Exact matches alone: 98 allocations of 100 loans, 5.4x a step's need held.
+    assert stats.held_bytes <= 4 * max(step_need), (stats, max(step_need))
+    assert stats.allocations <= 25, stats
 
 
 def test_idle_buffers_beyond_the_limit_are_unmapped_oldest_first() -> None:
@@ -194,3 +238,68 @@ def test_large_buffers_put_their_origin_on_a_huge_page_boundary() -> None:
     assert pool.acquire(3 * MiB, front=BLOCK_BYTES) is a
     with pytest.raises(ValueError, match="front"):
         AlignedBuffer(BLOCK_BYTES, BLOCK_BYTES)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE_BYTES
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc (Linux)")
+def test_park_hands_back_the_pages_of_idle_buffers_and_keeps_the_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_aligned, "PARK_AFTER_S", 0.0)
+    pool = BufferPool(idle_limit_bytes=128 * MiB)
+    loans = [pool.lend(16 * MiB)[0] for _ in range(4)]
+    for loan in loans:
+        loan[:] = 7  # touched: resident
+    del loans, loan
+    gc.collect()
+    assert pool.stats.resident_idle_bytes == pool.stats.idle_bytes == 64 * MiB
+    before = _rss_bytes()
+    assert pool.park() == 64 * MiB
+    assert before - _rss_bytes() >= 56 * MiB  # the pages left the process
+    stats = pool.stats
+    assert stats.resident_idle_bytes == 0 and stats.idle_bytes == 64 * MiB
+    assert pool.park() == 0  # nothing lent since: nothing to do
+    arr = pool.lend(16 * MiB)[0]  # the same buffer again, its bytes zeroed pages
+    assert pool.stats.allocations == 4 and not arr.any()
+    del arr
+    gc.collect()
+    assert pool.stats.resident_idle_bytes == 16 * MiB  # used again: resident
+
+
+def test_park_leaves_buffers_that_just_came_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A store alternating puts and gets takes its read buffer again at once: parking
+    # it would cost a refault per get.
+    pool = BufferPool(idle_limit_bytes=64 * MiB)
+    arr = pool.lend(8 * MiB)[0]
+    arr[:] = 1
+    del arr
+    gc.collect()
+    monkeypatch.setattr(_aligned, "PARK_AFTER_S", 60.0)  # "just": however slow this machine
+    assert pool.park() == 0 and pool.stats.resident_idle_bytes == 8 * MiB
+    time.sleep(0.01)
+    monkeypatch.setattr(_aligned, "PARK_AFTER_S", 0.005)
+    assert pool.park() == 8 * MiB and pool.stats.resident_idle_bytes == 0
+
+
+def test_a_store_parks_its_idle_read_buffers_at_its_next_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A training loop: backward's reads leave buffers idle; forward's first write
+    # hands their pages back, so they are not resident through the forward.
+    from tensorstore_hooks.storage.zarr._store import ZarrStore
+
+    monkeypatch.setattr(_aligned, "PARK_AFTER_S", 0.0)
+    with ZarrStore(str(tmp_path), namespace="ns", buffer_pool_bytes="64MiB") as store:
+        keys = [store.put(torch.full((2 * MiB,), float(i))) for i in range(3)]
+        for key in keys:
+            assert store.get(key)[0].item() == float(keys.index(key))
+        gc.collect()
+        assert store.buffers.resident_idle_bytes == store.buffers.idle_bytes > 0
+        store.put(torch.ones(MiB))
+        assert store.buffers.resident_idle_bytes == 0 and store.buffers.idle_bytes > 0
+        assert torch.equal(store.get(keys[1]), torch.full((2 * MiB,), 1.0))
+

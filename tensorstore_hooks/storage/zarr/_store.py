@@ -352,6 +352,7 @@ class ZarrStore(BlobStore):
         data = as_memoryview(payload).cast("B") if n else memoryview(b"")
         if len(data) != n:
             raise IntegrityError(f"ZarrStore.put: payload has {len(data)} bytes, metadata says {n}")
+        self._pool.park()  # idle read buffers' pages go (NOTE [ Aligned buffers ] rule 5)
         return self._writes.put(
             meta,
             lambda paths, chunk, direct: self._codec.write(self._io, paths, data, chunk, direct),
@@ -373,6 +374,7 @@ class ZarrStore(BlobStore):
         """
         n = meta.nbytes
         region = aligned_region(buffer, n, "put_aligned")
+        self._pool.park()
         return self._writes.put(
             meta,
             lambda paths, chunk, direct: (
