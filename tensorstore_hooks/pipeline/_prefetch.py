@@ -182,9 +182,10 @@ class Prefetcher:
 
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
-        if self.window_bytes <= 0 or self._out_of_memory:
+        window = self._window_bytes  # not the property: every unpack runs this
+        if window <= 0 or self._out_of_memory:
             return
-        planned = self._reads.plan(self.window_bytes)
+        planned = self._reads.plan(window)
         if not planned:
             return
         pool = self._io()

@@ -1,0 +1,147 @@
+"""Python calls per pack and per unpack on the training thread (issue 34, finding F).
+
+NOTE [ Pack fast path ] in ``pipeline/_router.py``: a plain stored tensor costs at most
+:data:`PACK_CALLS` Python-level calls at pack and :data:`UNPACK_CALLS` at unpack, every
+call counted (the library's, torch's Python, the standard library's), from the hook's
+entry to its return. Counted with ``sys.setprofile``, not timed: the same count on a
+busy machine as on a quiet one. ``benchmarks/python_calls.py`` reports the means and
+the host microseconds beside ``save_on_cpu``'s.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+import pytest
+import torch
+
+import tensorstore_hooks as tsh
+from tensorstore_hooks.pipeline import _router
+
+PACK_CALLS = 60
+UNPACK_CALLS = 40
+
+_ROUTER = _router.__file__
+
+
+class _HookCalls:
+    """Calls made on this thread inside each ``Router.pack`` / ``Router.unpack``."""
+
+    def __init__(self) -> None:
+        self.per_hook: dict[str, list[int]] = {"pack": [], "unpack": []}
+        self.names: dict[str, dict[str, int]] = {"pack": {}, "unpack": {}}
+        self._inside: tuple[str, FrameType] | None = None
+        self._thread = threading.get_ident()
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        inside = self._inside
+        if event == "return":
+            if inside is not None and inside[1] is frame:
+                self._inside = None
+            return
+        if event != "call":
+            return
+        code = frame.f_code
+        if inside is None:
+            if code.co_name not in self.per_hook or code.co_filename != _ROUTER:
+                return
+            self._inside = inside = (code.co_name, frame)
+            self.per_hook[code.co_name].append(0)
+        hook = inside[0]
+        self.per_hook[hook][-1] += 1
+        names = self.names[hook]
+        where = f"{Path(code.co_filename).name}:{code.co_name}"
+        names[where] = names.get(where, 0) + 1
+
+    def typical(self, hook: str) -> int:
+        """The median count: the path most tensors take (the first pack of a step
+        starts I/O threads; an unpack whose read is not back yet waits)."""
+        counts = self.per_hook[hook]
+        assert counts, f"no {hook} ran"
+        return int(statistics.median(counts))
+
+    def report(self, hook: str) -> str:
+        n = len(self.per_hook[hook])
+        rows = sorted(self.names[hook].items(), key=lambda kv: -kv[1])
+        return "\n".join(f"{count / n:6.2f} {name}" for name, count in rows)
+
+
+def _count(hooks: tsh.OffloadHooks, tensors: int) -> _HookCalls:
+    x = torch.randn(64, 1024, requires_grad=True)  # 256 KiB a saved tensor
+
+    def step() -> None:
+        with hooks:
+            y = x
+            for _ in range(tensors):
+                y = y.sin()  # saves its input: one plain tensor per op
+            loss = y.sum()
+        loss.backward()
+        del loss, y
+        gc.collect()
+        hooks.flush()
+
+    step()
+    step()  # the steady state: plans, pools and threads exist
+    calls = _HookCalls()
+    sys.setprofile(calls)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("url", ["memory://", "file"])
+def test_a_plain_stored_tensor_costs_few_python_calls(url: str, tmp_path: Path) -> None:
+    hooks = tsh.offload(url if url != "file" else f"file://{tmp_path / 's'}", min_bytes=0)
+    try:
+        calls = _count(hooks, tensors=16)
+        assert hooks.stats.tensors_offloaded >= 16
+    finally:
+        hooks.close()
+    assert len(calls.per_hook["pack"]) == 16 and len(calls.per_hook["unpack"]) == 16
+    pack, unpack = calls.typical("pack"), calls.typical("unpack")
+    assert pack <= PACK_CALLS, f"{pack} calls per pack:\n{calls.report('pack')}"
+    assert unpack <= UNPACK_CALLS, f"{unpack} calls per unpack:\n{calls.report('unpack')}"
+
+
+def test_the_count_sees_the_general_path() -> None:
+    """The counter is not blind: a tensor the fast path leaves (a view of a storage a
+    live record holds, a dedup hit: NOTE [ Span unions ], rule 3) costs more calls
+    than a plain one."""
+    hooks = tsh.offload("memory://", min_bytes=0)
+    x = torch.randn(64, 1024, requires_grad=True)
+
+    def step(calls: _HookCalls | None) -> None:
+        with hooks:
+            y = x
+            for _ in range(8):  # the I/O threads of the step start on its first packs
+                y = y.sin()
+            if calls is not None:
+                sys.setprofile(calls)
+            try:
+                a = y.sin()  # saves y: plain
+                b = y[:32].cos()  # saves a view of y, which a record holds
+            finally:
+                sys.setprofile(None)
+            loss = a.sum() + b.sum()
+        loss.backward()
+        hooks.flush()
+
+    try:
+        step(None)  # the steady state
+        hits = hooks.stats.dedup_hits
+        calls = _HookCalls()
+        step(calls)
+        assert hooks.stats.dedup_hits == hits + 1
+    finally:
+        hooks.close()
+    plain, view = calls.per_hook["pack"]
+    assert plain <= PACK_CALLS and plain < view, calls.report("pack")
