@@ -874,6 +874,11 @@ class RecordTable:
             self._stats.bytes_offloaded += nbytes
             return self._handle(rec, _view_of(t))
 
+    def filed(self, t: torch.Tensor) -> bool:
+        """Whether any live record is filed under ``t``'s storage address (its storage
+        may have died since: :meth:`cover` and :meth:`join` check). Cheap: no lock."""
+        return (t.untyped_storage().data_ptr(), t.device) in self._spans
+
     def _find(self, t: torch.Tensor, want: Callable[[Record], bool]) -> Record | None:
         """A live span record of ``t``'s storage, dtype and version that ``want`` (lock held)."""
         records = self._spans.get((t.untyped_storage().data_ptr(), t.device))

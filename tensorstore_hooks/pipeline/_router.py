@@ -299,7 +299,8 @@ class Router:
             # of NOTE [ Stream ordering ].
             self.account(Route("keep", CAPTURE_LABEL, nbytes))
             return Kept(t)
-        decided = self.decide(t, nbytes)
+        parameter = _parameter(t)
+        decided = self.decide(t, nbytes, parameter=parameter)
         if decided.action in _MOVES and self.policy.recompute_casts:
             cast = recomputable(t)  # NOTE [ Parameter casts ]
             if cast is not None:
@@ -307,7 +308,7 @@ class Router:
                 return cast
         action = self.plan(t, decided)
         if action == "store":
-            if _parameter(t):  # NOTE [ Parameters are copied at pack ]
+            if parameter:  # NOTE [ Parameters are copied at pack ]
                 return self.store(t.detach().clone(), nbytes, guard=t)
             return self.store(t, nbytes)
         if action == "host":
@@ -499,6 +500,8 @@ class Router:
         """``t`` as a view of a record's span: one it holds, or an open one it joins
         (NOTE [ Span unions ], rule 3); ``None``: neither."""
         table = self._table
+        if not table.filed(t):  # no record over its storage: nothing to cover or join
+            return None
         handle = table.cover(t, pattern, span_of(tuple(t.shape), tuple(t.stride())))
         if handle is None:
             handle = table.join(t, pattern, nbytes, self._writer.max_inflight)
@@ -651,7 +654,10 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 # parameter itself could run after that free (a failed write) or during it (freed
 # memory read, or a crash). Activations are never freed under a saved tensor.
 def _parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    base = t._base
+    if type(t) is _Tensor and (base is None or type(base) is _Tensor):
+        return False  # the common case, without Parameter's Python __instancecheck__
+    return isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter)
 
 
 def _in_backward() -> bool:
