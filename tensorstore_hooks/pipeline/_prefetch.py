@@ -113,7 +113,7 @@ class Prefetcher:
         later unpack on another stream: rule 8 of NOTE [ Record lifecycle ])."""
         out: Loaded | None = None
         if fut is not None:
-            if fut.done() and ranges_off(self.timeline):  # nothing to wait for, nobody sees
+            if ranges_off(self.timeline):  # nobody would see the wait's range
                 out = _result(fut)
             else:
                 with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]

@@ -14,6 +14,7 @@ import gc
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -73,6 +74,10 @@ class _HookCalls:
         return "\n".join(f"{count / n:6.2f} {name}" for name, count in rows)
 
 
+def _pause(grad: torch.Tensor) -> None:
+    time.sleep(0.005)
+
+
 def _count(hooks: tsh.OffloadHooks, tensors: int) -> _HookCalls:
     x = torch.randn(64, 1024, requires_grad=True)  # 256 KiB a saved tensor
 
@@ -81,6 +86,9 @@ def _count(hooks: tsh.OffloadHooks, tensors: int) -> _HookCalls:
             y = x
             for _ in range(tensors):
                 y = y.sin()  # saves its input: one plain tensor per op
+                # Backward pauses before each unpack, so the read ahead is back by then
+                # on a loaded machine too: the count is of the path, not of a race.
+                y.register_hook(_pause)
             loss = y.sum()
         loss.backward()
         del loss, y
