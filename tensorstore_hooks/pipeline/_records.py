@@ -14,6 +14,9 @@ tensorstore-hooks) and returns what the caller must do outside the lock. The uni
     add                 new QUEUED, or new HELD           starts the write, or the copy
                         (held in the host tier), or new   into the host tier (or, OPEN,
                         OPEN (a span views may join)      nothing yet)
+    add_plain           new QUEUED, as add, for the       starts the write
+                        common tensor; else nothing
+                        (NOTE [ Pack fast path ])
     share               none: one more handle (dedup)     -
     cover               none: one more handle (a view     -
                         the record's span holds)
