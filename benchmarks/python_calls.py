@@ -12,13 +12,20 @@ start after the profiler is set) during
   of the CUDA fake (``tests/fake_accelerator.py``: the real staging code, held in the
   host tier) when the tests are importable,
 
-in total and in the library's own files; then, with no profiler set, the host
-microseconds each saved tensor adds to a step on the training thread (its CPU time,
-less the same step's without hooks, per tensor, median of rounds; a ``memory://``
-store) under ``tsh.offload()``, ``save_on_cpu`` and
-torchtune's ``OffloadActivations`` where torchtune is installed (a noisy figure on a
-loaded machine: the call counts are the stable one). Compare two trees by putting each first on
-``PYTHONPATH`` (``git archive REV | tar -x -C /tmp/base``)::
+in total and in the library's own files (per pack and per unpack: the mean, and the
+median, the path most tensors take: NOTE [ Pack fast path ]); then, with no profiler
+set, the host microseconds each saved tensor adds to a step on the training thread (its
+CPU time, less the same step's without hooks, per tensor, median of rounds; a
+``memory://`` store; one torch thread, ``--torch-threads``: with more, an intra-op
+worker's spin-wait while the I/O threads hold the cores counts as the training
+thread's time and swamps the figure on a small machine) under ``tsh.offload()``,
+``save_on_cpu`` and torchtune's ``OffloadActivations`` where torchtune is installed (a
+noisy figure on a loaded machine: the call counts are the stable one), and where the
+library's share of it goes (pack, unpack, and the finalizers that free each record and
+delete its key when autograd drops the handle: rule 2 of NOTE [ Record lifecycle ]
+keeps that on the thread that drops it), measured under ``cProfile`` with the
+thread's CPU clock (inflated by the profiler; compare the shares). Compare two trees
+by putting each first on ``PYTHONPATH`` (``git archive REV | tar -x -C /tmp/base``)::
 
     python benchmarks/python_calls.py
     PYTHONPATH=/tmp/base python benchmarks/python_calls.py
@@ -30,6 +37,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -60,6 +68,7 @@ class Counter:
         self.hooks = dict.fromkeys(HOOKS, 0)
         self.hooks_library = dict.fromkeys(HOOKS, 0)
         self.entries = dict.fromkeys(HOOKS, 0)
+        self.each: dict[str, list[int]] = {h: [] for h in HOOKS}  # calls of each entry
         self._inside: dict[int, tuple[str, FrameType]] = {}  # thread -> (hook, its frame)
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
@@ -80,8 +89,10 @@ class Counter:
             if inside is None and code.co_name in HOOKS and code.co_filename.endswith(_ROUTER):
                 self._inside[me] = inside = (code.co_name, frame)
                 self.entries[code.co_name] += 1
+                self.each[code.co_name].append(0)
         if inside is not None:
             self.hooks[inside[0]] += 1
+            self.each[inside[0]][-1] += 1
             if code.co_filename.startswith(ROOT):
                 self.hooks_library[inside[0]] += 1
 
@@ -93,6 +104,7 @@ class Counter:
             n = self.entries[hook] or 1
             out[f"{hook}_calls"] = self.hooks[hook] / n
             out[f"{hook}_library_calls"] = self.hooks_library[hook] / n
+            out[f"{hook}_calls_median"] = statistics.median(self.each[hook] or [0])
         return out
 
     def measure(self, fn: object, per: int) -> dict[str, float]:
@@ -101,6 +113,7 @@ class Counter:
         self.hooks = dict.fromkeys(HOOKS, 0)
         self.hooks_library = dict.fromkeys(HOOKS, 0)
         self.entries = dict.fromkeys(HOOKS, 0)
+        self.each = {h: [] for h in HOOKS}
         self.on = True
         try:
             fn()
@@ -138,13 +151,18 @@ def saved_tensors(
     root: str, counter: Counter, tensors: int, *, fake_cuda: bool = False
 ) -> dict[str, float]:
     x = torch.randn(64, 1024, requires_grad=True)  # 256 KiB a saved tensor
+    # Room for a whole forward in flight on the host path: the profiler slows the I/O
+    # threads too, and a pack that must wait for their writes takes the general path
+    # (NOTE [ Pack fast path ], rule 2): without it the figure would follow the disk.
+    room = "64MiB"
     if fake_cuda:  # held in the host tier through the real staging code, on the fake
         from tests.fake_accelerator import on_fake_accelerator
 
-        hooks = tsh.offload("memory://", min_bytes=0, host_budget="64MiB")
+        hooks = tsh.offload("memory://", min_bytes=0, host_budget="64MiB")  # its copy window
         on_fake_accelerator(hooks)
     else:
-        hooks = tsh.offload("file://" + os.path.join(root, "hooks"), min_bytes=0)
+        url = "file://" + os.path.join(root, "hooks")
+        hooks = tsh.offload(url, min_bytes=0, max_inflight=room)
 
     def step(n: int) -> None:
         with hooks:
@@ -170,6 +188,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50, help="store operations counted")
     parser.add_argument("--tensors", type=int, default=32, help="saved tensors counted")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="torch threads for the host time figure"
+    )
     args = parser.parse_args()
     counter = Counter()
     sys.setprofile(counter)
@@ -188,11 +209,21 @@ def main() -> None:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    with tempfile.TemporaryDirectory() as root:
-        figures["host_us_per_saved_tensor"] = us = host_us_per_tensor(root, args.tensors)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.torch_threads)
+    try:
+        figures["host_us_per_saved_tensor"] = us = host_us_per_tensor(args.tensors)
+        figures["host_us_where"] = where = host_us_where(args.tensors)
+    finally:
+        torch.set_num_threads(threads)
     print(
-        "host microseconds per saved tensor (256 KiB, CPU): "
+        f"host microseconds per saved tensor (256 KiB, CPU, {args.torch_threads} torch "
+        "thread(s)): "
         + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in us.items())
+    )
+    print(
+        "  tsh's share under cProfile (CPU us per tensor, inflated): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in where.items())
     )
     for name in ("store_put_get_delete_64KiB", "saved_tensor_life", "saved_tensor_life_cuda_fake"):
         f = figures.get(name)
@@ -201,8 +232,10 @@ def main() -> None:
         line = f"{name}: {f['calls']:.1f} Python calls ({f['library_calls']:.1f} in the library)"
         if f.get("pack_calls"):
             line += (
-                f"; per pack {f['pack_calls']:.1f} ({f['pack_library_calls']:.1f} library), "
-                f"per unpack {f['unpack_calls']:.1f} ({f['unpack_library_calls']:.1f} library)"
+                f"; per pack {f['pack_calls']:.1f} ({f['pack_library_calls']:.1f} library, "
+                f"median {f['pack_calls_median']:g}), "
+                f"per unpack {f['unpack_calls']:.1f} ({f['unpack_library_calls']:.1f} library, "
+                f"median {f['unpack_calls_median']:g})"
             )
         print(line)
     if args.json:
@@ -210,7 +243,7 @@ def main() -> None:
             json.dump(figures, out, indent=2)
 
 
-def host_us_per_tensor(root: str, tensors: int, rounds: int = 7) -> dict[str, float | str]:
+def host_us_per_tensor(tensors: int, rounds: int = 7) -> dict[str, float | str]:
     """Host microseconds a saved tensor adds to a step, per kind of hooks (see above)."""
     import contextlib
     import statistics
@@ -257,6 +290,56 @@ def host_us_per_tensor(root: str, tensors: int, rounds: int = 7) -> dict[str, fl
     for name in kinds:
         if name != "none":
             out[name] = (statistics.median(times[name]) - base) / tensors * 1e6
+    return out
+
+
+def host_us_where(tensors: int, steps: int = 5) -> dict[str, float]:
+    """The training thread's CPU time per saved tensor under ``tsh.offload()``, in the
+    library's pack hook, unpack hook and record finalizers (the key's delete), and the
+    whole step less a step without hooks, under ``cProfile`` on the thread's CPU clock."""
+    import contextlib
+    import cProfile
+    import pstats
+    import time
+
+    x = torch.randn(64, 1024, requires_grad=True)
+    hooks = tsh.offload("memory://", min_bytes=0)
+
+    def step(with_hooks: bool) -> None:
+        with hooks if with_hooks else contextlib.nullcontext():
+            y = x
+            for _ in range(tensors):
+                y = y.sin()
+            loss = y.sum()
+        loss.backward()
+
+    out: dict[str, float] = {}
+    try:
+        for _ in range(2):
+            step(True)
+        hooks.flush()
+        totals = {}
+        for with_hooks in (False, True):
+            prof = cProfile.Profile(time.thread_time)
+            prof.enable()
+            for _ in range(steps):
+                step(with_hooks)
+            prof.disable()
+            stats = pstats.Stats(prof)
+            totals[with_hooks] = stats.total_tt  # type: ignore[attr-defined]
+        per = steps * tensors
+        wanted = {
+            ("pack", _ROUTER): "pack",
+            ("unpack", _ROUTER): "unpack",
+            ("_handle_died", "_records.py"): "free",
+        }
+        for (path, _, name), row in stats.stats.items():  # type: ignore[attr-defined]
+            for (fn, where), label in wanted.items():
+                if name == fn and path.endswith(where) and path.startswith(ROOT):
+                    out[label] = out.get(label, 0.0) + row[3] / per * 1e6  # cumulative
+        out["step_over_none"] = (totals[True] - totals[False]) / per * 1e6
+    finally:
+        hooks.close()
     return out
 
 

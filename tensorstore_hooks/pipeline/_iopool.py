@@ -33,7 +33,6 @@ else:  # pragma: no cover - Python 3.10
 if TYPE_CHECKING:
     from tensorstore_hooks.storage import TensorStore
 
-from tensorstore_hooks.runtime import foreign
 
 __all__ = [
     "READ",
@@ -117,7 +116,7 @@ class IOPool:
     def closed(self) -> bool:
         """True once :meth:`shutdown` ran, or in a forked child of the process that made
         the pool (its threads do not exist there); a closed pool takes no more tasks."""
-        return self._closed or foreign(self._pid)
+        return self._closed or os.getpid() != self._pid  # foreign(), inline: per task
 
     def submit(
         self, priority: int, fn: Callable[[Unpack[Ts]], T], *args: Unpack[Ts]

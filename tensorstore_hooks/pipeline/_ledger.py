@@ -31,14 +31,16 @@ class DecisionLedger:
         self._lock = threading.Lock()
         self._current = Forward()
         self._last: Forward | None = None
-        self._forwarding = False
+        self.forwarding = False
+        """Whether a forward is being counted (:meth:`backward_started` ends it): an
+        attribute, read by every unpack without a call."""
         self.forwards = 0
         """Forwards finished so far."""
 
     def count(self, path: str | None, action: str, label: str, nbytes: int) -> None:
         """One saved tensor got ``action`` because of ``label`` (the router's count)."""
         with self._lock:
-            self._forwarding = True
+            self.forwarding = True
             row = self._current.rows.get((path, action, label))
             if row is None:
                 self._current.rows[(path, action, label)] = [1, nbytes]
@@ -46,21 +48,37 @@ class DecisionLedger:
                 row[0] += 1
                 row[1] += nbytes
 
+    def count_moved(
+        self, path: str | None, action: str, label: str, nbytes: int, device_bytes: int
+    ) -> None:
+        """:meth:`would_move` (of a host tensor) and :meth:`count` under one lock: the
+        pack fast path's one call (NOTE [ Pack fast path ] in ``pipeline/_router.py``)."""
+        with self._lock:
+            self.forwarding = True
+            current = self._current
+            current.moves.append((device_bytes, nbytes))
+            row = current.rows.get((path, action, label))
+            if row is None:
+                current.rows[(path, action, label)] = [1, nbytes]
+            else:
+                row[0] += 1
+                row[1] += nbytes
+
     def would_move(self, device_bytes: int, nbytes: int, *, accelerator: bool) -> None:
         """The rules would move this tensor off its device (before any budget plan)."""
         with self._lock:
-            self._forwarding = True
+            self.forwarding = True
             self._current.moves.append((device_bytes, nbytes))
             self._current.accelerator = self._current.accelerator or accelerator
 
     def backward_started(self) -> None:
         """An unpack ran: a running forward is over (rule 1). Cheap when none runs."""
-        if not self._forwarding:
+        if not self.forwarding:
             return
         with self._lock:
-            if not self._forwarding:
+            if not self.forwarding:
                 return
-            self._forwarding = False
+            self.forwarding = False
             self._last, self._current = self._current, Forward()
             self.forwards += 1
 

@@ -113,7 +113,7 @@ class Prefetcher:
         later unpack on another stream: rule 8 of NOTE [ Record lifecycle ])."""
         out: Loaded | None = None
         if fut is not None:
-            if fut.done() and ranges_off(self.timeline):  # nothing to wait for, nobody sees
+            if ranges_off(self.timeline):  # nobody would see the wait's range
                 out = _result(fut)
             else:
                 with span(UNPACK_WAIT_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
@@ -182,9 +182,10 @@ class Prefetcher:
 
     def fill(self) -> None:
         """Start reads ahead of backward within the window (NOTE [ Prefetch order ])."""
-        if self.window_bytes <= 0 or self._out_of_memory:
+        window = self._window_bytes  # not the property: every unpack runs this
+        if window <= 0 or self._out_of_memory:
             return
-        planned = self._reads.plan(self.window_bytes)
+        planned = self._reads.plan(window)
         if not planned:
             return
         pool = self._io()

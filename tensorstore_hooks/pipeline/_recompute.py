@@ -41,12 +41,14 @@ import torch
 
 from tensorstore_hooks.pipeline._records import inplace_error
 
-__all__ = ["CAST_LABEL", "Recomputed", "recomputable"]
+__all__ = ["CAST_LABEL", "TO_COPY", "Recomputed", "recomputable"]
 
 CAST_LABEL = "parameter cast"
 """The stats label (``stats.per_rule``) of recomputed parameter casts."""
 
-_TO_COPY = "ToCopyBackward0"
+TO_COPY = "ToCopyBackward0"
+"""The ``grad_fn`` name of a cast (``.to(dtype)``): a tensor whose own or whose base's
+``grad_fn`` has another name is no parameter cast (rule 1)."""
 
 
 class Recomputed:
@@ -117,7 +119,7 @@ def recomputable(t: torch.Tensor) -> Recomputed | None:
     if base is None:
         base = t
     fn = base.grad_fn
-    if fn is None or fn.name() != _TO_COPY:
+    if fn is None or fn.name() != TO_COPY:
         return None
     nexts = fn.next_functions
     if len(nexts) != 1 or nexts[0][0] is None:

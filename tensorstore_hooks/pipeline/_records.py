@@ -14,6 +14,9 @@ tensorstore-hooks) and returns what the caller must do outside the lock. The uni
     add                 new QUEUED, or new HELD           starts the write, or the copy
                         (held in the host tier), or new   into the host tier (or, OPEN,
                         OPEN (a span views may join)      nothing yet)
+    add_plain           new QUEUED, as add, for the       starts the write
+                        common tensor; else nothing
+                        (NOTE [ Pack fast path ])
     share               none: one more handle (dedup)     -
     cover               none: one more handle (a view     -
                         the record's span holds)
@@ -83,6 +86,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import MethodType
 from typing import Protocol, TypeAlias
 
 import torch
@@ -208,6 +212,8 @@ class Record:
     """One offloaded tensor. Read anywhere; changed only by :class:`RecordTable`."""
 
     __slots__ = (
+        "_done",
+        "_written",
         "dedup_key",
         "device",
         "device_nbytes",
@@ -222,6 +228,7 @@ class Record:
         "members",
         "nbytes",
         "payload",
+        "plain",
         "pos",
         "refs",
         "returned",
@@ -236,7 +243,6 @@ class Record:
         "version",
         "view",
         "write_started",
-        "writing_done",
     )
 
     def __init__(
@@ -249,10 +255,13 @@ class Record:
         span: Span | None = None,
     ) -> None:
         # The saved tensor (or the span of it and its sibling views: rule 7) until its
-        # bytes are elsewhere, detached: NOTE [ Detached aliases ].
-        self.source: torch.Tensor | None = (
-            t if span is None or span.region else span.source(t)
-        ).detach()
+        # bytes are elsewhere, detached: NOTE [ Detached aliases ]. ``n == 1`` first:
+        # the common region span costs no property call (NOTE [ Pack fast path ]).
+        self.source: torch.Tensor | None
+        if span is None or span.n == 1 or span.region:
+            self.source = t.detach()
+        else:
+            self.source = span.source(t).detach()
         # What in-place checks read ``_version`` from: the tensor itself (its storage's
         # counter, which every view shares), or for another framework's tensor (seen
         # here through a zero-copy alias) that tensor's counter.
@@ -261,7 +270,11 @@ class Record:
         # Outlives ``guard``: see NOTE [ In-place checks ]. A span's views keep their
         # base alive, and share its counter: the base is watched.
         base = t if span is None or t._base is None else t._base
-        self.guard_ref = _weak(base if guard is None else guard)
+        self.guard_ref: weakref.ref[VersionCounter] | None
+        try:
+            self.guard_ref = weakref.ref(base if guard is None else guard)
+        except TypeError:  # another framework's guard without weak references
+            self.guard_ref = None
         self.nbytes = nbytes
         """Bytes the record moves: the saved tensor's payload, or its span's (rule 7)."""
         self.payload = nbytes
@@ -272,12 +285,13 @@ class Record:
         self.dtype = t.dtype
         # What it takes on its device when read back (its span, rounded): the
         # read-ahead window counts this (rule 7 of NOTE [ Stream ordering ]).
-        self.device_nbytes = (
-            returned_bytes(t)
-            if span is None
-            else alloc_bytes(span.elements * t.element_size(), t.device)
-        )
-        self.device = t.device
+        device = self.device = t.device
+        if span is None:
+            self.device_nbytes = returned_bytes(t)
+        else:
+            moved = (span.intervals[-1][1] if span.n == 1 else span.elements) * t.element_size()
+            # alloc_bytes rounds only CUDA's blocks: no call for any other device.
+            self.device_nbytes = alloc_bytes(moved, device) if device.type == "cuda" else moved
         self.storage_ref: StorageWeakRef | None = None  # its storage, while alive (rule 7)
         self.span_key: tuple[int, torch.device] | None = None  # where the index files it
         self.joined_at = 0  # saves counted when a view last joined it (OPEN)
@@ -291,6 +305,7 @@ class Record:
         self.unpacked: set[int] = set()
         self.state = state
         self.host_rule = False  # sent here by a ``host`` rule (counted as host, not offloaded)
+        self.plain = False  # made by add_plain: of no accelerator (NOTE [ Pack fast path ])
         self.key: str | None = None
         self.refs = 1
         self.pos = pos
@@ -299,7 +314,33 @@ class Record:
         self.dedup_key: DedupKey | None = None
         self.error: BaseException | None = None  # why the write failed (fallback)
         self.write_started = False
-        self.writing_done = threading.Event()  # set when the writer is finished with it
+        self._written = False  # the writer is finished with it (writing_done says it)
+        self._done: threading.Event | None = None  # made when first asked for
+
+    @property
+    def writing_done(self) -> threading.Event:
+        """Set once the writer is finished with the record. Made when first asked for
+        (a free or an unpack that waits for the write): most records never are, and an
+        Event costs pack two Python calls (NOTE [ Pack fast path ])."""
+        done = self._done
+        if done is None:
+            with _DONE_LOCK:  # two threads asking at once get one event
+                done = self._done
+                if done is None:
+                    done = self._done = threading.Event()
+                    if self._written:
+                        done.set()
+        return done
+
+    def _writing_over(self) -> None:
+        """The writer is finished with the record: wake whoever waits (see writing_done).
+
+        The flag is set before the event is read and :attr:`writing_done` reads the flag
+        after publishing its event, so one of the two always sets it."""
+        self._written = True
+        done = self._done
+        if done is not None:
+            done.set()
 
     def move(self, to: State) -> None:
         """Change state along :data:`TRANSITIONS`; raises :class:`IllegalTransition`."""
@@ -326,11 +367,11 @@ class Record:
         self.source = self.guard = None
 
 
-def _weak(obj: VersionCounter) -> weakref.ref[VersionCounter] | None:
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # another framework's guard without weak references
-        return None
+_storage_expired = torch.UntypedStorage._expired  # StorageWeakRef.expired, without its two
+# Python calls (NOTE [ Pack fast path ])
+
+_DONE_LOCK = threading.Lock()
+"""Makes each record's ``writing_done`` event once (rarely taken)."""
 
 
 def dedup_key(t: torch.Tensor) -> DedupKey:
@@ -351,15 +392,29 @@ def _takes(rec: Record, pattern: Pattern) -> bool:
     return span is not None and (span.fits(pattern) or span.holds_all_of(pattern))
 
 
-@dataclass(frozen=True, slots=True)
-class _Returned:
-    """What an unpack brought back for a record (rule 8)."""
+class _Returned(tuple[StorageWeakRef, torch.dtype, View, "CopyEvent | None"]):
+    """What an unpack brought back for a record (rule 8): ``(storage, dtype, view,
+    event)``. A tuple, made in C: every unpack makes one (NOTE [ Pack fast path ]);
+    the fields are read only when an unpack gets it again."""
 
-    storage: StorageWeakRef
-    dtype: torch.dtype
-    view: View
-    """The record's tensor over ``storage``."""
-    event: CopyEvent | None
+    __slots__ = ()
+
+    @property
+    def storage(self) -> StorageWeakRef:
+        return self[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self[1]
+
+    @property
+    def view(self) -> View:
+        """The record's tensor over ``storage``."""
+        return self[2]
+
+    @property
+    def event(self) -> CopyEvent | None:
+        return self[3]
 
 
 def _returned(rec: Record) -> torch.Tensor | None:
@@ -504,16 +559,16 @@ class _Finalizer(weakref.ref[Handle]):
     release: Callable[[Record], None]
     token: object
 
-    def __new__(cls, handle: Handle, rec: Record, release: Callable[[Record], None]) -> _Finalizer:
-        self = super().__new__(cls, handle, _handle_died)
-        self.rec = rec
-        self.release = release
-        self.token = handle.token
-        self.pid = os.getpid()  # NOTE [ Fork safety ]: a forked child's copy frees nothing
-        return self
 
-    def __init__(self, handle: Handle, rec: Record, release: Callable[[Record], None]) -> None:
-        super().__init__(handle, _handle_died)  # type: ignore[call-arg]
+def _finalize(handle: Handle, rec: Record, release: Callable[[Record], None]) -> None:
+    """Give ``handle`` its finalizer. Made with ``weakref.ref``'s own constructor and its
+    fields set here: no Python ``__new__``/``__init__`` on the pack path."""
+    ref = _Finalizer(handle, _handle_died)
+    ref.rec = rec
+    ref.release = release
+    ref.token = handle.token
+    ref.pid = os.getpid()  # NOTE [ Fork safety ]: a forked child's copy frees nothing
+    _finalizers.add(ref)
 
 
 _finalizers: set[_Finalizer] = set()
@@ -654,6 +709,7 @@ class ReadAhead:
         complete) is skipped: unpack returns that tensor, nothing need come back.
         """
         out: list[tuple[Record, Future[Loaded]]] = []
+        stats = self._stats
         with self._lock:
             while 0 <= self.cursor < len(self._order):
                 rec = self._order[self.cursor]
@@ -662,7 +718,7 @@ class ReadAhead:
                     and rec.state in _READABLE
                     and rec.fetch is None
                     and rec.source is None
-                    and _returned(rec) is None  # rule 8: it is back already
+                    and (rec.returned is None or _returned(rec) is None)  # rule 8: back already
                 ):
                     size = rec.device_nbytes
                     if self._window and self._window + size > window_bytes:
@@ -670,22 +726,13 @@ class ReadAhead:
                     fut: Future[Loaded] = Future()
                     rec.fetch = fut
                     self._window += size
-                    self._stats.hold(size)
+                    held = stats.held_bytes + size  # stats.hold(size), inline
+                    stats.held_bytes = held
+                    if held > stats.peak_held_bytes:
+                        stats.peak_held_bytes = held
                     out.append((rec, fut))
                 self.cursor -= 1
         return out
-
-    def _claim(self, rec: Record) -> Future[Loaded] | None:
-        """Unpack takes the read running ahead for ``rec``, or the cursor jumps to just
-        below it (lock held)."""
-        fut = rec.fetch
-        if fut is not None:
-            rec.fetch = None
-            self._window -= rec.device_nbytes
-            self._stats.hold(-rec.device_nbytes)
-        else:
-            self.cursor = rec.pos - 1
-        return fut
 
     def _forget(self, rec: Record) -> None:
         """``rec`` is freed: cancel its read ahead (lock held)."""
@@ -723,7 +770,9 @@ class RecordTable:
     def __init__(self, on_last_handle: Callable[[Record], None], stats: OffloadStats) -> None:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._on_last_handle = weakref.WeakMethod(on_last_handle)
+        # Weakly, as a WeakMethod would, but called without its Python __call__.
+        self._owner = weakref.ref(on_last_handle.__self__)  # type: ignore[attr-defined]
+        self._release = on_last_handle.__func__  # type: ignore[attr-defined]
         self._stats = stats
         self._order: list[Record | None] = []
         self._live = 0
@@ -733,7 +782,9 @@ class RecordTable:
         self._open: list[Record] = []
         self._saves = 0  # tensors stored, shared or joined: the clock of OPEN_PACKS
         self._inflight = 0  # bytes queued or being written (rule 3)
-        self._closing = False
+        self.closing = False
+        """Set by :meth:`close`: the pipeline takes no more tensors (an attribute, not a
+        property: pack reads it for every tensor)."""
         self.copies = HostCopies(self._lock)
         """The records' host copies (the device stager's buffers)."""
         self.reads = ReadAhead(self._lock, self._order, stats)
@@ -749,11 +800,6 @@ class RecordTable:
     def inflight(self) -> int:
         """Bytes queued or being written (rule 3)."""
         return self._inflight
-
-    @property
-    def closing(self) -> bool:
-        """Set by :meth:`close`: the pipeline takes no more tensors."""
-        return self._closing
 
     def records(self) -> list[Record]:
         """The live records, in pack order."""
@@ -830,6 +876,11 @@ class RecordTable:
             self._stats.tensors_offloaded += 1
             self._stats.bytes_offloaded += nbytes
             return self._handle(rec, _view_of(t))
+
+    def filed(self, t: torch.Tensor) -> bool:
+        """Whether any live record is filed under ``t``'s storage address (its storage
+        may have died since: :meth:`cover` and :meth:`join` check). Cheap: no lock."""
+        return (t.untyped_storage().data_ptr(), t.device) in self._spans
 
     def _find(self, t: torch.Tensor, want: Callable[[Record], bool]) -> Record | None:
         """A live span record of ``t``'s storage, dtype and version that ``want`` (lock held)."""
@@ -912,7 +963,7 @@ class RecordTable:
         self._inflight -= rec.nbytes
         self._stats.hold(-rec.nbytes)
         self._cond.notify_all()
-        rec.writing_done.set()
+        rec._writing_over()
 
     def wait_for_room(self, nbytes: int, max_inflight: int) -> float:
         """Block while ``nbytes`` more would put more than ``max_inflight`` in flight.
@@ -975,6 +1026,57 @@ class RecordTable:
                 self._saves += 1
             return self._handle(rec, rec.view)
 
+    @shielded  # as add
+    def add_plain(self, t: torch.Tensor, nbytes: int, max_inflight: int) -> Handle | None:
+        """:meth:`share`, the span checks, :meth:`wait_for_room` and :meth:`add` at once,
+        for the common tensor (NOTE [ Pack fast path ]): contiguous, of a storage no live
+        record is filed under, no span open, and room in flight for its ``nbytes``. Then
+        it is what :meth:`add` makes of it (a new QUEUED record, its span the region
+        ``t`` covers, counted in flight: the caller starts its write) and its first
+        handle; otherwise ``None`` and nothing changed (the caller takes those steps)."""
+        numel = t.numel()
+        if not numel or not t.is_contiguous():
+            return None
+        storage = t.untyped_storage()
+        device = t.device
+        where = (storage.data_ptr(), device)
+        offset = int(t.storage_offset())
+        key = (where[0], offset, tuple(t.shape), tuple(t.stride()), t._version, t.dtype, device)
+        with self._lock:
+            inflight = self._inflight
+            if self._open or key in self._dedup or (inflight and inflight + nbytes > max_inflight):
+                return None
+            filed = self._spans.get(where)
+            if filed is not None:
+                for other in filed:  # records written and dropped: the address is reused
+                    ref = other.storage_ref
+                    if ref is not None and not _storage_expired(ref.cdata):
+                        return None  # a live storage: ``cover`` or ``join`` may take ``t``
+            # rule 1 of NOTE [ Span unions ]: a contiguous view is the region it fills
+            span = Span(offset, 1, numel, [(0, numel)])
+            rec = Record(t, nbytes, len(self._order), None, State.QUEUED, span)
+            rec.plain = True
+            self._order.append(rec)
+            self._live += 1
+            rec.dedup_key = key
+            self._dedup[key] = (weakref.ref(t), rec)
+            rec.storage_ref = StorageWeakRef(storage)
+            rec.span_key = where
+            if filed is None:
+                self._spans[where] = [rec]
+            else:
+                filed.append(rec)
+            stats = self._stats
+            stats.tensors_offloaded += 1
+            stats.bytes_offloaded += nbytes
+            self._inflight = inflight + nbytes
+            held = stats.held_bytes + nbytes  # stats.hold, inline
+            stats.held_bytes = held
+            if held > stats.peak_held_bytes:
+                stats.peak_held_bytes = held
+            self._saves += 1
+            return self._handle(rec)
+
     def _index(self, rec: Record, t: torch.Tensor) -> None:
         """File span record ``rec`` under ``t``'s storage (lock held): ``cover`` and
         ``join`` find it there while the storage lives."""
@@ -998,11 +1100,11 @@ class RecordTable:
                 del self._spans[key]
 
     def _handle(self, rec: Record, view: View | None = None) -> Handle:
-        release = self._on_last_handle()
-        if release is None:
+        owner = self._owner()
+        if owner is None:
             raise IllegalTransition("tensorstore-hooks internal error: the pipeline is gone")
         handle = Handle(rec, view)
-        _finalizers.add(_Finalizer(handle, rec, release))
+        _finalize(handle, rec, MethodType(self._release, owner))
         return handle
 
     def _count_inflight(self, rec: Record) -> None:
@@ -1117,7 +1219,7 @@ class RecordTable:
             self._inflight -= rec.nbytes
             self._stats.hold(-rec.nbytes)
             self._cond.notify_all()
-        rec.writing_done.set()
+        rec._writing_over()
 
     def wait_for_writes(self) -> None:
         """Block until no write is queued or running (``flush()``)."""
@@ -1163,9 +1265,12 @@ class RecordTable:
                 )
             if state in _READABLE or rec.staged is not None:
                 # No need to wait for a write: stored, held, or with its host copy.
-                if rec.modified():  # NOTE [ In-place checks ]
+                guard = rec.guard  # rec.modified(), inline: once per unpack
+                if guard is None and rec.guard_ref is not None:
+                    guard = rec.guard_ref()
+                if guard is not None and guard._version != rec.version:  # NOTE [ In-place checks ]
                     return _modified(f"a tensor of {rec.nbytes} bytes")
-                again = _returned(rec)
+                again = None if rec.returned is None else _returned(rec)
                 if again is not None and rec.returned is not None:  # rule 8
                     self._stats.reuse_hits += 1
                     self.reads._forget(rec)  # a read ahead (if any) is not needed
@@ -1173,7 +1278,15 @@ class RecordTable:
                     if len(rec.unpacked) >= rec.refs:
                         rec.strong = None  # every handle has it: the views keep it
                     return Ready(again, reused=True, event=rec.returned.event)
-                return Fetch(self.reads._claim(rec))
+                reads = self.reads  # reads._claim(rec), inline: once per unpack
+                fut = rec.fetch
+                if fut is not None:
+                    rec.fetch = None
+                    reads._window -= rec.device_nbytes
+                    self._stats.held_bytes -= rec.device_nbytes  # stats.hold(-n): no new peak
+                else:
+                    reads.cursor = rec.pos - 1
+                return Fetch(fut)
             return Wait(rec.writing_done)  # written from the device
 
     def loaded(
@@ -1182,7 +1295,8 @@ class RecordTable:
         """Unpack (of the handle ``token`` stands for) brought ``t`` back for ``rec``
         (ready after ``event``): a later unpack of the record gets it again while it
         lives, and it lives until every live handle of the record has had it (rule 8)."""
-        back = _Returned(StorageWeakRef(t.untyped_storage()), t.dtype, _view_of(t), event)
+        view = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))  # _view_of, inline
+        back = _Returned((StorageWeakRef(t.untyped_storage()), t.dtype, view, event))
         with self._lock:
             if rec.state != State.FREED:
                 rec.returned = back
@@ -1240,18 +1354,18 @@ class RecordTable:
             elif self._wants_compaction():
                 self._compact()
             running = None
-            if key is None and rec.write_started and not rec.writing_done.is_set():
+            if key is None and rec.write_started and not rec._written:
                 # A write in progress deletes what it wrote once it sees the record
                 # unwanted: waiting for it keeps "graph freed => every key gone".
                 running = rec.writing_done
-            last = idle and self._closing
+            last = idle and self.closing
         del source, strong
         return Freed(key, running, give_back, last)
 
     def close(self) -> bool:
         """Take no more tensors; ``True`` if nothing is live (close now)."""
         with self._lock:
-            self._closing = True
+            self.closing = True
             return self._live == 0
 
     def _wants_compaction(self) -> bool:

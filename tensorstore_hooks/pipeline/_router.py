@@ -21,14 +21,14 @@ from typing import Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 
-from tensorstore_hooks._codec import span_of, unsupported_reason
+from tensorstore_hooks._codec import DTYPES, span_of, unsupported_reason
 from tensorstore_hooks._warn import warn_user
 from tensorstore_hooks.config import Policy
 from tensorstore_hooks.pipeline._budgets import BUDGET_LABEL, BudgetControl
 from tensorstore_hooks.pipeline._device import DeviceStager
 from tensorstore_hooks.pipeline._ledger import DecisionLedger
 from tensorstore_hooks.pipeline._prefetch import Prefetcher
-from tensorstore_hooks.pipeline._recompute import CAST_LABEL, Recomputed, recomputable
+from tensorstore_hooks.pipeline._recompute import CAST_LABEL, TO_COPY, Recomputed, recomputable
 from tensorstore_hooks.pipeline._records import (
     DedupKey,
     Fetch,
@@ -72,6 +72,12 @@ CAPTURE_LABEL = "cuda graph capture"
 captured (rule 10 of NOTE [ Stream ordering ])."""
 
 _MOVES = frozenset(("store", "host"))  # actions that take a tensor off its device
+# NOTE [ Pack fast path ]: what it reads per tensor, looked up once.
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_STORABLE = frozenset(dtype for dtype, _ in DTYPES.values())  # unsupported_reason's dtypes
+_graph_task_id = torch._C._current_graph_task_id  # -1: no backward runs (_in_backward)
+_DEBUG = logging.DEBUG
 _T = TypeVar("_T", bound="_Detachable")
 _D = TypeVar("_D")
 
@@ -196,9 +202,81 @@ class Router:
     def pack(self, t: torch.Tensor) -> Packed:
         """The PyTorch pack hook. Returns the tensor's stand-in in the autograd graph."""
         if ranges_off(self.timeline):  # nobody would see the range
-            return self._pack(t)
+            packed = self._pack_fast(t)
+            return packed if packed is not None else self._pack(t)
         with span(PACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
             return self._pack(t)
+
+    # NOTE [ Pack fast path ]
+    # A GPU's kernels must hide the host time of pack and unpack, and most saved
+    # tensors are alike: a plain dense tensor of the host the policy stores, in no span
+    # union, not a parameter cast, not a dedup hit. For those, pack and unpack run a
+    # path of their own (issue 34, finding F; benchmarks/python_calls.py counts it and
+    # tests/pipeline/test_call_counts.py holds it): every check is a C attribute or a
+    # C call (type identity, not isinstance, whose Parameter metaclass is Python; the
+    # dtype table and torch's C functions bound once), one lock per table change
+    # (``RecordTable.add_plain`` is share + wait_for_room + add at once), no dataclass
+    # made per tensor, no property read, no profiler range nobody would see. Rules:
+    # 1. It decides exactly as the general path does, calling the same policy, budget
+    #    and write-behind, so every counter, ledger row and log line is the same.
+    # 2. Whatever is not that tensor leaves the fast path *before* anything is counted
+    #    (``_pack_fast`` and ``add_plain`` return ``None``, changing nothing) and takes
+    #    the general path: subclasses and parameters, accelerator tensors (their
+    #    streams, the host tier, graph captures), a backward running, a forked child,
+    #    actions other than ``store``, casts to recompute, dedup and span candidates
+    #    (a storage a live record is filed under, an open span), no room in flight.
+    # 3. Seams stay seams: pack goes through ``Router.store`` and unpack through
+    #    ``RecordTable.claim_for_unpack``, so a test or a wrapper that replaces either
+    #    sees every tensor.
+    def _pack_fast(self, t: torch.Tensor) -> Packed | None:
+        """Pack ``t`` on the fast path (NOTE [ Pack fast path ]); ``None``: not a tensor
+        for it, and nothing was counted (the caller takes the general path)."""
+        base = t._base
+        if (
+            type(t) is not _Tensor
+            or (base is not None and type(base) is not _Tensor)  # not a parameter's view
+            or t.layout is not _STRIDED
+            or t.dtype not in _STORABLE
+            or t.is_quantized
+            or t.is_nested
+            or _graph_task_id() != -1  # saved during backward: rule 3 of the checkpoint NOTE
+            or os.getpid() != self._pid  # NOTE [ Fork safety ]
+        ):
+            return None
+        device = t.device
+        if device.type == "meta" or self._stager.accelerated(device):
+            return None
+        if self._writer.pending_warning is not None:  # emit_warning's test, inline
+            self.emit_warning()
+        policy = self.policy
+        path = self.scope.current() if self.scope is not None else None
+        decision = policy.decide(t, path, parameter=False)
+        if decision.action != "store":
+            return None
+        if policy.recompute_casts:  # recomputable(t)'s first test, inline
+            fn = (t if base is None else base).grad_fn
+            if fn is not None and fn.name() == TO_COPY:
+                return None
+        nbytes = t.numel() * t.element_size()
+        held = t.untyped_storage().nbytes()  # device_bytes(t): no rounding off CUDA
+        budget = self.budget
+        if budget is not None and budget.keep("store", held, device=device):
+            self.ledger.would_move(held, nbytes, accelerator=False)
+            self.account(Route("keep", BUDGET_LABEL, nbytes))
+            return Kept(t)
+        if self._table.closing:
+            self.ledger.would_move(held, nbytes, accelerator=False)
+            self.account(Route("store", decision.label, nbytes))
+            return Kept(t)
+        self.ledger.count_moved(path, "store", decision.label, nbytes, held)
+        stats = self.stats
+        for table, name in ((stats.per_action, "store"), (stats.per_rule, decision.label)):
+            route = table.get(name)  # _count, inline
+            if route is None:
+                route = table[name] = RouteStats()
+            route.tensors += 1
+            route.bytes += nbytes
+        return self.store(t, nbytes, plain=True)
 
     def _pack(self, t: torch.Tensor) -> Packed:
         self.emit_warning()
@@ -221,7 +299,8 @@ class Router:
             # of NOTE [ Stream ordering ].
             self.account(Route("keep", CAPTURE_LABEL, nbytes))
             return Kept(t)
-        decided = self.decide(t, nbytes)
+        parameter = _parameter(t)
+        decided = self.decide(t, nbytes, parameter=parameter)
         if decided.action in _MOVES and self.policy.recompute_casts:
             cast = recomputable(t)  # NOTE [ Parameter casts ]
             if cast is not None:
@@ -229,7 +308,7 @@ class Router:
                 return cast
         action = self.plan(t, decided)
         if action == "store":
-            if _parameter(t):  # NOTE [ Parameters are copied at pack ]
+            if parameter:  # NOTE [ Parameters are copied at pack ]
                 return self.store(t.detach().clone(), nbytes, guard=t)
             return self.store(t, nbytes)
         if action == "host":
@@ -245,7 +324,7 @@ class Router:
     @never_compiled
     def unpack(self, packed: Packed) -> torch.Tensor:
         """The PyTorch unpack hook. May run many times for one stand-in; never deletes."""
-        if isinstance(packed, Handle):
+        if isinstance(packed, Handle):  # a plain class: no Python __instancecheck__
             if ranges_off(self.timeline):  # nobody would see the range
                 return self.load(packed)
             with span(UNPACK_RANGE, self.timeline):  # NOTE [ Profiler ranges ]
@@ -298,7 +377,7 @@ class Router:
             self.stats.tensors_host += 1
             self.stats.bytes_host += nbytes
             return action
-        if action != "store" or self.closing:
+        if action != "store" or self._table.closing:
             self.stats.tensors_kept += 1
             self.stats.bytes_kept += nbytes
             return "keep"
@@ -324,6 +403,11 @@ class Router:
         """Every unpack calls this: the first of a backward ends the forward for the
         budget and starts the read-ahead at the newest stored tensor (the newest kept
         ones are consumed meanwhile)."""
+        # Every counted pack sets ``forwarding`` (after the budget's forward began, if it
+        # had one), and only a pack opens a span: after the first unpack that follows
+        # packs, the others have no call to make (NOTE [ Pack fast path ]).
+        if not self.ledger.forwarding:
+            return
         self.ledger.backward_started()
         if self._table.has_open:
             self.close_spans()  # the forward is over: nothing more joins (NOTE [ Span unions ])
@@ -363,6 +447,7 @@ class Router:
         *,
         guard: VersionCounter | None = None,
         host: bool = False,
+        plain: bool = False,
     ) -> Handle:
         """Queue ``t`` for write-behind and return its handle (blocks at ``max_inflight``).
 
@@ -371,11 +456,16 @@ class Router:
         counter, since a zero-copy alias has a counter of its own). An accelerator
         tensor goes to the host tier when there is one (NOTE [ Host tier wiring ]);
         ``host``: a ``host`` rule sent it (counted as host, not as offloaded).
+        ``plain``: the caller found ``t`` on no accelerator (NOTE [ Pack fast path ]).
         """
         if not self._stored:
             self._stored = True
             if self.effects is not None:
                 self.effects.moving()
+        if guard is None and not host and (plain or not self._stager.accelerated(t.device)):
+            handle = self._store_plain(t, nbytes)  # NOTE [ Pack fast path ]
+            if handle is not None:
+                return handle
         # Dedup needs torch's version counter in the key; a guarded alias has none.
         key = dedup_key(t) if guard is None else None
         handle = self._table.share(t, key)
@@ -410,6 +500,8 @@ class Router:
         """``t`` as a view of a record's span: one it holds, or an open one it joins
         (NOTE [ Span unions ], rule 3); ``None``: neither."""
         table = self._table
+        if not table.filed(t):  # no record over its storage: nothing to cover or join
+            return None
         handle = table.cover(t, pattern, span_of(tuple(t.shape), tuple(t.stride())))
         if handle is None:
             handle = table.join(t, pattern, nbytes, self._writer.max_inflight)
@@ -438,6 +530,20 @@ class Router:
                 self._writer.hold(rec, src)
             else:
                 self._writer.start(rec, src)
+
+    @shielded  # a record counted in flight must get its handle and its write
+    def _store_plain(self, t: torch.Tensor, nbytes: int) -> Handle | None:
+        """:meth:`store` of a tensor on no accelerator in one table call when it is the
+        common one (``RecordTable.add_plain``: NOTE [ Pack fast path ]); ``None``: it is
+        not, nothing changed."""
+        handle = self._table.add_plain(t, nbytes, self._writer.max_inflight)
+        if handle is None:
+            return None
+        if log.isEnabledFor(_DEBUG):  # the hot path: no tuple(shape) unless asked
+            shape = tuple(t.shape)
+            log.debug("pack: store %d B %s %s as record %d", nbytes, t.dtype, shape, handle.rec.pos)
+        self._writer.start(handle.rec, t)
+        return handle
 
     @shielded  # a record counted in flight must get its handle and its write
     def _admit(
@@ -469,13 +575,20 @@ class Router:
     def load(self, handle: Handle) -> torch.Tensor:
         """The tensor behind ``handle``: from memory, a read ahead, or a read of its own."""
         rec = handle.rec
-        if self._stager.capturing(rec.device):
+        stager = self._stager
+        if not rec.plain and stager.accelerated(rec.device) and stager.capturing(rec.device):
             return self._load_capturing(handle)
-        self.emit_warning()
-        self.backward_step()
+        if self._writer.pending_warning is not None:  # emit_warning's test, inline
+            self.emit_warning()
+        if self.ledger.forwarding:  # backward_step's test, inline: one call less per unpack
+            self.backward_step()
         t0 = time.perf_counter()
         while True:
             claim = self._table.claim_for_unpack(rec, handle.token)
+            if isinstance(claim, Fetch):  # the common case first
+                t, event = self._prefetcher.take(rec, claim.read, t0)
+                self._table.loaded(rec, t, event, handle.token)
+                return t if handle.view is None else handle.tensor(t)
             if isinstance(claim, Ready):
                 if not claim.reused:
                     return handle.tensor(_on_device(claim.tensor, rec.device))
@@ -485,10 +598,6 @@ class Router:
                 return handle.tensor(t)
             if isinstance(claim, Refused):
                 raise claim.error()
-            if isinstance(claim, Fetch):
-                t, event = self._prefetcher.take(rec, claim.read, t0)
-                self._table.loaded(rec, t, event, handle.token)
-                return handle.tensor(t)
             claim.done.wait()  # written from the device: wait for the write
 
     def _load_capturing(self, handle: Handle) -> torch.Tensor:
@@ -545,7 +654,10 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 # parameter itself could run after that free (a failed write) or during it (freed
 # memory read, or a crash). Activations are never freed under a saved tensor.
 def _parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    base = t._base
+    if type(t) is _Tensor and (base is None or type(base) is _Tensor):
+        return False  # the common case, without Parameter's Python __instancecheck__
+    return isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter)
 
 
 def _in_backward() -> bool:

@@ -437,6 +437,8 @@ class StreamSet:
 
 def span_bytes(t: torch.Tensor) -> int:
     """Bytes of the storage span view ``t`` covers (what a host copy of it needs, >= 1)."""
+    if t.is_contiguous():  # its elements are its span: no Python loop (the common tensor)
+        return max(t.numel() * t.element_size(), 1)
     return max(span_of(tuple(t.shape), tuple(t.stride())) * t.element_size(), 1)
 
 

@@ -85,7 +85,9 @@ class WriteBehind:
         self.max_inflight = 0
         """Bytes queued or being written before pack blocks (NOTE [ Windows ])."""
         self._warned = False
-        self._pending_warning: str | None = None
+        self.pending_warning: str | None = None
+        """The one-time fallback warning not yet issued (read without a call by every
+        pack and unpack; :meth:`take_warning` takes it)."""
         self.timeline: Timeline | None = None  # set while hooks.trace() records
 
     # ----------------------------------------------------------------- pack
@@ -210,7 +212,7 @@ class WriteBehind:
         """A write failed or was refused and its tensor stays in memory: warn once."""
         if not self._warned:
             self._warned = True
-            self._pending_warning = (
+            self.pending_warning = (
                 f"tensorstore-hooks: the store {self._store.url} could not take a saved "
                 f"tensor ({type(error).__name__}: {error}); keeping such tensors in memory "
                 "instead. Training continues; hooks.stats.fallbacks counts them."
@@ -220,7 +222,7 @@ class WriteBehind:
 
     def take_warning(self) -> str | None:
         """The one-time fallback warning, once (the caller issues it on its own thread)."""
-        msg, self._pending_warning = self._pending_warning, None
+        msg, self.pending_warning = self.pending_warning, None
         return msg
 
     # -------------------------------------------------------------- cleanup

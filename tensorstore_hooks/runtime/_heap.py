@@ -79,17 +79,29 @@ GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
 """The ceiling of glibc's dynamic ``M_MMAP_THRESHOLD`` (HEAP_MAX_SIZE / 2 on 64-bit)."""
 
 
-def _mallopt(param: int, value: int) -> bool:
+def _find_mallopt() -> Callable[[int, int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        fn = ctypes.CDLL(name).mallopt  # glibc only
     except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# Found once: find_library runs ``ldconfig -p`` in a subprocess (a fork of the whole
+# training process, milliseconds of the training thread's time), and the threshold is
+# set and given back every step a pipeline idles between (NOTE [ Idle hooks ]).
+_mallopt_fn = _find_mallopt()
+
+
+def _mallopt(param: int, value: int) -> bool:
+    if _mallopt_fn is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(param, value))
+    return bool(_mallopt_fn(param, value))
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
