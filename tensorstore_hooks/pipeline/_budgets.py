@@ -611,6 +611,13 @@ class PlanMemory:
     """The last ``device_budget`` derived from a share (``auto``), bytes."""
     device: torch.device | None = None
     forwards: int = 0
+    derive_due: bool = False
+    """An ``auto`` figure is to be derived again at the next forward's start (the first
+    forward's half figure, a new trace)."""
+    kept_nothing: int = 0
+    """Forwards in a row that kept nothing (rule 9 of NOTE [ Device budget plan ])."""
+    warned: set[str] = field(default_factory=set)
+    """The one-time warnings already given: once over every pipeline of this memory."""
     devices: dict[str, PlanMemory] = field(default_factory=dict)
     """What the plans of the other devices learnt, by device (NOTE [ Budgets per device ])."""
 
@@ -691,6 +698,7 @@ class BudgetControl:
         """Start from what earlier pipelines learnt (NOTE [ Plan carry-over ])."""
         self._memory = memory
         self._traces, self._errors, self._tracks = memory.traces, memory.errors, memory.tracks
+        self._kept_nothing, self._warned = memory.kept_nothing, memory.warned
         if memory.device is not None:  # the first device's plan is this one (NOTE [ Budgets
             self._device = memory.device  # per device ] rule 4)
         if self._errors:
@@ -698,12 +706,14 @@ class BudgetControl:
         if isinstance(self._specs["device"], MemoryShare) and memory.device_budget is not None:
             self.device_budget, self._device = memory.device_budget, memory.device
             self.forwards = memory.forwards  # rule 5 of NOTE [ Auto budgets ] is behind us
+            self._derive_due = memory.derive_due
 
     def _remember(self) -> None:
         memory = self._memory
         if memory is not None:
             memory.forwards = self.forwards
             memory.device = self._device
+            memory.derive_due, memory.kept_nothing = self._derive_due, self._kept_nothing
             if isinstance(self._specs["device"], MemoryShare):
                 memory.device_budget = self.device_budget
 
