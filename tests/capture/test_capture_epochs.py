@@ -24,7 +24,7 @@ def _ids(t: torch.Tensor) -> list[int]:
     return t[:, 0].long().tolist()
 
 
-def _write(root: Path, sizes: list[int], chunk_bytes: str = "4KiB") -> int:
+def _write(root: Path, sizes: list[int], width: int = WIDTH, chunk_bytes: str = "4KiB") -> int:
     """Capture blocks of ``sizes`` rows (row ``i`` is all ``i``); returns the rows."""
     model = nn.Sequential(nn.Identity())
     first = 0
@@ -33,7 +33,7 @@ def _write(root: Path, sizes: list[int], chunk_bytes: str = "4KiB") -> int:
         tsh.capture(model, str(root), modules="0", what="output", chunk_bytes=chunk_bytes),
     ):
         for n in sizes:
-            model(torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, WIDTH))
+            model(torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, width))
             first += n
     return first
 

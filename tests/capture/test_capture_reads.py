@@ -11,26 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import tensorstore_hooks as tsh
 from tensorstore_hooks.capture import _chunks
-
-WIDTH = 8  # float32: rows of 32 bytes, 128 to a 4 KiB chunk
-
-
-def _write(root: Path, sizes: list[int], width: int = WIDTH, chunk_bytes: str = "4KiB") -> int:
-    """Capture blocks of ``sizes`` rows (row ``i`` is all ``i``); returns the rows."""
-    model = nn.Sequential(nn.Identity())
-    first = 0
-    with (
-        torch.no_grad(),
-        tsh.capture(model, str(root), modules="0", what="output", chunk_bytes=chunk_bytes),
-    ):
-        for n in sizes:
-            model(torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, width))
-            first += n
-    return first
+from tests.capture.test_capture_epochs import _write
 
 
 def _ids(t: torch.Tensor) -> list[int]:
